@@ -1,0 +1,93 @@
+"""Per-task policy and per-app settings (DESIGN §6). One time unit everywhere: seconds."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+__all__ = ["IdempotencyPolicy", "IdempotencySettings", "POLICY_FIELDS"]
+
+FailureClass = Literal["retryable", "permanent"]
+
+
+class IdempotencyPolicy(BaseModel):
+    """How one task is made idempotent: the task option ``idempotency=`` (a dict or this model),
+    or the keywords of ``@idempotent_task``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    key_args: list[str] | None = Field(
+        default=None, description="Only these parameters go into the fingerprint (None: all of them)."
+    )
+    require_key: bool = Field(default=False, description="Refuse calls without an idempotency_key (InvalidKeyError).")
+    ttl_seconds: float = Field(default=86400, gt=0, description="How long an outcome is kept and replayed.")
+    lease_seconds: float = Field(
+        default=30, gt=0, description="IN_PROGRESS lease; a heartbeat renews it every lease/3."
+    )
+    pending_timeout_seconds: float = Field(
+        default=3600, gt=0, description="PENDING lease from claim to start (countdown/ETA is added)."
+    )
+    on_duplicate: Literal["return", "raise"] = Field(
+        default="return", description="A duplicate call hands back the original, or raises DuplicateTaskError."
+    )
+    on_busy: Literal["wait", "retry"] = Field(
+        default="wait", description="A message whose identity is running elsewhere waits for it, or retries later."
+    )
+    busy_wait_seconds: float = Field(default=60, ge=0, description="How long on_busy='wait' waits.")
+    retryable: tuple[type[BaseException], ...] = Field(
+        default=(), description="Exception classes that release the key for another try."
+    )
+    permanent: tuple[type[BaseException], ...] = Field(
+        default=(), description="Exception classes stored as the final outcome."
+    )
+    default_failure: FailureClass = Field(
+        default="retryable", description="How an exception in neither list is classed."
+    )
+    stale_action: Literal["release", "requeue"] = Field(
+        default="release", description="What the reconciler does with a provably dead attempt."
+    )
+
+    @field_validator("key_args")
+    @classmethod
+    def _key_args_named(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and (not value or not all(isinstance(v, str) and v for v in value)):
+            raise ValueError("key_args must be a non-empty list of parameter names, or None for all")
+        return value
+
+
+POLICY_FIELDS: frozenset[str] = frozenset(IdempotencyPolicy.model_fields)
+
+
+class IdempotencySettings(IdempotencyPolicy):
+    """App-wide settings: ``Idempotency(app, **settings)`` over ``app.conf.idempotency_<name>``.
+
+    Holds the defaults of every policy field too, so ``ttl_seconds`` can be set once per app.
+    """
+
+    store: Any = Field(
+        default=None, description="Store URL or Store instance; memory:// by default only in eager mode."
+    )
+    key_prefix: str = Field(default="idem", min_length=1, description="Prefix of every store key or table row.")
+    store_timeout_seconds: float = Field(default=2.0, gt=0, description="Deadline of every store call.")
+    on_store_error: Literal["raise", "proceed"] = Field(
+        default="raise", description="Store down: fail closed (StoreUnavailableError) or run unprotected."
+    )
+    max_result_bytes: int = Field(default=1_048_576, gt=0, description="Largest serialized result stored.")
+    accept_pickle: bool = Field(default=False, description="Allow tasks whose serializer is pickle.")
+    reconcile_interval_seconds: float | None = Field(
+        default=None, gt=0, description="Run the reconciler from beat this often (None: no beat entry)."
+    )
+    ledger: Any = Field(default=None, description="A celery_idem.ledger.Ledger the reconciler consults.")
+    stale_grace_seconds: float = Field(
+        default=3600, ge=0, description="Release a stale record with no evidence once this far past its lease."
+    )
+
+    def policy(self, overrides: IdempotencyPolicy | dict[str, Any] | None = None) -> IdempotencyPolicy:
+        """The effective policy of one task: these defaults under the task's own fields."""
+        base = {name: getattr(self, name) for name in POLICY_FIELDS}
+        if isinstance(overrides, IdempotencyPolicy):
+            base.update({name: getattr(overrides, name) for name in overrides.model_fields_set})
+        elif overrides:
+            base.update(overrides)
+        return IdempotencyPolicy(**base)

@@ -1,0 +1,185 @@
+"""Identity rules: what makes a key valid and two calls the same call (DESIGN §2).
+
+The fingerprint is the SHA-256 of the canonical JSON of the call's arguments *as the worker will
+receive them*: positional and keyword arguments bound to the task's signature with defaults
+applied, optionally narrowed to ``key_args``, round-tripped through the task's serializer, dumped
+with sorted keys and no whitespace. ``charge(42, 100)``, ``charge(order_id=42, amount=100)`` and
+``charge(42, amount=100)`` are one call; so are a tuple and a list, and a UUID and its string.
+"""
+
+from __future__ import annotations
+
+import datetime
+import decimal
+import functools
+import hashlib
+import inspect
+import json
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from kombu import serialization
+
+from .errors import InvalidKeyError, SerializationError
+
+# kombu ships no annotations: name the two calls used here with their real shapes.
+kombu_dumps: Callable[..., tuple[str, str, Any]] = serialization.dumps
+kombu_loads: Callable[..., Any] = serialization.loads
+
+__all__ = ["bind_arguments", "canonical_json", "fingerprint", "validate_key", "validate_scope"]
+
+MAX_KEY_LENGTH = 255
+_RULE = f"1-{MAX_KEY_LENGTH} printable characters without whitespace"
+
+
+def validate_key(value: object, *, what: str = "idempotency key") -> str:
+    """Return ``value`` if it is a valid key, else raise :class:`InvalidKeyError` naming the rule.
+
+    Raises:
+        InvalidKeyError: not a str, empty, longer than 255 characters, or holding whitespace or a
+            non-printable character.
+    """
+    if not isinstance(value, str):
+        raise InvalidKeyError(f"{what} must be a str of {_RULE}; got {type(value).__name__}")
+    if not value:
+        raise InvalidKeyError(f"{what} must be {_RULE}; got an empty string")
+    if len(value) > MAX_KEY_LENGTH:
+        raise InvalidKeyError(f"{what} must be {_RULE}; got {len(value)} characters")
+    for position, char in enumerate(value):
+        if char.isspace():
+            raise InvalidKeyError(f"{what} must be {_RULE}; got whitespace {char!r} at position {position}")
+        if not char.isprintable():
+            raise InvalidKeyError(
+                f"{what} must be {_RULE}; got non-printable character U+{ord(char):04X} at position {position}"
+            )
+    return value
+
+
+def validate_scope(value: object) -> str:
+    """Validate an ``idempotency_scope``; ``None`` means unscoped and is stored as ``""``."""
+    return "" if value is None else validate_key(value, what="idempotency scope")
+
+
+@functools.lru_cache(maxsize=2048)
+def _signature(func: Callable[..., Any]) -> inspect.Signature:
+    return inspect.signature(func)
+
+
+def bind_arguments(
+    func: Callable[..., Any],
+    args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+    *,
+    skip_first: bool = False,
+) -> dict[str, Any]:
+    """Bind a call to ``func``'s signature with defaults applied, as ``{parameter: value}``.
+
+    Args:
+        func: The task's run function.
+        args: Positional arguments of the call.
+        kwargs: Keyword arguments of the call.
+        skip_first: Drop the first parameter (``self`` of a bound task given as a plain function).
+
+    Raises:
+        TypeError: the arguments do not fit the signature (as Celery's own argument check says).
+    """
+    signature = _signature(func)
+    if skip_first:
+        params = list(signature.parameters.values())[1:]
+        signature = signature.replace(parameters=params)
+    try:
+        bound = signature.bind(*(args or ()), **(kwargs or {}))
+    except TypeError as exc:
+        name = getattr(func, "__qualname__", repr(func))
+        raise TypeError(f"{name}{signature}: {exc}") from None
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _select(arguments: dict[str, Any], key_args: Iterable[str], func: Callable[..., Any]) -> dict[str, Any]:
+    var_kw = next(
+        (p.name for p in _signature(func).parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None
+    )
+    extra = arguments.get(var_kw, {}) if var_kw else {}
+    selected: dict[str, Any] = {}
+    for name in key_args:
+        if name in arguments and name != var_kw:
+            selected[name] = arguments[name]
+        elif name in extra:
+            selected[name] = extra[name]
+        elif not var_kw:
+            raise ValueError(
+                f"key_args names {name!r}, which is not a parameter of "
+                f"{getattr(func, '__qualname__', func)}{_signature(func)}"
+            )
+        # A key arg that would travel in **kwargs but was not passed is simply absent.
+    return selected
+
+
+def _canonical_default(value: Any) -> Any:
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal):
+        return str(value)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return {"__bytes__": bytes(value).hex()}
+    if isinstance(value, (set, frozenset)):
+        return sorted(canonical_json(v) for v in value)
+    raise TypeError(f"{type(value).__module__}.{type(value).__qualname__} has no canonical JSON form")
+
+
+def canonical_json(value: Any) -> str:
+    """Dump ``value`` as JSON with sorted keys and no whitespace (the fingerprint's input)."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=_canonical_default)
+
+
+def _round_trip(value: Any, serializer: str) -> Any:
+    try:
+        content_type, encoding, payload = kombu_dumps(value, serializer=serializer)
+        return kombu_loads(payload, content_type, encoding, accept={content_type})
+    except Exception as exc:
+        raise SerializationError(
+            f"the task's arguments cannot be encoded with the {serializer!r} serializer: {exc}; "
+            "pass JSON-serializable values (or configure a serializer that can encode them)"
+        ) from exc
+
+
+def fingerprint(
+    func: Callable[..., Any],
+    args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+    *,
+    key_args: Iterable[str] | None = None,
+    serializer: str = "json",
+    skip_first: bool = False,
+) -> str:
+    """SHA-256 hex digest of the call's canonical arguments (DESIGN §2).
+
+    Args:
+        func: The task's run function; the call is bound to its signature.
+        args: Positional arguments.
+        kwargs: Keyword arguments.
+        key_args: Keep only these parameters (None keeps all).
+        serializer: The task's serializer name; arguments are round-tripped through it.
+        skip_first: Drop the first parameter (``self`` of a bound task).
+
+    Raises:
+        TypeError: the arguments do not fit the signature.
+        ValueError: ``key_args`` names a parameter the signature does not have.
+        SerializationError: the serializer, or canonical JSON, cannot encode the arguments.
+    """
+    arguments = bind_arguments(func, args, kwargs, skip_first=skip_first)
+    if key_args is not None:
+        arguments = _select(arguments, key_args, func)
+    received = _round_trip(arguments, serializer)
+    try:
+        text = canonical_json(received)
+    except (TypeError, ValueError) as exc:
+        raise SerializationError(
+            f"the task's arguments have no canonical form for the fingerprint: {exc}; "
+            "pass JSON-like values (str, numbers, lists, dicts, UUID, datetime, Decimal, bytes)"
+        ) from exc
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()

@@ -1,0 +1,278 @@
+"""The store contract: the atomic operations of DESIGN §3 over one record per identity.
+
+Public methods here check their inputs, enforce the result size limit, mint owner tokens and turn
+a store's connection or timeout errors into :class:`StoreUnavailableError`. Each store implements
+the private primitives (``_claim``, ``_acquire``, ...), and each primitive is ONE atomic operation
+on its backend: a Lua script, a conditional SQL statement, or a step under a lock.
+
+The rules every store follows (the memory store states them most plainly):
+
+- A record whose ``expires_at`` has passed is absent, whatever is still physically stored.
+- claim: absent -> NEW (PENDING); other fingerprint -> MISMATCH; settled -> REPLAY;
+  lease expired -> NEW (the new claim takes over); else DUPLICATE.
+- acquire: absent -> RUN (IN_PROGRESS); other fingerprint and other task id -> MISMATCH;
+  settled -> REPLAY; IN_PROGRESS with a live lease -> BUSY; else RUN. The same task id is the same
+  attempt chain (a Celery retry), so it may run with changed arguments; the record keeps the
+  fingerprint of the caller's call.
+- complete/fail/release/renew: only while the record is PENDING or IN_PROGRESS (renew:
+  IN_PROGRESS) and its fence field (the owner token, or the task id for the parent-process signal
+  hook, which has no token) still holds the caller's value; otherwise LOST and nothing is written.
+- Times: ``lease_expires_at`` while unsettled; ``expires_at`` = lease + ttl while unsettled (a dead
+  attempt's record is still collected), now + ttl once settled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from typing import ClassVar, Literal
+
+from ..errors import ResultTooLargeError, StoreUnavailableError
+from ..records import Decision, ErrorInfo, IdempotencyRecord, Identity, State, Transition
+
+__all__ = ["Clock", "Fence", "Store", "new_token"]
+
+Clock = Callable[[], float]
+Fence = Literal["owner", "task_id"]
+UNSETTLED = (State.PENDING, State.IN_PROGRESS)
+
+
+def new_token() -> str:
+    """A fresh owner token: unique per attempt, so a write under it proves the attempt owns the record."""
+    return uuid.uuid4().hex
+
+
+def _positive(name: str, value: float) -> float:
+    if not value > 0:
+        raise ValueError(f"{name} must be a positive number of seconds; got {value!r}")
+    return float(value)
+
+
+class Store(ABC):
+    """Base of every store. Subclasses set ``_unavailable`` to their connection/timeout errors.
+
+    Args:
+        key_prefix: Namespace of every key (Redis) or row (SQL) this store writes.
+        timeout_seconds: Deadline of every store call; past it the call raises
+            :class:`StoreUnavailableError` instead of hanging.
+        max_result_bytes: Largest serialized result :meth:`complete` accepts.
+        clock: Seconds since the epoch; injected by tests to move time without sleeping.
+    """
+
+    _unavailable: ClassVar[tuple[type[BaseException], ...]] = ()
+
+    def __init__(
+        self,
+        *,
+        key_prefix: str = "idem",
+        timeout_seconds: float = 2.0,
+        max_result_bytes: int = 1_048_576,
+        clock: Clock | None = None,
+    ) -> None:
+        if not key_prefix:
+            raise ValueError("key_prefix must be a non-empty string")
+        self.key_prefix = key_prefix
+        self.timeout_seconds = _positive("timeout_seconds", timeout_seconds)
+        self.max_result_bytes = int(max_result_bytes)
+        self.clock: Clock = clock or time.time
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} prefix={self.key_prefix!r}>"
+
+    @contextlib.contextmanager
+    def _guard(self, operation: str, identity: Identity | None = None) -> Iterator[None]:
+        try:
+            yield
+        except self._unavailable as exc:
+            where = f" for {identity}" if identity else ""
+            raise StoreUnavailableError(
+                f"{self!r} did not complete {operation}{where} within {self.timeout_seconds:g}s: {exc}; "
+                "check that the store is up, or set on_store_error='proceed' to run unprotected",
+                key=identity.key if identity else None,
+                task_name=identity.task_name if identity else None,
+            ) from exc
+
+    # ---- public operations -------------------------------------------------------------------
+
+    def claim(
+        self,
+        identity: Identity,
+        fingerprint: str,
+        task_id: str,
+        *,
+        pending_seconds: float,
+        ttl_seconds: float,
+        owner: str | None = None,
+    ) -> Transition:
+        """Producer side, before publishing: NEW, DUPLICATE, REPLAY or MISMATCH (with the record)."""
+        lease, ttl = _positive("pending_seconds", pending_seconds), _positive("ttl_seconds", ttl_seconds)
+        with self._guard("claim", identity):
+            return self._claim(identity, fingerprint, task_id, owner or new_token(), lease, ttl)
+
+    def acquire(
+        self,
+        identity: Identity,
+        fingerprint: str,
+        task_id: str,
+        *,
+        lease_seconds: float,
+        ttl_seconds: float,
+        owner: str | None = None,
+    ) -> Transition:
+        """Worker side, before the body: RUN, BUSY, REPLAY or MISMATCH (with the record)."""
+        lease, ttl = _positive("lease_seconds", lease_seconds), _positive("ttl_seconds", ttl_seconds)
+        with self._guard("acquire", identity):
+            return self._acquire(identity, fingerprint, task_id, owner or new_token(), lease, ttl)
+
+    def complete(
+        self,
+        identity: Identity,
+        token: str,
+        result: bytes,
+        *,
+        content_type: str = "application/json",
+        content_encoding: str = "utf-8",
+        fence: Fence = "owner",
+    ) -> Transition:
+        """Store the outcome: OK, or LOST if ``token`` no longer owns the record.
+
+        Raises:
+            ResultTooLargeError: ``result`` is longer than ``max_result_bytes``.
+        """
+        if len(result) > self.max_result_bytes:
+            raise ResultTooLargeError(
+                f"the serialized result is {len(result)} bytes, over max_result_bytes={self.max_result_bytes}; "
+                "return a smaller result (an id to look up), or raise max_result_bytes",
+                key=identity.key,
+                task_name=identity.task_name,
+            )
+        with self._guard("complete", identity):
+            return self._settle(identity, fence, token, State.COMPLETED, result, content_type, content_encoding, None)
+
+    def fail(self, identity: Identity, token: str, error: ErrorInfo, *, fence: Fence = "owner") -> Transition:
+        """Store a final failure: OK, or LOST if ``token`` no longer owns the record."""
+        with self._guard("fail", identity):
+            return self._settle(identity, fence, token, State.FAILED, None, None, None, error)
+
+    def release(
+        self,
+        identity: Identity,
+        token: str,
+        *,
+        pending_seconds: float | None = None,
+        fence: Fence = "owner",
+        expired_only: bool = False,
+    ) -> Transition:
+        """Give the identity back: to PENDING for ``pending_seconds`` (a retry is queued), or delete.
+
+        Args:
+            identity: The record's identity.
+            token: The owner token (or task id, with ``fence="task_id"``).
+            pending_seconds: Keep the record PENDING this long, under a fresh token; None deletes it.
+            fence: Which field ``token`` must match.
+            expired_only: Also require the lease to have expired (the reconciler's compare-and-set).
+        """
+        lease = None if pending_seconds is None else _positive("pending_seconds", pending_seconds)
+        with self._guard("release", identity):
+            return self._release(identity, fence, token, lease, new_token(), expired_only)
+
+    def renew(self, identity: Identity, token: str, *, lease_seconds: float) -> Transition:
+        """Heartbeat: extend the IN_PROGRESS lease of ``token``'s attempt; OK or LOST."""
+        lease = _positive("lease_seconds", lease_seconds)
+        with self._guard("renew", identity):
+            return self._renew(identity, token, lease)
+
+    def get(self, identity: Identity) -> IdempotencyRecord | None:
+        """The live record of ``identity``, or None."""
+        with self._guard("get", identity):
+            return self._get(identity)
+
+    def forget(self, identity: Identity) -> bool:
+        """Remove the record in any state; True if there was one. A running attempt is fenced out."""
+        with self._guard("forget", identity):
+            return self._forget(identity)
+
+    def expired_leases(self, *, limit: int = 100) -> list[IdempotencyRecord]:
+        """Unsettled records whose lease has expired, oldest lease first, at most ``limit``.
+
+        Found through an index ordered by lease expiry: the cost grows with the number returned,
+        not with the number of records stored.
+        """
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1; got {limit!r}")
+        with self._guard("expired_leases"):
+            return self._expired_leases(limit)
+
+    def ping(self) -> None:
+        """Round-trip to the store; raises StoreUnavailableError if it does not answer in time."""
+        with self._guard("ping"):
+            self._ping()
+
+    def close(self) -> None:
+        """Release connections. The store reconnects if used again."""
+        return None  # nothing held by default
+
+    # ---- primitives: one atomic operation each ---------------------------------------------
+
+    @abstractmethod
+    def _claim(
+        self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float
+    ) -> Transition: ...
+
+    @abstractmethod
+    def _acquire(
+        self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float
+    ) -> Transition: ...
+
+    @abstractmethod
+    def _settle(
+        self,
+        identity: Identity,
+        fence: Fence,
+        token: str,
+        state: State,
+        result: bytes | None,
+        content_type: str | None,
+        content_encoding: str | None,
+        error: ErrorInfo | None,
+    ) -> Transition: ...
+
+    @abstractmethod
+    def _release(
+        self, identity: Identity, fence: Fence, token: str, lease: float | None, new_owner: str, expired_only: bool
+    ) -> Transition: ...
+
+    @abstractmethod
+    def _renew(self, identity: Identity, token: str, lease: float) -> Transition: ...
+
+    @abstractmethod
+    def _get(self, identity: Identity) -> IdempotencyRecord | None: ...
+
+    @abstractmethod
+    def _forget(self, identity: Identity) -> bool: ...
+
+    @abstractmethod
+    def _expired_leases(self, limit: int) -> list[IdempotencyRecord]: ...
+
+    @abstractmethod
+    def _ping(self) -> None: ...
+
+
+def classify(record: IdempotencyRecord, fingerprint: str, *, now: float, claiming: bool, task_id: str) -> Decision:
+    """What claim (``claiming``) or acquire decides about a live record it may not take.
+
+    Used by stores that take-or-read in one statement and then name the outcome from the row.
+    """
+    same_chain = not claiming and record.task_id == task_id
+    if record.fingerprint != fingerprint and not same_chain:
+        return Decision.MISMATCH
+    if record.state.settled:
+        return Decision.REPLAY
+    return Decision.DUPLICATE if claiming else Decision.BUSY
+
+
+LOST = Transition(Decision.LOST)
+OK = Transition(Decision.OK)

@@ -1,0 +1,49 @@
+-- Shared prelude: RedisStore prepends this to every script (Redis scripts cannot include files).
+--
+-- Key layout (every key of one identity shares a hash tag, so a script touches one cluster slot):
+--   {<prefix>:<shard>}:r:<len(scope)>:<scope>:<len(task)>:<task>:<key>   record hash
+--   {<prefix>:<shard>}:lease                                            lease index, zset
+-- shard = crc32(scope NUL task NUL key) mod index_shards; the index holds the record keys of its
+-- shard that are PENDING or IN_PROGRESS, scored by lease expiry (POSIX seconds).
+--
+-- Record hash fields: scope task key fp state task_id owner attempt lease created updated
+-- expires ttl [result ctype cenc | error]. Times are POSIX seconds with 6 decimals.
+-- A record whose `expires` has passed is absent, even while Redis still holds the key.
+
+local function now_of(arg)
+  -- ARGV "now": a number from an injected clock, or '' for the server's clock.
+  if arg ~= '' then return tonumber(arg) end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+
+local function fmt(x)
+  return string.format('%.6f', x)
+end
+
+local function load(key, now)
+  -- Returns the live record as a table plus its flat HGETALL form, or nil.
+  local flat = redis.call('HGETALL', key)
+  if #flat == 0 then return nil, flat end
+  local rec = {}
+  for i = 1, #flat, 2 do rec[flat[i]] = flat[i + 1] end
+  if tonumber(rec.expires) <= now then return nil, {} end
+  return rec, flat
+end
+
+local function settled(rec)
+  return rec.state == 'COMPLETED' or rec.state == 'FAILED'
+end
+
+local function expire_at(key, expires, now)
+  redis.call('PEXPIRE', key, math.max(1, math.ceil((expires - now) * 1000)))
+end
+
+local function write_fresh(key, index, fields, lease, expires, now)
+  -- Replace the record whole (no field of an older record survives) and index its lease.
+  redis.call('DEL', key)
+  redis.call('HSET', key, unpack(fields))
+  expire_at(key, expires, now)
+  redis.call('ZADD', index, lease, key)
+  return fields
+end

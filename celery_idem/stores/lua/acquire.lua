@@ -1,0 +1,24 @@
+-- acquire: worker side, before the body runs.
+-- KEYS[1] record hash   KEYS[2] lease index of its shard
+-- ARGV[1] now ('' = server clock)  ARGV[2] fingerprint  ARGV[3] task id  ARGV[4] owner token
+-- ARGV[5] lease seconds            ARGV[6] ttl seconds   ARGV[7] scope  ARGV[8] task name  ARGV[9] key
+-- Returns {decision, flat record}: RUN (IN_PROGRESS written), BUSY, REPLAY or MISMATCH (untouched).
+-- The same task id is the same attempt chain (a Celery retry): it runs even with other arguments,
+-- and the record keeps the fingerprint of the caller's call.
+local now = now_of(ARGV[1])
+local rec, flat = load(KEYS[1], now)
+local fp, attempt, created = ARGV[2], 1, now
+if rec then
+  if rec.fp ~= ARGV[2] and rec.task_id ~= ARGV[3] then return {'MISMATCH', flat} end
+  if settled(rec) then return {'REPLAY', flat} end
+  if rec.state == 'IN_PROGRESS' and tonumber(rec.lease) > now then return {'BUSY', flat} end
+  fp, attempt, created = rec.fp, tonumber(rec.attempt) + 1, tonumber(rec.created)
+end
+local lease = now + tonumber(ARGV[5])
+local expires = lease + tonumber(ARGV[6])
+local fields = {
+  'scope', ARGV[7], 'task', ARGV[8], 'key', ARGV[9], 'fp', fp, 'state', 'IN_PROGRESS',
+  'task_id', ARGV[3], 'owner', ARGV[4], 'attempt', tostring(attempt), 'lease', fmt(lease),
+  'created', fmt(created), 'updated', fmt(now), 'expires', fmt(expires), 'ttl', ARGV[6],
+}
+return {'RUN', write_fresh(KEYS[1], KEYS[2], fields, lease, expires, now)}

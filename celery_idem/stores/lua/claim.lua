@@ -1,0 +1,20 @@
+-- claim: producer side, before publishing.
+-- KEYS[1] record hash   KEYS[2] lease index of its shard
+-- ARGV[1] now ('' = server clock)  ARGV[2] fingerprint  ARGV[3] task id  ARGV[4] owner token
+-- ARGV[5] pending lease seconds    ARGV[6] ttl seconds   ARGV[7] scope  ARGV[8] task name  ARGV[9] key
+-- Returns {decision, flat record}: NEW (PENDING written), DUPLICATE, REPLAY or MISMATCH (untouched).
+local now = now_of(ARGV[1])
+local rec, flat = load(KEYS[1], now)
+if rec then
+  if rec.fp ~= ARGV[2] then return {'MISMATCH', flat} end
+  if settled(rec) then return {'REPLAY', flat} end
+  if tonumber(rec.lease) > now then return {'DUPLICATE', flat} end
+end
+local lease = now + tonumber(ARGV[5])
+local expires = lease + tonumber(ARGV[6])
+local fields = {
+  'scope', ARGV[7], 'task', ARGV[8], 'key', ARGV[9], 'fp', ARGV[2], 'state', 'PENDING',
+  'task_id', ARGV[3], 'owner', ARGV[4], 'attempt', '0', 'lease', fmt(lease),
+  'created', fmt(now), 'updated', fmt(now), 'expires', fmt(expires), 'ttl', ARGV[6],
+}
+return {'NEW', write_fresh(KEYS[1], KEYS[2], fields, lease, expires, now)}

@@ -1,0 +1,213 @@
+"""MemoryStore: one process, thread-safe, injectable clock. For tests and eager mode.
+
+It is a real store (every rule of :mod:`celery_idem.stores.base` holds, under one lock) and the
+plainest statement of those rules; the Lua scripts and SQL statements do the same thing atomically
+on their servers.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+
+from ..records import Decision, ErrorInfo, IdempotencyRecord, Identity, State, Transition
+from .base import LOST, OK, UNSETTLED, Clock, Fence, Store
+
+__all__ = ["MemoryStore"]
+
+
+class MemoryStore(Store):
+    """A dict of records under a lock. ``memory://`` (every URL makes a new, empty store)."""
+
+    def __init__(
+        self,
+        *,
+        key_prefix: str = "idem",
+        timeout_seconds: float = 2.0,
+        max_result_bytes: int = 1_048_576,
+        clock: Clock | None = None,
+    ) -> None:
+        super().__init__(
+            key_prefix=key_prefix, timeout_seconds=timeout_seconds, max_result_bytes=max_result_bytes, clock=clock
+        )
+        self._lock = threading.RLock()
+        self._records: dict[Identity, IdempotencyRecord] = {}
+
+    def __len__(self) -> int:
+        with self._lock:
+            now = self.clock()
+            return sum(1 for r in self._records.values() if r.expires_at > now)
+
+    def _live(self, identity: Identity, now: float) -> IdempotencyRecord | None:
+        record = self._records.get(identity)
+        if record is not None and record.expires_at <= now:
+            del self._records[identity]
+            return None
+        return record
+
+    def _put(
+        self, identity: Identity, now: float, base: IdempotencyRecord | None, **fields: object
+    ) -> IdempotencyRecord:
+        if base is None:
+            record = IdempotencyRecord(
+                scope=identity.scope,
+                task_name=identity.task_name,
+                key=identity.key,
+                created_at=now,
+                updated_at=now,
+                **fields,  # type: ignore[arg-type]
+            )
+        else:
+            record = base.model_copy(update={"updated_at": now, **fields})
+        self._records[identity] = record
+        return record
+
+    def _claim(
+        self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float
+    ) -> Transition:
+        with self._lock:
+            now = self.clock()
+            record = self._live(identity, now)
+            if record is not None:
+                if record.fingerprint != fingerprint:
+                    return Transition(Decision.MISMATCH, record)
+                if record.state.settled:
+                    return Transition(Decision.REPLAY, record)
+                assert record.lease_expires_at is not None
+                if record.lease_expires_at > now:
+                    return Transition(Decision.DUPLICATE, record)
+            new = self._put(
+                identity,
+                now,
+                None,
+                fingerprint=fingerprint,
+                state=State.PENDING,
+                task_id=task_id,
+                owner=owner,
+                lease_expires_at=now + lease,
+                expires_at=now + lease + ttl,
+                ttl_seconds=ttl,
+            )
+            return Transition(Decision.NEW, new)
+
+    def _acquire(
+        self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float
+    ) -> Transition:
+        with self._lock:
+            now = self.clock()
+            record = self._live(identity, now)
+            if record is not None:
+                if record.fingerprint != fingerprint and record.task_id != task_id:
+                    return Transition(Decision.MISMATCH, record)
+                if record.state.settled:
+                    return Transition(Decision.REPLAY, record)
+                assert record.lease_expires_at is not None
+                if record.state is State.IN_PROGRESS and record.lease_expires_at > now:
+                    return Transition(Decision.BUSY, record)
+            taken = self._put(
+                identity,
+                now,
+                record,
+                fingerprint=record.fingerprint if record else fingerprint,
+                state=State.IN_PROGRESS,
+                task_id=task_id,
+                owner=owner,
+                attempt=(record.attempt if record else 0) + 1,
+                lease_expires_at=now + lease,
+                expires_at=now + lease + ttl,
+                ttl_seconds=ttl,
+            )
+            return Transition(Decision.RUN, taken)
+
+    def _owned(self, identity: Identity, fence: Fence, token: str, now: float) -> IdempotencyRecord | None:
+        record = self._live(identity, now)
+        if record is None or record.state not in UNSETTLED or getattr(record, fence) != token:
+            return None
+        return record
+
+    def _settle(
+        self,
+        identity: Identity,
+        fence: Fence,
+        token: str,
+        state: State,
+        result: bytes | None,
+        content_type: str | None,
+        content_encoding: str | None,
+        error: ErrorInfo | None,
+    ) -> Transition:
+        with self._lock:
+            now = self.clock()
+            record = self._owned(identity, fence, token, now)
+            if record is None:
+                return LOST
+            self._put(
+                identity,
+                now,
+                record,
+                state=state,
+                result=result,
+                content_type=content_type,
+                content_encoding=content_encoding,
+                error=error,
+                lease_expires_at=None,
+                expires_at=now + record.ttl_seconds,
+            )
+            return OK
+
+    def _release(
+        self, identity: Identity, fence: Fence, token: str, lease: float | None, new_owner: str, expired_only: bool
+    ) -> Transition:
+        with self._lock:
+            now = self.clock()
+            record = self._owned(identity, fence, token, now)
+            if record is None or (expired_only and (record.lease_expires_at or 0) > now):
+                return LOST
+            if lease is None:
+                del self._records[identity]
+            else:
+                self._put(
+                    identity,
+                    now,
+                    record,
+                    state=State.PENDING,
+                    owner=new_owner,
+                    lease_expires_at=now + lease,
+                    expires_at=now + lease + record.ttl_seconds,
+                )
+            return OK
+
+    def _renew(self, identity: Identity, token: str, lease: float) -> Transition:
+        with self._lock:
+            now = self.clock()
+            record = self._owned(identity, "owner", token, now)
+            if record is None or record.state is not State.IN_PROGRESS:
+                return LOST
+            self._put(identity, now, record, lease_expires_at=now + lease, expires_at=now + lease + record.ttl_seconds)
+            return OK
+
+    def _get(self, identity: Identity) -> IdempotencyRecord | None:
+        with self._lock:
+            return self._live(identity, self.clock())
+
+    def _forget(self, identity: Identity) -> bool:
+        with self._lock:
+            if self._live(identity, self.clock()) is None:
+                return False
+            del self._records[identity]
+            return True
+
+    def _expired_leases(self, limit: int) -> list[IdempotencyRecord]:
+        with self._lock:
+            now = self.clock()
+            due: list[tuple[float, str, IdempotencyRecord]] = []
+            for record in list(self._records.values()):
+                if record.expires_at <= now:
+                    del self._records[record.identity]
+                elif record.state in UNSETTLED and record.lease_expires_at is not None:
+                    if record.lease_expires_at <= now:
+                        bisect.insort(due, (record.lease_expires_at, str(record.identity), record))
+            return [r for _, _, r in due[:limit]]
+
+    def _ping(self) -> None:
+        return None

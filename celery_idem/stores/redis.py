@@ -1,0 +1,273 @@
+"""RedisStore: one Lua script per transition, one round trip each; Redis, Sentinel and Cluster.
+
+The key layout, the hash fields and each script's contract are written at the top of the scripts
+in ``stores/lua/``. Every key a script touches shares one hash tag, so the store works unchanged on
+Redis Cluster; the lease index is sharded (``index_shards``) so no one node holds all of it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import zlib
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+
+from ..errors import ConfigurationError
+from ..records import Decision, ErrorInfo, IdempotencyRecord, Identity, State, Transition
+from .base import LOST, OK, Clock, Fence, Store
+
+try:
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.commands.core import Script
+    from redis.retry import Retry
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ConfigurationError("RedisStore needs redis-py: pip install 'celery-idem[redis]'") from exc
+
+__all__ = ["RedisStore"]
+
+_SCRIPTS = ("claim", "acquire", "settle", "release", "renew", "forget", "due")
+
+
+@functools.cache
+def _source(name: str) -> str:
+    lua = importlib.resources.files("celery_idem.stores") / "lua"
+    return (lua / "_prelude.lua").read_text("utf-8") + "\n" + (lua / f"{name}.lua").read_text("utf-8")
+
+
+def _text(value: bytes | None) -> str | None:
+    return None if value is None else value.decode("utf-8")
+
+
+def _record(flat: Sequence[bytes]) -> IdempotencyRecord:
+    fields = {flat[i].decode("utf-8"): flat[i + 1] for i in range(0, len(flat), 2)}
+    lease = fields.get("lease")
+    error = fields.get("error")
+    return IdempotencyRecord(
+        scope=fields["scope"].decode("utf-8"),
+        task_name=fields["task"].decode("utf-8"),
+        key=fields["key"].decode("utf-8"),
+        fingerprint=fields["fp"].decode("ascii"),
+        state=State(fields["state"].decode("ascii")),
+        task_id=fields["task_id"].decode("utf-8"),
+        owner=fields["owner"].decode("ascii"),
+        attempt=int(fields["attempt"]),
+        lease_expires_at=float(lease) if lease is not None else None,
+        created_at=float(fields["created"]),
+        updated_at=float(fields["updated"]),
+        expires_at=float(fields["expires"]),
+        ttl_seconds=float(fields["ttl"]),
+        result=fields.get("result"),
+        content_type=_text(fields.get("ctype")),
+        content_encoding=_text(fields.get("cenc")),
+        error=ErrorInfo.model_validate_json(error) if error else None,
+    )
+
+
+class RedisStore(Store):
+    """Records as Redis hashes, transitions as Lua scripts, TTLs by Redis expiry.
+
+    Args:
+        client: A redis-py client (``Redis``, a Sentinel master, or ``RedisCluster``), created with
+            ``decode_responses=False``. Build one from a URL with :meth:`from_url`.
+        index_shards: How many lease-index shards to spread records over (one hash tag each).
+        clock: An injected clock for tests; by default each script reads the server's clock, so
+            every client agrees on lease expiry.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        index_shards: int = 16,
+        key_prefix: str = "idem",
+        timeout_seconds: float = 2.0,
+        max_result_bytes: int = 1_048_576,
+        clock: Clock | None = None,
+    ) -> None:
+        super().__init__(
+            key_prefix=key_prefix, timeout_seconds=timeout_seconds, max_result_bytes=max_result_bytes, clock=clock
+        )
+        if "{" in key_prefix or "}" in key_prefix:
+            raise ConfigurationError(
+                f"key_prefix must not contain braces (they make Redis hash tags); got {key_prefix!r}"
+            )
+        if not 1 <= index_shards <= 16384:
+            raise ConfigurationError(f"index_shards must be between 1 and 16384; got {index_shards!r}")
+        self.client = client
+        self.index_shards = index_shards
+        self._injected_clock = clock is not None
+        self._scripts: dict[str, Script] = {name: client.register_script(_source(name)) for name in _SCRIPTS}
+
+    _unavailable = (
+        redis.exceptions.ConnectionError,
+        redis.exceptions.TimeoutError,
+        redis.exceptions.ReadOnlyError,
+        redis.exceptions.ClusterDownError,
+        redis.exceptions.TryAgainError,
+        OSError,
+    )
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> RedisStore:
+        """Build a store from ``redis://``, ``rediss://``, ``redis+sentinel://`` or ``redis+cluster://``.
+
+        ``redis+sentinel://[:password@]host:port[,host:port...]/service_name[/db]`` asks the
+        sentinels for the master of ``service_name``. The query parameter ``index_shards`` is this
+        store's; the rest go to redis-py.
+        """
+        parts = urlsplit(url)
+        query = dict(parse_qsl(parts.query))
+        if "index_shards" in query:
+            options.setdefault("index_shards", int(query.pop("index_shards")))
+        timeout = float(options.get("timeout_seconds", 2.0))
+        connection = {
+            "socket_timeout": timeout,
+            "socket_connect_timeout": timeout,
+            # No hidden retries: a retry loop would blow through the caller's deadline.
+            "retry": Retry(NoBackoff(), 0),
+        }
+        scheme = parts.scheme.lower()
+        client: Any
+        plain = urlunsplit((scheme.replace("redis+cluster", "redis"), parts.netloc, parts.path, urlencode(query), ""))
+        if scheme in ("redis", "rediss", "unix"):
+            client = redis.Redis.from_url(plain, **connection)
+        elif scheme == "redis+cluster":
+            from redis.cluster import RedisCluster
+
+            client = RedisCluster.from_url(plain, **connection)
+        elif scheme == "redis+sentinel":
+            client = cls._sentinel_master(parts, connection)
+        else:
+            raise ConfigurationError(f"RedisStore cannot open {scheme!r} URLs")
+        return cls(client, **options)
+
+    @staticmethod
+    def _sentinel_master(parts: Any, connection: dict[str, Any]) -> Any:
+        from redis.sentinel import Sentinel
+
+        sentinel: Any
+        hosts = parts.netloc.rpartition("@")[2]
+        password = unquote(parts.password) if parts.password else None
+        segments = [s for s in parts.path.split("/") if s]
+        if not hosts or not segments:
+            raise ConfigurationError(
+                "a sentinel URL names the sentinels and the service: "
+                "redis+sentinel://[:password@]host:port[,host:port]/service_name[/db]"
+            )
+        sentinels = [(h.rpartition(":")[0] or h, int(h.rpartition(":")[2] or 26379)) for h in hosts.split(",")]
+        db = int(segments[1]) if len(segments) > 1 else 0
+        sentinel = Sentinel(sentinels, sentinel_kwargs=connection, **connection)  # type: ignore[no-untyped-call]
+        return sentinel.master_for(segments[0], password=password, db=db)
+
+    # ---- keys ----------------------------------------------------------------------------------
+
+    def keys_for(self, identity: Identity) -> tuple[str, str]:
+        """The record key and its lease-index shard key (same hash tag, so same cluster slot)."""
+        scope, task, key = identity
+        shard = zlib.crc32(f"{scope}\0{task}\0{key}".encode()) % self.index_shards
+        tag = f"{{{self.key_prefix}:{shard}}}"
+        return f"{tag}:r:{len(scope)}:{scope}:{len(task)}:{task}:{key}", f"{tag}:lease"
+
+    def _now(self) -> str:
+        return f"{self.clock():.6f}" if self._injected_clock else ""
+
+    # ---- primitives ----------------------------------------------------------------------------
+
+    def _take(self, script: str, identity: Identity, *argv: object) -> Transition:
+        args: list[Any] = [self._now(), *argv, *identity]
+        decision, flat = self._scripts[script](keys=self.keys_for(identity), args=args)
+        return Transition(Decision(decision.decode("ascii")), _record(flat))
+
+    def _claim(
+        self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float
+    ) -> Transition:
+        return self._take("claim", identity, fingerprint, task_id, owner, repr(lease), repr(ttl))
+
+    def _acquire(
+        self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float
+    ) -> Transition:
+        return self._take("acquire", identity, fingerprint, task_id, owner, repr(lease), repr(ttl))
+
+    def _fenced(self, script: str, identity: Identity, *argv: object) -> Transition:
+        args: list[Any] = [self._now(), *argv]
+        answer = self._scripts[script](keys=self.keys_for(identity), args=args)
+        return OK if answer == b"OK" else LOST
+
+    def _settle(
+        self,
+        identity: Identity,
+        fence: Fence,
+        token: str,
+        state: State,
+        result: bytes | None,
+        content_type: str | None,
+        content_encoding: str | None,
+        error: ErrorInfo | None,
+    ) -> Transition:
+        error_json = error.model_dump_json() if error else ""
+        return self._fenced(
+            "settle",
+            identity,
+            fence,
+            token,
+            state.value,
+            result or b"",
+            content_type or "",
+            content_encoding or "",
+            error_json,
+        )
+
+    def _release(
+        self, identity: Identity, fence: Fence, token: str, lease: float | None, new_owner: str, expired_only: bool
+    ) -> Transition:
+        pending = "" if lease is None else repr(lease)
+        return self._fenced("release", identity, fence, token, pending, new_owner, "1" if expired_only else "0")
+
+    def _renew(self, identity: Identity, token: str, lease: float) -> Transition:
+        return self._fenced("renew", identity, token, repr(lease))
+
+    def _live(self, flat: dict[bytes, bytes]) -> IdempotencyRecord | None:
+        if not flat:
+            return None
+        record = _record([item for pair in flat.items() for item in pair])
+        # With the server clock Redis expiry removes the key; an injected clock is checked here.
+        return None if self._injected_clock and record.expires_at <= self.clock() else record
+
+    def _get(self, identity: Identity) -> IdempotencyRecord | None:
+        return self._live(self.client.hgetall(self.keys_for(identity)[0]))
+
+    def _forget(self, identity: Identity) -> bool:
+        return bool(self._scripts["forget"](keys=self.keys_for(identity), args=[self._now()]))
+
+    def _expired_leases(self, limit: int) -> list[IdempotencyRecord]:
+        due: list[tuple[float, bytes, str]] = []
+        for shard in range(self.index_shards):
+            index = f"{{{self.key_prefix}:{shard}}}:lease"
+            flat = self._scripts["due"](keys=[index], args=[self._now(), limit])
+            due.extend((float(flat[i + 1]), flat[i], index) for i in range(0, len(flat), 2))
+        if not due:
+            return []
+        due = sorted(due)[:limit]
+        pipe = self.client.pipeline(transaction=False)
+        for _, key, _ in due:
+            pipe.hgetall(key)
+        records: list[IdempotencyRecord] = []
+        leftovers = self.client.pipeline(transaction=False)
+        for (_, key, index), flat in zip(due, pipe.execute(), strict=True):
+            record = self._live(flat)
+            if record is None or record.state.settled:
+                leftovers.zrem(index, key)  # its record expired: the index entry is all that is left
+            else:
+                records.append(record)
+        if len(leftovers):
+            leftovers.execute()
+        return records
+
+    def _ping(self) -> None:
+        self.client.ping()
+
+    def close(self) -> None:
+        self.client.close()
