@@ -117,7 +117,22 @@ def _select(arguments: dict[str, Any], key_args: Iterable[str], func: Callable[.
     return selected
 
 
-def _canonical_default(value: Any) -> Any:
+_TAG = "\x00"  # opens the key of a tagged value; a real dict key that starts with it is escaped
+
+
+def _normalize(value: Any) -> Any:
+    """Map a received value onto plain JSON, injectively except where equality is intended.
+
+    A UUID, datetime, date, time or Decimal equals its string form on purpose (the caller may pass
+    either). bytes and sets become one-key dicts under a NUL-tagged key, and real dict keys that
+    start with NUL are escaped, so no argument can spell the tag of another.
+    """
+    if value is None or isinstance(value, (str, int, float)):
+        return value
+    if isinstance(value, dict):
+        return {_key(k): _normalize(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_normalize(v) for v in value]
     if isinstance(value, uuid.UUID):
         return str(value)
     if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
@@ -125,15 +140,22 @@ def _canonical_default(value: Any) -> Any:
     if isinstance(value, decimal.Decimal):
         return str(value)
     if isinstance(value, (bytes, bytearray, memoryview)):
-        return {"__bytes__": bytes(value).hex()}
+        return {f"{_TAG}bytes": bytes(value).hex()}
     if isinstance(value, (set, frozenset)):
-        return sorted(canonical_json(v) for v in value)
+        return {f"{_TAG}set": sorted(canonical_json(v) for v in value)}
     raise TypeError(f"{type(value).__module__}.{type(value).__qualname__} has no canonical JSON form")
+
+
+def _key(key: Any) -> str:
+    if isinstance(key, str):
+        return _TAG + key if key.startswith(_TAG) else key
+    # Non-str keys survive only a pickle round trip; tag them so 1 and "1" stay apart.
+    return f"{_TAG}key:{canonical_json(key)}"
 
 
 def canonical_json(value: Any) -> str:
     """Dump ``value`` as JSON with sorted keys and no whitespace (the fingerprint's input)."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=_canonical_default)
+    return json.dumps(_normalize(value), sort_keys=True, separators=(",", ":"))
 
 
 def _round_trip(value: Any, serializer: str) -> Any:
@@ -171,6 +193,8 @@ def fingerprint(
         ValueError: ``key_args`` names a parameter the signature does not have.
         SerializationError: the serializer, or canonical JSON, cannot encode the arguments.
     """
+    if isinstance(key_args, str):
+        raise TypeError(f"key_args must be a list of parameter names, not a str; got {key_args!r}")
     arguments = bind_arguments(func, args, kwargs, skip_first=skip_first)
     if key_args is not None:
         arguments = _select(arguments, key_args, func)
@@ -179,7 +203,8 @@ def fingerprint(
         text = canonical_json(received)
     except (TypeError, ValueError) as exc:
         raise SerializationError(
-            f"the task's arguments have no canonical form for the fingerprint: {exc}; "
+            f"the task's arguments, as the {serializer!r} serializer delivers them, have no canonical form "
+            f"for the fingerprint: {exc}; "
             "pass JSON-like values (str, numbers, lists, dicts, UUID, datetime, Decimal, bytes)"
         ) from exc
     return hashlib.sha256(text.encode("utf-8")).hexdigest()

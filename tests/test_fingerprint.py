@@ -1,0 +1,486 @@
+"""The call fingerprint (DESIGN §2): one call, one fingerprint, however it is spelled."""
+
+from __future__ import annotations
+
+import datetime
+import decimal
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import uuid
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from celery_idem.errors import SerializationError
+from celery_idem.fingerprint import fingerprint
+
+# The canonical JSON of charge(42, 100): sorted keys, no whitespace, default applied.
+CHARGE_42_100_CANONICAL = b'{"amount":100,"currency":"EUR","order_id":42}'
+CHARGE_42_100_FINGERPRINT = "190e6618c812c7fe98a036bdd1ff93bc46207b5e12f7db8e9892aae3c35a95f1"
+
+
+def charge(order_id: Any, amount: Any, currency: Any = "EUR") -> None:
+    """A task's run function: the call shapes below are bound to this signature."""
+
+
+def one(value: Any) -> None:
+    """A one-argument task, to compare values through the same parameter."""
+
+
+def anything(**kwargs: Any) -> None:
+    """A task taking only keyword arguments."""
+
+
+def charge_with_extras(order_id: Any, **kwargs: Any) -> None:
+    """A task whose key argument may travel in **kwargs."""
+
+
+def bound_charge(self: Any, order_id: Any, amount: Any, currency: Any = "EUR") -> None:
+    """The run function of a ``bind=True`` task: ``self`` is the task, not an argument."""
+
+
+class Point:
+    """Pickles by reference, but has no canonical JSON form."""
+
+    def __init__(self, x: int, y: int) -> None:
+        self.x = x
+        self.y = y
+
+
+class FakeSocket:
+    """Socket-like: a live resource handle no serializer should pretend to encode."""
+
+    def fileno(self) -> int:
+        return 3
+
+    def send(self, data: bytes) -> int:
+        return len(data)
+
+    def recv(self, size: int) -> bytes:
+        return b""
+
+    def close(self) -> None:
+        pass
+
+
+def round_tripped_canonical(value: Any) -> str:
+    """What JSON leaves of ``value``: tuples become lists, nothing else merges."""
+    return json.dumps(json.loads(json.dumps(value)), sort_keys=True, separators=(",", ":"))
+
+
+def reorder(value: Any) -> Any:
+    """The same value with every dict, at any depth, built in reverse insertion order."""
+    if isinstance(value, dict):
+        return {key: reorder(value[key]) for key in reversed(list(value))}
+    if isinstance(value, list):
+        return [reorder(item) for item in value]
+    return value
+
+
+def tuplify(value: Any) -> Any:
+    """The same value with every list, at any depth, turned into a tuple."""
+    if isinstance(value, dict):
+        return {key: tuplify(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return tuple(tuplify(item) for item in value)
+    return value
+
+
+json_scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=10)
+json_values = st.recursive(
+    json_scalars,
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.lists(children, max_size=4).map(tuple)
+        | st.dictionaries(st.text(max_size=6), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+json_objects = st.dictionaries(st.text(max_size=6), json_values, max_size=5)
+names = st.from_regex(r"[a-z_][a-z0-9_]{0,8}", fullmatch=True)
+ids = st.integers() | st.text(max_size=12)
+
+
+# --- one call, many spellings --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [
+        ((42, 100), {}),
+        ((), {"order_id": 42, "amount": 100}),
+        ((), {"amount": 100, "order_id": 42}),
+        ((42,), {"amount": 100}),
+        ((42, 100, "EUR"), {}),
+        ((42, 100), {"currency": "EUR"}),
+        ((), {"currency": "EUR", "amount": 100, "order_id": 42}),
+    ],
+    ids=["positional", "keyword", "keyword-reversed", "mixed", "default-explicit", "default-keyword", "all-keyword"],
+)
+def test_positional_keyword_and_defaulted_spellings_of_one_call_are_equal(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    assert fingerprint(charge, args, kwargs) == fingerprint(charge, (42, 100), {})
+
+
+@settings(max_examples=60)
+@given(order_id=ids, amount=st.integers(), currency=st.text(max_size=5))
+def test_every_spelling_of_one_call_has_one_fingerprint(order_id: Any, amount: int, currency: str) -> None:
+    spellings = [
+        ((order_id, amount, currency), {}),
+        ((order_id, amount), {"currency": currency}),
+        ((order_id,), {"amount": amount, "currency": currency}),
+        ((), {"currency": currency, "amount": amount, "order_id": order_id}),
+        ([order_id, amount, currency], None),
+    ]
+
+    fingerprints = {fingerprint(charge, args, kwargs) for args, kwargs in spellings}
+
+    assert len(fingerprints) == 1
+
+
+@settings(max_examples=60)
+@given(order_id=ids, amount=st.integers())
+def test_leaving_out_a_default_equals_passing_the_default(order_id: Any, amount: int) -> None:
+    assert fingerprint(charge, (order_id, amount), {}) == fingerprint(charge, (order_id, amount, "EUR"), {})
+    assert fingerprint(charge, (), {"order_id": order_id, "amount": amount}) == fingerprint(
+        charge, (order_id,), {"amount": amount, "currency": "EUR"}
+    )
+
+
+@settings(max_examples=60)
+@given(data=st.data(), kwargs=st.dictionaries(names, json_values, max_size=6))
+def test_keyword_order_does_not_matter(data: st.DataObject, kwargs: dict[str, Any]) -> None:
+    # Given the same keyword arguments inserted in another order
+    shuffled = dict(data.draw(st.permutations(list(kwargs.items()))))
+
+    assert fingerprint(anything, (), shuffled) == fingerprint(anything, (), kwargs)
+
+
+@settings(max_examples=60)
+@given(value=json_objects)
+def test_nested_dict_key_order_does_not_matter(value: dict[str, Any]) -> None:
+    assert fingerprint(one, (reorder(value),), {}) == fingerprint(one, (value,), {})
+
+
+def test_nested_dict_key_order_does_not_matter_example() -> None:
+    first = {"b": {"y": 1, "x": [{"q": 1, "p": 2}]}, "a": 1}
+    second = {"a": 1, "b": {"x": [{"p": 2, "q": 1}], "y": 1}}
+
+    assert fingerprint(one, (first,), {}) == fingerprint(one, (second,), {})
+
+
+@settings(max_examples=60)
+@given(value=st.lists(json_values, max_size=5))
+def test_tuple_and_list_of_the_same_items_are_equal(value: list[Any]) -> None:
+    # Given a tuple and a list of the same items, at every depth: JSON sends both as an array
+    assert fingerprint(one, (tuplify(value),), {}) == fingerprint(one, (value,), {})
+
+
+def test_tuple_and_list_of_the_same_items_are_equal_example() -> None:
+    assert fingerprint(one, ((1, (2, 3)),), {}) == fingerprint(one, ([1, [2, 3]],), {})
+
+
+# --- different calls -----------------------------------------------------------------------------
+
+
+@settings(max_examples=100)
+@given(pair=st.lists(json_values, min_size=2, max_size=2, unique_by=round_tripped_canonical))
+def test_different_json_values_have_different_fingerprints(pair: list[Any]) -> None:
+    # Given two values JSON keeps apart (a tuple and its list are one value, so never a pair)
+    first, second = pair
+
+    assert fingerprint(one, (first,), {}) != fingerprint(one, (second,), {})
+
+
+def test_values_json_keeps_apart_have_different_fingerprints() -> None:
+    # Equal in Python (1 == 1.0 == True), but the worker receives an int, a float and a bool.
+    values: list[Any] = [1, 1.0, True, "1", [1], {"1": 1}, None, "null", 0, 0.0, -0.0, False, "", []]
+
+    fingerprints = {fingerprint(one, (value,), {}) for value in values}
+
+    assert len(fingerprints) == len(values)
+
+
+@settings(max_examples=60)
+@given(first=json_objects, second=json_objects)
+def test_different_keyword_arguments_have_different_fingerprints(first: dict[str, Any], second: dict[str, Any]) -> None:
+    if round_tripped_canonical(first) == round_tripped_canonical(second):
+        assert fingerprint(anything, (), first) == fingerprint(anything, (), second)
+    else:
+        assert fingerprint(anything, (), first) != fingerprint(anything, (), second)
+
+
+# --- values JSON cannot carry as such ------------------------------------------------------------
+
+
+@settings(max_examples=40)
+@given(value=st.uuids())
+def test_uuid_and_its_string_are_equal(value: uuid.UUID) -> None:
+    assert fingerprint(one, (value,), {}) == fingerprint(one, (str(value),), {})
+    assert fingerprint(one, ([value, {"id": value}],), {}) == fingerprint(one, ([str(value), {"id": str(value)}],), {})
+
+
+utc_offsets = st.builds(
+    datetime.timezone,
+    st.integers(min_value=-23 * 60 - 59, max_value=23 * 60 + 59).map(
+        lambda minutes: datetime.timedelta(minutes=minutes)
+    ),
+)
+
+
+@settings(max_examples=40)
+@given(value=st.datetimes(timezones=st.none() | utc_offsets))
+def test_datetime_and_its_isoformat_are_equal(value: datetime.datetime) -> None:
+    assert fingerprint(one, (value,), {}) == fingerprint(one, (value.isoformat(),), {})
+
+
+@settings(max_examples=40)
+@given(value=st.dates() | st.times(timezones=st.none() | utc_offsets))
+def test_date_and_time_and_their_isoformat_are_equal(value: datetime.date | datetime.time) -> None:
+    assert fingerprint(one, (value,), {}) == fingerprint(one, (value.isoformat(),), {})
+
+
+@settings(max_examples=40)
+@given(value=st.decimals())
+def test_decimal_and_its_string_are_equal(value: decimal.Decimal) -> None:
+    assert fingerprint(one, (value,), {}) == fingerprint(one, (str(value),), {})
+
+
+def test_uuid_datetime_and_decimal_examples() -> None:
+    order = uuid.UUID("12345678-1234-5678-1234-567812345678")
+    at = datetime.datetime(2024, 5, 1, 12, 30, tzinfo=datetime.timezone.utc)
+    amount = decimal.Decimal("100.10")
+
+    assert fingerprint(charge, (order, amount, at), {}) == fingerprint(
+        charge, ("12345678-1234-5678-1234-567812345678", "100.10", "2024-05-01T12:30:00+00:00"), {}
+    )
+
+
+# --- key_args and bound tasks --------------------------------------------------------------------
+
+
+@settings(max_examples=60)
+@given(order_id=ids, first=st.tuples(st.integers(), st.text(max_size=5)), second=st.tuples(st.integers(), st.text()))
+def test_key_args_ignores_the_other_arguments(order_id: Any, first: tuple[int, str], second: tuple[int, str]) -> None:
+    assert fingerprint(charge, (order_id, *first), {}, key_args=["order_id"]) == fingerprint(
+        charge, (order_id, *second), {}, key_args=["order_id"]
+    )
+
+
+def test_key_args_still_tells_different_keys_apart() -> None:
+    assert fingerprint(charge, (42, 100), {}, key_args=["order_id"]) != fingerprint(
+        charge, (43, 100), {}, key_args=["order_id"]
+    )
+
+
+def test_key_args_fingerprint_covers_only_the_named_arguments() -> None:
+    expected = hashlib.sha256(b'{"order_id":42}').hexdigest()
+
+    assert fingerprint(charge, (42, 100), {"currency": "USD"}, key_args=["order_id"]) == expected
+
+
+def test_key_args_naming_a_missing_parameter_raises_value_error_naming_it() -> None:
+    with pytest.raises(ValueError, match=r"key_args names 'order_no', which is not a parameter of charge") as excinfo:
+        fingerprint(charge, (42, 100), {}, key_args=["order_no"])
+
+    assert not isinstance(excinfo.value, SerializationError)
+
+
+def test_key_args_picks_a_value_out_of_var_keyword_arguments() -> None:
+    # Given a task whose key argument "tenant" is not a parameter but travels in **kwargs
+    first = fingerprint(charge_with_extras, (42,), {"tenant": "a", "note": "first"}, key_args=["tenant"])
+    second = fingerprint(charge_with_extras, (43,), {"tenant": "a", "note": "second"}, key_args=["tenant"])
+    other = fingerprint(charge_with_extras, (42,), {"tenant": "b", "note": "first"}, key_args=["tenant"])
+
+    assert first == second == hashlib.sha256(b'{"tenant":"a"}').hexdigest()
+    assert other != first
+
+
+def test_key_args_mixes_named_parameters_and_var_keyword_arguments() -> None:
+    result = fingerprint(charge_with_extras, (42,), {"tenant": "a", "note": "x"}, key_args=["order_id", "tenant"])
+
+    assert result == hashlib.sha256(b'{"order_id":42,"tenant":"a"}').hexdigest()
+
+
+def test_skip_first_drops_self_of_a_bound_task() -> None:
+    # Given the run function of a bind=True task, called as the producer calls it: without self
+    result = fingerprint(bound_charge, (42, 100), {}, skip_first=True)
+
+    assert result == fingerprint(charge, (42, 100), {}) == CHARGE_42_100_FINGERPRINT
+
+
+@settings(max_examples=40)
+@given(order_id=ids, amount=st.integers())
+def test_skip_first_spellings_of_one_call_are_equal(order_id: Any, amount: int) -> None:
+    assert (
+        fingerprint(bound_charge, (order_id, amount), {}, skip_first=True)
+        == fingerprint(bound_charge, (), {"amount": amount, "order_id": order_id}, skip_first=True)
+        == fingerprint(charge, (order_id, amount), {})
+    )
+
+
+def test_skip_first_with_key_args() -> None:
+    result = fingerprint(bound_charge, (42, 100), {}, skip_first=True, key_args=["order_id"])
+
+    assert result == hashlib.sha256(b'{"order_id":42}').hexdigest()
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value",
+    [object(), lambda: None, FakeSocket()],
+    ids=["object", "lambda", "socket-like"],
+)
+def test_arguments_json_cannot_encode_raise_serialization_error_saying_what_to_do(value: Any) -> None:
+    with pytest.raises(SerializationError) as excinfo:
+        fingerprint(one, (value,), {})
+
+    error = excinfo.value
+    assert isinstance(error, TypeError)
+    assert "cannot be encoded with the 'json' serializer" in str(error)
+    assert "pass JSON-serializable values" in str(error)
+    assert error.__cause__ is not None
+
+
+def test_arguments_pickle_cannot_encode_raise_serialization_error_naming_pickle() -> None:
+    with pytest.raises(SerializationError, match="cannot be encoded with the 'pickle' serializer"):
+        fingerprint(one, (lambda: None,), {}, serializer="pickle")
+
+
+@pytest.mark.parametrize("value", [complex(1, 2), Point(1, 2)], ids=["complex", "custom-class"])
+def test_pickleable_argument_without_canonical_json_raises_serialization_error(value: Any) -> None:
+    # Given the pickle serializer, which carries the value to the worker intact,
+    # but a value the fingerprint has no canonical JSON form for
+    with pytest.raises(SerializationError) as excinfo:
+        fingerprint(one, (value,), {}, serializer="pickle")
+
+    error = excinfo.value
+    assert isinstance(error, TypeError)
+    assert "no canonical form for the fingerprint" in str(error)
+    assert type(value).__qualname__ in str(error)
+    assert "pass JSON-like values" in str(error)
+
+
+def test_pickle_serializer_gives_the_same_fingerprint_as_json_for_json_values() -> None:
+    assert fingerprint(charge, (42, 100), {}, serializer="pickle") == CHARGE_42_100_FINGERPRINT
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "complaint"),
+    [
+        ((42,), {}, "missing a required argument: 'amount'"),
+        ((42, 100), {"discount": 5}, "got an unexpected keyword argument 'discount'"),
+        ((42, 100, "EUR", "extra"), {}, "too many positional arguments"),
+        ((42, 100), {"order_id": 42}, "multiple values for argument 'order_id'"),
+    ],
+    ids=["missing-required", "unexpected-keyword", "too-many-positional", "duplicate-argument"],
+)
+def test_arguments_that_do_not_fit_the_signature_raise_type_error(
+    args: tuple[Any, ...], kwargs: dict[str, Any], complaint: str
+) -> None:
+    with pytest.raises(TypeError) as excinfo:
+        fingerprint(charge, args, kwargs)
+
+    assert not isinstance(excinfo.value, SerializationError)
+    assert str(excinfo.value).startswith("charge(order_id")
+    assert complaint in str(excinfo.value)
+
+
+# --- form and stability --------------------------------------------------------------------------
+
+
+@settings(max_examples=40)
+@given(value=json_values)
+def test_fingerprint_is_64_lowercase_hex_characters(value: Any) -> None:
+    assert re.fullmatch(r"[0-9a-f]{64}", fingerprint(one, (value,), {}))
+
+
+def test_fingerprint_of_a_known_call_is_pinned() -> None:
+    # A change here changes every stored fingerprint: every in-flight key would mismatch.
+    assert hashlib.sha256(CHARGE_42_100_CANONICAL).hexdigest() == CHARGE_42_100_FINGERPRINT
+
+    assert fingerprint(charge, (42, 100), {}) == CHARGE_42_100_FINGERPRINT
+
+
+SUBPROCESS_CALLS = {
+    "json-dict": (
+        "fingerprint(charge, (42, {'zeta': 1, 'alpha': [1, 2], 'mid': {'b': 2, 'a': 1}}), {'currency': 'USD'})",
+        lambda: fingerprint(charge, (42, {"zeta": 1, "alpha": [1, 2], "mid": {"b": 2, "a": 1}}), {"currency": "USD"}),
+    ),
+    "pickle-frozenset": (
+        "fingerprint(charge, (42, frozenset({'alpha', 'beta', 'gamma', 'delta', 'epsilon'})), {}, serializer='pickle')",
+        lambda: fingerprint(
+            charge, (42, frozenset({"alpha", "beta", "gamma", "delta", "epsilon"})), {}, serializer="pickle"
+        ),
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("call", list(SUBPROCESS_CALLS))
+def test_same_call_has_same_fingerprint_in_fresh_processes_with_other_hash_seeds(call: str) -> None:
+    # Given two fresh interpreters whose str hashes (and so set and dict internals) differ
+    expression, in_process = SUBPROCESS_CALLS[call]
+    script = textwrap.dedent(
+        f"""
+        from celery_idem.fingerprint import fingerprint
+
+        def charge(order_id, amount, currency="EUR"):
+            pass
+
+        print({expression})
+        """
+    )
+    results = []
+    for seed in ("1", "2"):
+        completed = subprocess.run(
+            [sys.executable, "-c", script],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        results.append(completed.stdout.strip())
+
+    # Then both processes, and this one, agree
+    assert results[0] == results[1] == in_process()
+
+
+# ---- no value can spell another's canonical form -------------------------------------------------
+
+
+@pytest.mark.parametrize("serializer", ["json", "pickle"])
+def test_bytes_do_not_collide_with_a_dict_spelling_their_encoding(serializer: str) -> None:
+    as_bytes = fingerprint(one, [b"ab"], {}, serializer=serializer)
+    assert as_bytes != fingerprint(one, [{"__bytes__": "6162"}], {}, serializer=serializer)
+    assert as_bytes != fingerprint(one, [{"\x00bytes": "6162"}], {}, serializer=serializer)
+    assert as_bytes != fingerprint(one, ["6162"], {}, serializer=serializer)
+
+
+def test_a_set_does_not_collide_with_a_list_of_its_members_json() -> None:
+    as_set = fingerprint(one, [{1, 2}], {}, serializer="pickle")
+    assert as_set != fingerprint(one, [["1", "2"]], {}, serializer="pickle")
+    assert as_set != fingerprint(one, [{"\x00set": ["1", "2"]}], {}, serializer="pickle")
+    assert as_set == fingerprint(one, [frozenset({2, 1})], {}, serializer="pickle")
+
+
+def test_int_and_str_dict_keys_stay_apart_under_pickle() -> None:
+    assert fingerprint(one, [{1: "a"}], {}, serializer="pickle") != fingerprint(
+        one, [{"1": "a"}], {}, serializer="pickle"
+    )
+
+
+def test_key_args_given_as_one_string_is_refused_with_a_clear_message() -> None:
+    with pytest.raises(TypeError, match="key_args must be a list of parameter names, not a str; got 'order_id'"):
+        fingerprint(charge, [42, 100], {}, key_args="order_id")  # type: ignore[arg-type]
