@@ -153,8 +153,10 @@ class SQLStore(Store):
         with self._guard("create_schema"):
             try:
                 self.metadata.create_all(self.engine, checkfirst=True)
-            except (sa_exc.IntegrityError, sa_exc.ProgrammingError):
-                # Another process created it between our check and our CREATE.
+            except sa_exc.DBAPIError:
+                # Another process created it between our check and our CREATE ("already exists":
+                # IntegrityError on PostgreSQL, OperationalError on SQLite). Check again; a real
+                # failure fails the second time too.
                 self.metadata.create_all(self.engine, checkfirst=True)
         self._schema_ready = True
 

@@ -1,0 +1,121 @@
+"""Shared fixtures: one ``store`` fixture over every store, real servers, a fake clock.
+
+Servers come from the environment (defaults: the loopback services of the dev machine):
+
+- ``CELERY_IDEM_TEST_REDIS_URL``     redis://127.0.0.1:6379/15
+- ``CELERY_IDEM_TEST_POSTGRES_URL``  postgresql+psycopg://postgres@127.0.0.1:5432/test
+
+A test that needs a server which is down is skipped with the reason locally, and fails in CI
+(``CI=true``): CI must never go green by skipping the real thing.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from celery_idem.stores import MemoryStore, Store, store_from_url
+
+REDIS_URL = os.environ.get("CELERY_IDEM_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+POSTGRES_URL = os.environ.get("CELERY_IDEM_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+STORE_KINDS = ("memory", "sqlite", "redis", "postgresql")
+
+
+class FakeClock:
+    """A clock tests move by hand. Starts at the real time so Redis key expiry stays sane."""
+
+    def __init__(self, start: float | None = None) -> None:
+        import time
+
+        self.now = time.time() if start is None else start
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self.now += seconds
+
+
+def require_server(kind: str) -> None:
+    """Skip (locally) or fail (CI) when the server behind ``kind`` does not answer."""
+    url = {"redis": REDIS_URL, "postgresql": POSTGRES_URL}.get(kind)
+    if url is None:
+        return
+    probe = store_from_url(url, timeout_seconds=1.0)
+    try:
+        probe.ping()
+    except Exception as exc:  # noqa: BLE001 - any failure means the server is not usable
+        message = f"{kind} is not reachable at {url}: {exc}"
+        if IN_CI:
+            pytest.fail(f"{message} (CI=true: servers are required)")
+        pytest.skip(message)
+    finally:
+        probe.close()
+
+
+def store_url(kind: str, tmp_path: Any) -> str:
+    """A URL other processes can open to reach the same store as the fixture."""
+    return {
+        "memory": "memory://",
+        "sqlite": f"sqlite:///{tmp_path}/idem.db",
+        "redis": REDIS_URL,
+        "postgresql": POSTGRES_URL,
+    }[kind]
+
+
+def make_store(kind: str, tmp_path: Any, prefix: str, **options: Any) -> Store:
+    require_server(kind)
+    return store_from_url(store_url(kind, tmp_path), key_prefix=prefix, **options)
+
+
+def wipe(store: Store) -> None:
+    """Remove everything the test wrote under its prefix."""
+    if type(store).__name__ == "RedisStore":
+        client = store.client  # type: ignore[attr-defined]
+        keys = list(client.scan_iter(match=f"{{{store.key_prefix}:*", count=1000))
+        for start in range(0, len(keys), 500):
+            client.delete(*keys[start : start + 500])
+    elif type(store).__name__ == "SQLStore":
+        import sqlalchemy as sa
+
+        table = store.table  # type: ignore[attr-defined]
+        store.create_schema()  # type: ignore[attr-defined]
+        with store.engine.begin() as connection:  # type: ignore[attr-defined]
+            connection.execute(sa.delete(table).where(table.c.namespace == store.key_prefix))
+    store.close()
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(params=STORE_KINDS)
+def store_kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def store(store_kind: str, tmp_path: Any, prefix: str, clock: FakeClock) -> Iterator[Store]:
+    """Every store, each on its real backend, driven by the injected fake clock."""
+    if store_kind == "memory":
+        instance: Store = MemoryStore(key_prefix=prefix, clock=clock)
+    else:
+        instance = make_store(store_kind, tmp_path, prefix, clock=clock)
+    yield instance
+    wipe(instance)

@@ -1,0 +1,223 @@
+"""RedisStore on real topologies: the server clock and real expiry, a 3-master Redis Cluster and a
+Sentinel, each started by these tests from the machine's redis-server."""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import IN_CI, REDIS_URL, require_server, wipe
+
+from celery_idem.records import Decision, Identity, State
+from celery_idem.stores import store_from_url
+
+FP = "c" * 64
+
+
+def _free_port(*, with_bus: bool = False) -> int:
+    """A free loopback port; ``with_bus``: port + 10000 free too (a cluster node's bus port)."""
+    for candidate in range(21000 + secrets.randbelow(9000), 32000):
+        try:
+            for port in (candidate, candidate + 10000) if with_bus else (candidate,):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return candidate
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+def _need_redis_server() -> str:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        message = "redis-server is not installed: cannot start a cluster or sentinel"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    return binary
+
+
+def _wait(predicate: Any, what: str, seconds: float = 20) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except Exception:  # noqa: BLE001 - not up yet
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{what} did not come up within {seconds}s")
+
+
+def _walk_one_identity(store: Any, identity: Identity) -> None:
+    """claim -> duplicate -> acquire -> busy -> complete -> replay, then the index is clean."""
+    assert store.claim(identity, FP, "t1", pending_seconds=60, ttl_seconds=60).decision is Decision.NEW
+    assert store.claim(identity, FP, "t2", pending_seconds=60, ttl_seconds=60).decision is Decision.DUPLICATE
+    taken = store.acquire(identity, FP, "t1", lease_seconds=30, ttl_seconds=60)
+    assert taken.decision is Decision.RUN
+    assert store.acquire(identity, FP, "t3", lease_seconds=30, ttl_seconds=60).decision is Decision.BUSY
+    assert store.renew(identity, taken.record.owner, lease_seconds=30).ok
+    assert store.complete(identity, taken.record.owner, b'"done"').ok
+    replay = store.claim(identity, FP, "t4", pending_seconds=60, ttl_seconds=60)
+    assert replay.decision is Decision.REPLAY and replay.record.result == b'"done"'
+
+
+# ---- the server clock and real expiry -----------------------------------------------------------
+
+
+@pytest.fixture
+def real_redis(prefix: str) -> Iterator[Any]:
+    require_server("redis")
+    store = store_from_url(REDIS_URL, key_prefix=prefix)  # no injected clock: Redis TIME decides
+    yield store
+    wipe(store)
+
+
+def test_server_clock_lease_expiry_lets_a_new_attempt_take_over(real_redis: Any) -> None:
+    identity = Identity("", "shop.charge", "lease")
+    first = real_redis.acquire(identity, FP, "t1", lease_seconds=0.3, ttl_seconds=60)
+    assert real_redis.acquire(identity, FP, "t2", lease_seconds=0.3, ttl_seconds=60).decision is Decision.BUSY
+    time.sleep(0.4)
+    second = real_redis.acquire(identity, FP, "t2", lease_seconds=30, ttl_seconds=60)
+    assert second.decision is Decision.RUN
+    assert real_redis.complete(identity, first.record.owner, b"1").decision is Decision.LOST
+    assert [r.key for r in real_redis.expired_leases(limit=10)] == []
+
+
+def test_settled_record_is_removed_by_redis_expiry(real_redis: Any) -> None:
+    identity = Identity("", "shop.charge", "ttl")
+    taken = real_redis.acquire(identity, FP, "t1", lease_seconds=30, ttl_seconds=0.3)
+    assert real_redis.complete(identity, taken.record.owner, b"1").ok
+    record_key, index_key = real_redis.keys_for(identity)
+    assert 0 < real_redis.client.pttl(record_key) <= 300
+    assert real_redis.client.zscore(index_key, record_key) is None  # settled: out of the lease index
+    time.sleep(0.4)
+    assert real_redis.client.exists(record_key) == 0
+    assert real_redis.get(identity) is None
+    assert real_redis.claim(identity, "d" * 64, "t2", pending_seconds=60, ttl_seconds=60).decision is Decision.NEW
+
+
+def test_expired_leases_drops_index_entries_whose_record_expired(real_redis: Any) -> None:
+    # Given an abandoned attempt whose record Redis already expired (lease 0.1 s + ttl 0.1 s)
+    gone = Identity("", "shop.charge", "gone")
+    real_redis.acquire(gone, FP, "t1", lease_seconds=0.1, ttl_seconds=0.1)
+    stale = Identity("", "shop.charge", "stale")
+    real_redis.acquire(stale, FP, "t2", lease_seconds=0.1, ttl_seconds=60)
+    time.sleep(0.35)
+    record_key, index_key = real_redis.keys_for(gone)
+    assert real_redis.client.exists(record_key) == 0
+    # When the reconciler asks for stale records
+    assert [r.key for r in real_redis.expired_leases(limit=10)] == ["stale"]
+    # Then the leftover index entry is gone too
+    assert real_redis.client.zscore(index_key, record_key) is None
+
+
+def test_key_layout_keeps_a_record_and_its_index_shard_in_one_cluster_slot(real_redis: Any) -> None:
+    from redis.cluster import key_slot
+
+    slots = set()
+    for n in range(200):
+        record_key, index_key = real_redis.keys_for(Identity("tenant", "shop.charge", f"order-{n}"))
+        assert key_slot(record_key.encode()) == key_slot(index_key.encode())
+        slots.add(key_slot(index_key.encode()))
+    # the index is spread over its shards, not piled on one slot
+    assert len(slots) == real_redis.index_shards
+
+
+# ---- Redis Cluster ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    binary = _need_redis_server()
+    root: Path = tmp_path_factory.mktemp("cluster")
+    ports: list[int] = []
+    while len(ports) < 3:
+        port = _free_port(with_bus=True)
+        if not {port, port + 10000} & {q for p in ports for q in (p, p + 10000)}:
+            ports.append(port)
+    nodes = [
+        subprocess.Popen(
+            [binary, "--port", str(p), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+             "--cluster-config-file", f"nodes-{p}.conf", "--save", "", "--appendonly", "no", "--dir", str(root)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        for p in ports
+    ]  # fmt: skip
+    try:
+        import redis
+
+        for p in ports:
+            _wait(lambda p=p: redis.Redis(port=p).ping(), f"cluster node {p}")
+        subprocess.run(
+            ["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports], "--cluster-yes"],
+            check=True, capture_output=True, timeout=60,
+        )  # fmt: skip
+        _wait(lambda: redis.Redis(port=ports[0]).cluster("INFO").get("cluster_state") == "ok", "cluster")
+        yield f"redis+cluster://127.0.0.1:{ports[0]}"
+    finally:
+        for node in nodes:
+            node.terminate()
+        for node in nodes:
+            node.wait(timeout=10)
+
+
+def test_redis_cluster_runs_every_transition_across_nodes(cluster: str, prefix: str) -> None:
+    store = store_from_url(cluster, key_prefix=prefix)
+    identities = [Identity("", "shop.charge", f"order-{n}") for n in range(40)]
+    for identity in identities:
+        _walk_one_identity(store, identity)
+    # stale records come back from every shard, on every node
+    stale = [Identity("", "shop.sync", f"job-{n}") for n in range(20)]
+    for identity in stale:
+        store.acquire(identity, FP, "t", lease_seconds=0.05, ttl_seconds=60)
+    time.sleep(0.2)
+    assert sorted(r.key for r in store.expired_leases(limit=100)) == sorted(i.key for i in stale)
+    nodes_used = {store.client.get_node_from_key(store.keys_for(i)[0]).port for i in identities}
+    assert len(nodes_used) == 3, "records should spread over all three masters"
+    assert store.forget(identities[0]) is True
+    store.close()
+
+
+# ---- Sentinel -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    binary = _need_redis_server()
+    require_server("redis")
+    from urllib.parse import urlsplit
+
+    main = urlsplit(REDIS_URL)
+    root: Path = tmp_path_factory.mktemp("sentinel")
+    port = _free_port()
+    config = root / "sentinel.conf"
+    config.write_text(
+        f"port {port}\nbind 127.0.0.1\ndir {root}\n"
+        f"sentinel monitor idemtest {main.hostname} {main.port or 6379} 1\n"
+        "sentinel down-after-milliseconds idemtest 60000\n"
+    )
+    node = subprocess.Popen([binary, str(config), "--sentinel"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        import redis
+
+        _wait(lambda: redis.Redis(port=port).execute_command("SENTINEL MASTERS"), "sentinel")
+        yield f"redis+sentinel://127.0.0.1:{port}/idemtest{main.path or '/0'}"
+    finally:
+        node.terminate()
+        node.wait(timeout=10)
+
+
+def test_sentinel_url_finds_the_master_and_runs_every_transition(sentinel: str, prefix: str) -> None:
+    store = store_from_url(sentinel, key_prefix=prefix)
+    _walk_one_identity(store, Identity("", "shop.charge", "via-sentinel"))
+    record = store.get(Identity("", "shop.charge", "via-sentinel"))
+    assert record is not None and record.state is State.COMPLETED
+    wipe(store)

@@ -1,0 +1,178 @@
+"""Bad input and bad days: unknown URLs, oversized results, and stores that are down or silent.
+
+A store that cannot answer must raise StoreUnavailableError within its timeout, never hang. The
+bound checked here is generous (timeout + 5 s): it guards against a hang, it is not a benchmark.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from celery_idem import (
+    ConfigurationError,
+    IdempotencyError,
+    ResultTooLargeError,
+    SerializationError,
+    StoreUnavailableError,
+)
+from celery_idem.records import Decision, Identity
+from celery_idem.stores import MemoryStore, Store, store_from_url
+
+ID = Identity("", "shop.charge", "order-1")
+TIMEOUT = 0.5
+
+
+@pytest.fixture
+def closed_port() -> int:
+    """A loopback port nobody listens on: connections are refused at once."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A loopback port that accepts connections and never says a word: only a timeout ends a call."""
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def hold() -> None:
+        server.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    yield int(server.getsockname()[1])
+    stop.set()
+    thread.join()
+    for connection in held:
+        connection.close()
+    server.close()
+
+
+def _assert_unavailable_fast(store: Store, operation: Callable[[Store], Any], bound: float) -> None:
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailableError) as caught:
+        operation(store)
+    elapsed = time.monotonic() - started
+    assert elapsed < bound, f"took {elapsed:.1f}s: the store call must end by its timeout"
+    message = str(caught.value)
+    assert "check that the store is up" in message and "on_store_error='proceed'" in message
+    assert caught.value.__cause__ is not None  # the driver's own error stays attached
+
+
+OPERATIONS: dict[str, Callable[[Store], Any]] = {
+    "claim": lambda s: s.claim(ID, "f" * 64, "t", pending_seconds=60, ttl_seconds=60),
+    "acquire": lambda s: s.acquire(ID, "f" * 64, "t", lease_seconds=60, ttl_seconds=60),
+    "complete": lambda s: s.complete(ID, "owner", b"1"),
+    "get": lambda s: s.get(ID),
+    "expired_leases": lambda s: s.expired_leases(limit=10),
+}
+
+
+@pytest.mark.parametrize("operation", sorted(OPERATIONS))
+@pytest.mark.parametrize("scheme", ["redis", "postgresql"])
+def test_refused_connection_is_store_unavailable_at_once(scheme: str, operation: str, closed_port: int) -> None:
+    url = {"redis": f"redis://127.0.0.1:{closed_port}/0", "postgresql": f"postgresql://x@127.0.0.1:{closed_port}/x"}
+    store = store_from_url(url[scheme], timeout_seconds=TIMEOUT)
+    _assert_unavailable_fast(store, OPERATIONS[operation], bound=TIMEOUT + 5)
+
+
+@pytest.mark.parametrize("operation", ["claim", "get"])
+def test_silent_redis_is_store_unavailable_within_the_timeout(operation: str, silent_port: int) -> None:
+    store = store_from_url(f"redis://127.0.0.1:{silent_port}/0", timeout_seconds=TIMEOUT)
+    _assert_unavailable_fast(store, OPERATIONS[operation], bound=TIMEOUT + 5)
+
+
+def test_silent_postgresql_is_store_unavailable_within_the_timeout(silent_port: int) -> None:
+    # libpq's connect_timeout cannot go below 2 s, so this store's deadline is 2 s.
+    store = store_from_url(f"postgresql://x@127.0.0.1:{silent_port}/x", timeout_seconds=TIMEOUT)
+    _assert_unavailable_fast(store, OPERATIONS["claim"], bound=2 + 5)
+
+
+def test_store_unavailable_names_the_identity(closed_port: int) -> None:
+    store = store_from_url(f"redis://127.0.0.1:{closed_port}/0", timeout_seconds=TIMEOUT)
+    with pytest.raises(StoreUnavailableError) as caught:
+        store.claim(ID, "f" * 64, "t", pending_seconds=60, ttl_seconds=60)
+    assert caught.value.key == "order-1" and caught.value.task_name == "shop.charge"
+    assert "shop.charge/order-1" in str(caught.value)
+    assert isinstance(caught.value, IdempotencyError)
+
+
+# ---- URLs and options ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("url", ["mongodb://localhost/x", "http://localhost", "dynamodb://table"])
+def test_unknown_store_scheme_names_the_scheme_and_the_known_ones(url: str) -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        store_from_url(url)
+    message = str(caught.value)
+    assert f"unknown store URL scheme {url.split(':')[0]!r}" in message
+    assert "redis://" in message and "sqlite://" in message and "memory://" in message
+
+
+@pytest.mark.parametrize("url", ["", "localhost:6379", None, 42])
+def test_a_store_url_without_a_scheme_is_refused(url: Any) -> None:
+    with pytest.raises(ConfigurationError, match="a store URL looks like 'redis://host:6379/0'"):
+        store_from_url(url)
+
+
+def test_memory_url_builds_a_fresh_memory_store() -> None:
+    assert isinstance(store_from_url("memory://"), MemoryStore)
+    assert store_from_url("memory://") is not store_from_url("memory://")
+
+
+def test_redis_key_prefix_with_braces_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match="must not contain braces"):
+        store_from_url("redis://127.0.0.1:6379/15", key_prefix="{x}")
+
+
+def test_sentinel_url_without_service_name_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match="service_name"):
+        store_from_url("redis+sentinel://127.0.0.1:26379")
+
+
+def test_empty_key_prefix_and_bad_timeout_are_refused() -> None:
+    with pytest.raises(ValueError, match="key_prefix must be a non-empty string"):
+        MemoryStore(key_prefix="")
+    with pytest.raises(ValueError, match="timeout_seconds must be a positive"):
+        MemoryStore(timeout_seconds=0)
+
+
+# ---- results over max_result_bytes -------------------------------------------------------------
+
+
+def test_result_over_max_result_bytes_is_refused_and_the_attempt_can_still_release(store: Store) -> None:
+    # Given a store that keeps results up to 1 KiB
+    store.max_result_bytes = 1024
+    taken = store.acquire(ID, "f" * 64, "t", lease_seconds=60, ttl_seconds=60)
+    assert taken.record is not None
+    # When the task returns 1025 bytes
+    with pytest.raises(ResultTooLargeError) as caught:
+        store.complete(ID, taken.record.owner, b"x" * 1025)
+    # Then the error says what was wrong and what to do, and nothing was stored
+    assert "1025 bytes, over max_result_bytes=1024" in str(caught.value)
+    assert "raise max_result_bytes" in str(caught.value)
+    assert isinstance(caught.value, SerializationError)
+    record = store.get(ID)
+    assert record is not None and record.result is None
+    # and the attempt still owns the record, so the handler can give it back
+    assert store.release(ID, taken.record.owner).decision is Decision.OK
+    # exactly the limit is fine
+    again = store.acquire(ID, "f" * 64, "t", lease_seconds=60, ttl_seconds=60)
+    assert again.record is not None
+    assert store.complete(ID, again.record.owner, b"x" * 1024).ok

@@ -1,0 +1,443 @@
+"""Every row of the DESIGN §3 table, on every store (memory, sqlite, redis, postgresql).
+
+Time moves through the injected fake clock; no test here sleeps.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from celery_idem.records import Decision, ErrorInfo, Identity, State, Transition
+from celery_idem.stores import Store
+
+ID = Identity("", "shop.charge", "order-42")
+FP, OTHER_FP = "a" * 64, "b" * 64
+PENDING_S, LEASE_S, TTL_S = 60.0, 30.0, 600.0
+RESULT = b'{"charged":100}'
+
+
+def claim(store: Store, fp: str = FP, task_id: str = "task-1", identity: Identity = ID) -> Transition:
+    return store.claim(identity, fp, task_id, pending_seconds=PENDING_S, ttl_seconds=TTL_S)
+
+
+def acquire(store: Store, fp: str = FP, task_id: str = "task-1", identity: Identity = ID) -> Transition:
+    return store.acquire(identity, fp, task_id, lease_seconds=LEASE_S, ttl_seconds=TTL_S)
+
+
+def running(store: Store, fp: str = FP, task_id: str = "task-1") -> str:
+    """Claim and acquire; returns the running attempt's owner token."""
+    assert claim(store, fp, task_id).decision is Decision.NEW
+    taken = acquire(store, fp, task_id)
+    assert taken.decision is Decision.RUN and taken.record is not None
+    return taken.record.owner
+
+
+def settle(store: Store, state: State, fp: str = FP) -> None:
+    owner = running(store, fp)
+    if state is State.COMPLETED:
+        assert store.complete(ID, owner, RESULT).ok
+    else:
+        assert store.fail(ID, owner, ErrorInfo(type="CardDeclined", module="shop", message="no", args=["no"])).ok
+
+
+def snapshot(store: Store) -> dict[str, object] | None:
+    record = store.get(ID)
+    return None if record is None else record.model_dump()
+
+
+# ---- claim ------------------------------------------------------------------------------------
+
+
+def test_claim_on_nothing_is_new_and_writes_pending_with_pending_lease(store: Store, clock) -> None:
+    t = claim(store)
+    assert t.decision is Decision.NEW
+    assert t.record is not None
+    assert t.record.state is State.PENDING
+    assert t.record.task_id == "task-1"
+    assert t.record.fingerprint == FP
+    assert t.record.lease_expires_at == pytest.approx(clock() + PENDING_S, abs=1e-3)
+    assert store.get(ID) == t.record
+
+
+@pytest.mark.parametrize("state", [State.PENDING, State.IN_PROGRESS])
+def test_claim_while_live_is_duplicate_with_original_task_id_and_changes_nothing(store: Store, state: State) -> None:
+    assert claim(store, task_id="task-1").decision is Decision.NEW
+    if state is State.IN_PROGRESS:
+        assert acquire(store).decision is Decision.RUN
+    before = snapshot(store)
+    t = claim(store, task_id="task-2")
+    assert t.decision is Decision.DUPLICATE
+    assert t.record is not None and t.record.task_id == "task-1"
+    assert snapshot(store) == before
+
+
+@pytest.mark.parametrize("state", [State.COMPLETED, State.FAILED])
+def test_claim_after_outcome_replays_it(store: Store, state: State) -> None:
+    settle(store, state)
+    t = claim(store, task_id="task-2")
+    assert t.decision is Decision.REPLAY
+    assert t.record is not None and t.record.state is state and t.record.task_id == "task-1"
+    if state is State.COMPLETED:
+        assert t.record.result == RESULT
+        assert t.record.content_type == "application/json"
+    else:
+        assert t.record.error is not None and t.record.error.type == "CardDeclined"
+        assert t.record.error.args == ["no"]
+
+
+@pytest.mark.parametrize("state", [State.PENDING, State.IN_PROGRESS, State.COMPLETED, State.FAILED])
+def test_claim_with_other_fingerprint_is_mismatch_in_every_state(store: Store, state: State) -> None:
+    if state is State.PENDING:
+        claim(store)
+    elif state is State.IN_PROGRESS:
+        running(store)
+    else:
+        settle(store, state)
+    before = snapshot(store)
+    assert claim(store, fp=OTHER_FP, task_id="task-2").decision is Decision.MISMATCH
+    assert snapshot(store) == before
+
+
+def test_claim_with_other_fingerprint_is_mismatch_even_past_the_lease(store: Store, clock) -> None:
+    claim(store)
+    clock.advance(PENDING_S + 1)
+    assert claim(store, fp=OTHER_FP, task_id="task-2").decision is Decision.MISMATCH
+
+
+def test_claim_past_pending_lease_takes_over_with_new_task_id(store: Store, clock) -> None:
+    first = claim(store, task_id="task-1")
+    assert first.record is not None
+    clock.advance(PENDING_S + 1)
+    t = claim(store, task_id="task-2")
+    assert t.decision is Decision.NEW
+    assert t.record is not None and t.record.task_id == "task-2" and t.record.owner != first.record.owner
+
+
+def test_claim_past_in_progress_lease_takes_over_and_fences_the_old_attempt(store: Store, clock) -> None:
+    old_owner = running(store)
+    clock.advance(LEASE_S + 1)
+    t = claim(store, task_id="task-2")
+    assert t.decision is Decision.NEW
+    assert store.complete(ID, old_owner, RESULT).decision is Decision.LOST
+    record = store.get(ID)
+    assert record is not None and record.state is State.PENDING and record.task_id == "task-2"
+
+
+def test_claim_after_ttl_is_free_for_a_new_payload(store: Store, clock) -> None:
+    settle(store, State.COMPLETED)
+    clock.advance(TTL_S + 1)
+    assert store.get(ID) is None
+    t = claim(store, fp=OTHER_FP, task_id="task-9")
+    assert t.decision is Decision.NEW
+    assert t.record is not None and t.record.result is None and t.record.fingerprint == OTHER_FP
+
+
+# ---- acquire ----------------------------------------------------------------------------------
+
+
+def test_acquire_on_nothing_runs(store: Store, clock) -> None:
+    # Given a message sent by name (no claim at publish)
+    t = acquire(store, task_id="sent-by-name")
+    assert t.decision is Decision.RUN
+    assert t.record is not None
+    assert t.record.state is State.IN_PROGRESS and t.record.attempt == 1
+    assert t.record.lease_expires_at == pytest.approx(clock() + LEASE_S, abs=1e-3)
+
+
+def test_acquire_on_pending_runs_under_a_fresh_owner(store: Store) -> None:
+    claimed = claim(store)
+    t = acquire(store)
+    assert t.decision is Decision.RUN
+    assert t.record is not None and claimed.record is not None
+    assert t.record.owner != claimed.record.owner and t.record.attempt == 1
+
+
+def test_acquire_on_pending_of_another_task_id_runs_and_records_the_runner(store: Store) -> None:
+    # Given the claim's message is still queued when a send_task duplicate reaches a worker
+    claim(store, task_id="task-1")
+    t = acquire(store, task_id="task-by-name")
+    assert t.decision is Decision.RUN
+    assert t.record is not None and t.record.task_id == "task-by-name"
+
+
+def test_acquire_while_lease_is_live_is_busy(store: Store) -> None:
+    running(store)
+    before = snapshot(store)
+    t = acquire(store, task_id="redelivered")
+    assert t.decision is Decision.BUSY
+    assert snapshot(store) == before
+
+
+def test_acquire_past_the_lease_runs_again_and_counts_the_attempt(store: Store, clock) -> None:
+    old_owner = running(store)
+    clock.advance(LEASE_S + 1)
+    t = acquire(store, task_id="task-1")
+    assert t.decision is Decision.RUN
+    assert t.record is not None and t.record.attempt == 2 and t.record.owner != old_owner
+
+
+@pytest.mark.parametrize("state", [State.COMPLETED, State.FAILED])
+def test_acquire_after_outcome_replays(store: Store, state: State) -> None:
+    settle(store, state)
+    t = acquire(store, task_id="redelivered")
+    assert t.decision is Decision.REPLAY
+    assert t.record is not None and t.record.state is state
+
+
+@pytest.mark.parametrize("state", [State.PENDING, State.IN_PROGRESS, State.COMPLETED])
+def test_acquire_with_other_fingerprint_and_task_id_is_mismatch_and_untouched(store: Store, state: State) -> None:
+    if state is State.PENDING:
+        claim(store)
+    elif state is State.IN_PROGRESS:
+        running(store)
+    else:
+        settle(store, state)
+    before = snapshot(store)
+    assert acquire(store, fp=OTHER_FP, task_id="task-2").decision is Decision.MISMATCH
+    assert snapshot(store) == before
+
+
+def test_acquire_of_a_retry_with_changed_arguments_runs_and_keeps_the_callers_fingerprint(store: Store) -> None:
+    # Given the first attempt released its claim for a Celery retry (same task id)
+    owner = running(store, task_id="task-1")
+    assert store.release(ID, owner, pending_seconds=PENDING_S).ok
+    # When the retry arrives with other arguments
+    t = acquire(store, fp=OTHER_FP, task_id="task-1")
+    # Then it runs, and the record still answers to the caller's call
+    assert t.decision is Decision.RUN
+    assert t.record is not None and t.record.fingerprint == FP and t.record.attempt == 2
+
+
+# ---- complete / fail --------------------------------------------------------------------------
+
+
+def test_complete_with_my_token_stores_the_result_with_ttl_from_now(store: Store, clock) -> None:
+    owner = running(store)
+    clock.advance(5)
+    assert store.complete(ID, owner, RESULT, content_type="application/json", content_encoding="utf-8").ok
+    record = store.get(ID)
+    assert record is not None
+    assert record.state is State.COMPLETED and record.result == RESULT
+    assert record.lease_expires_at is None
+    assert record.expires_at == pytest.approx(clock() + TTL_S, abs=1e-3)
+
+
+def test_fail_with_my_token_stores_the_error(store: Store) -> None:
+    owner = running(store)
+    error = ErrorInfo(type="CardDeclined", module="shop.errors", message="card declined", args=["card declined", 402])
+    assert store.fail(ID, owner, error).ok
+    record = store.get(ID)
+    assert record is not None and record.state is State.FAILED and record.error == error and record.result is None
+
+
+def test_complete_and_fail_with_a_wrong_token_are_lost_and_change_nothing(store: Store) -> None:
+    running(store)
+    before = snapshot(store)
+    assert store.complete(ID, "not-my-token", RESULT).decision is Decision.LOST
+    assert store.fail(ID, "not-my-token", ErrorInfo(type="E", module="m", message="")).decision is Decision.LOST
+    assert snapshot(store) == before
+
+
+def test_complete_after_settled_or_absent_is_lost(store: Store) -> None:
+    assert store.complete(ID, "anyone", RESULT).decision is Decision.LOST
+    owner = running(store)
+    assert store.complete(ID, owner, RESULT).ok
+    assert store.complete(ID, owner, b'"second"').decision is Decision.LOST
+    record = store.get(ID)
+    assert record is not None and record.result == RESULT
+
+
+def test_complete_by_task_id_fence_settles_only_that_task(store: Store) -> None:
+    # The parent-process signal hook has no owner token, only the failed task's id.
+    running(store, task_id="task-1")
+    assert store.complete(ID, "task-other", RESULT, fence="task_id").decision is Decision.LOST
+    assert store.complete(ID, "task-1", RESULT, fence="task_id").ok
+
+
+def test_complete_after_lease_expiry_still_wins_when_nobody_took_over(store: Store, clock) -> None:
+    # The token is the fence, not the clock: no other attempt ran, so the outcome is good.
+    owner = running(store)
+    clock.advance(LEASE_S + 1)
+    assert store.complete(ID, owner, RESULT).ok
+
+
+# ---- release / renew --------------------------------------------------------------------------
+
+
+def test_release_to_pending_keeps_the_identity_for_the_queued_retry(store: Store, clock) -> None:
+    owner = running(store)
+    assert store.release(ID, owner, pending_seconds=PENDING_S).ok
+    record = store.get(ID)
+    assert record is not None
+    assert record.state is State.PENDING and record.owner != owner and record.task_id == "task-1"
+    assert record.lease_expires_at == pytest.approx(clock() + PENDING_S, abs=1e-3)
+    # the released attempt can no longer write
+    assert store.complete(ID, owner, RESULT).decision is Decision.LOST
+
+
+def test_release_without_retry_deletes_the_record(store: Store) -> None:
+    owner = running(store)
+    assert store.release(ID, owner).ok
+    assert store.get(ID) is None
+    assert claim(store, fp=OTHER_FP, task_id="task-2").decision is Decision.NEW
+
+
+def test_release_of_a_pending_claim_by_its_claimant(store: Store) -> None:
+    # A failed publish gives the claim back before re-raising the broker's error.
+    t = claim(store)
+    assert t.record is not None
+    assert store.release(ID, t.record.owner).ok
+    assert store.get(ID) is None
+
+
+def test_release_with_wrong_token_or_settled_is_lost(store: Store) -> None:
+    owner = running(store)
+    assert store.release(ID, "not-mine").decision is Decision.LOST
+    assert store.complete(ID, owner, RESULT).ok
+    assert store.release(ID, owner).decision is Decision.LOST
+    assert store.get(ID) is not None
+
+
+def test_release_expired_only_spares_a_live_lease(store: Store, clock) -> None:
+    owner = running(store)
+    assert store.release(ID, owner, expired_only=True).decision is Decision.LOST
+    clock.advance(LEASE_S + 1)
+    assert store.release(ID, owner, expired_only=True).ok
+    assert store.get(ID) is None
+
+
+def test_renew_extends_the_lease(store: Store, clock) -> None:
+    owner = running(store)
+    clock.advance(LEASE_S - 1)
+    assert store.renew(ID, owner, lease_seconds=LEASE_S).ok
+    clock.advance(LEASE_S - 1)
+    # still ours: a second worker finds it busy
+    assert acquire(store, task_id="redelivered").decision is Decision.BUSY
+    record = store.get(ID)
+    assert record is not None and record.lease_expires_at == pytest.approx(clock() + 1, abs=1e-3)
+
+
+def test_renew_of_a_pending_claim_or_wrong_token_is_lost(store: Store) -> None:
+    t = claim(store)
+    assert t.record is not None
+    assert store.renew(ID, t.record.owner, lease_seconds=LEASE_S).decision is Decision.LOST
+    acquire(store)
+    assert store.renew(ID, "not-mine", lease_seconds=LEASE_S).decision is Decision.LOST
+
+
+# ---- fencing after a takeover -----------------------------------------------------------------
+
+
+def test_a_stale_owner_after_takeover_can_write_nothing(store: Store, clock) -> None:
+    # Given attempt A ran past its lease and attempt B took over
+    stale = running(store)
+    clock.advance(LEASE_S + 1)
+    fresh = acquire(store)
+    assert fresh.decision is Decision.RUN and fresh.record is not None
+    before = snapshot(store)
+    # When A comes back, every write it tries is LOST
+    assert store.complete(ID, stale, RESULT).decision is Decision.LOST
+    assert store.fail(ID, stale, ErrorInfo(type="E", module="m", message="")).decision is Decision.LOST
+    assert store.release(ID, stale).decision is Decision.LOST
+    assert store.release(ID, stale, pending_seconds=PENDING_S).decision is Decision.LOST
+    assert store.renew(ID, stale, lease_seconds=LEASE_S).decision is Decision.LOST
+    # Then nothing changed, and B still owns the record
+    assert snapshot(store) == before
+    assert store.complete(ID, fresh.record.owner, RESULT).ok
+
+
+# ---- get / forget / TTL ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("state", [State.PENDING, State.IN_PROGRESS, State.COMPLETED, State.FAILED])
+def test_forget_removes_the_record_in_any_state(store: Store, state: State) -> None:
+    if state is State.PENDING:
+        claim(store)
+    elif state is State.IN_PROGRESS:
+        running(store)
+    else:
+        settle(store, state)
+    assert store.forget(ID) is True
+    assert store.get(ID) is None
+    assert store.forget(ID) is False
+
+
+def test_forget_fences_out_a_running_attempt(store: Store) -> None:
+    owner = running(store)
+    store.forget(ID)
+    assert store.complete(ID, owner, RESULT).decision is Decision.LOST
+    assert store.get(ID) is None
+
+
+def test_settled_record_expires_after_its_ttl(store: Store, clock) -> None:
+    settle(store, State.COMPLETED)
+    clock.advance(TTL_S - 1)
+    assert store.get(ID) is not None
+    clock.advance(2)
+    assert store.get(ID) is None
+    assert store.forget(ID) is False
+
+
+def test_abandoned_attempt_is_collected_ttl_after_its_lease(store: Store, clock) -> None:
+    running(store)
+    clock.advance(LEASE_S + TTL_S - 1)
+    assert store.get(ID) is not None
+    clock.advance(2)
+    assert store.get(ID) is None
+
+
+def test_identity_parts_are_separate_records(store: Store) -> None:
+    # Scope, task name and key each make a different identity, even where a naive join would collide.
+    identities = [
+        Identity("", "a", "b:c"),
+        Identity("", "a:b", "c"),
+        Identity("a", "b", "c"),
+        Identity("tenant-1", "shop.charge", "order-42"),
+        Identity("tenant-2", "shop.charge", "order-42"),
+    ]
+    for n, identity in enumerate(identities):
+        assert claim(store, task_id=f"task-{n}", identity=identity).decision is Decision.NEW
+    for n, identity in enumerate(identities):
+        record = store.get(identity)
+        assert record is not None and record.task_id == f"task-{n}" and record.identity == identity
+
+
+# ---- the reconciler's query --------------------------------------------------------------------
+
+
+def test_expired_leases_lists_only_stale_unsettled_records_oldest_first(store: Store, clock) -> None:
+    ids = [Identity("", "shop.charge", f"order-{n}") for n in range(6)]
+    # order-0: claimed first, so its pending lease runs out first
+    store.claim(ids[0], FP, "t0", pending_seconds=10, ttl_seconds=TTL_S)
+    store.claim(ids[1], FP, "t1", pending_seconds=20, ttl_seconds=TTL_S)
+    store.acquire(ids[2], FP, "t2", lease_seconds=15, ttl_seconds=TTL_S)  # running, lease 15
+    store.claim(ids[3], FP, "t3", pending_seconds=1000, ttl_seconds=TTL_S)  # live
+    done = store.acquire(ids[4], FP, "t4", lease_seconds=5, ttl_seconds=TTL_S)
+    assert done.record is not None
+    store.complete(ids[4], done.record.owner, RESULT)  # settled: never stale
+    store.acquire(ids[5], FP, "t5", lease_seconds=5, ttl_seconds=TTL_S)
+    store.forget(ids[5])  # forgotten: never listed
+    clock.advance(25)
+    stale = store.expired_leases(limit=10)
+    assert [r.key for r in stale] == ["order-0", "order-2", "order-1"]
+    assert [r.key for r in store.expired_leases(limit=2)] == ["order-0", "order-2"]
+
+
+def test_expired_leases_rejects_a_zero_limit(store: Store) -> None:
+    with pytest.raises(ValueError, match="limit must be at least 1"):
+        store.expired_leases(limit=0)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda s: s.claim(ID, FP, "t", pending_seconds=0, ttl_seconds=TTL_S), "pending_seconds must be a positive"),
+        (lambda s: s.claim(ID, FP, "t", pending_seconds=PENDING_S, ttl_seconds=-1), "ttl_seconds must be a positive"),
+        (lambda s: s.acquire(ID, FP, "t", lease_seconds=0, ttl_seconds=TTL_S), "lease_seconds must be a positive"),
+        (lambda s: s.renew(ID, "o", lease_seconds=float("nan")), "lease_seconds must be a positive"),
+    ],
+)
+def test_non_positive_durations_are_refused_before_touching_the_store(store: Store, call, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        call(store)
+    assert store.get(ID) is None
