@@ -6,6 +6,7 @@ at-least-once delivery + idempotent handler = exactly-once effect
 from __future__ import annotations
 
 from .config import IdempotencyPolicy, IdempotencySettings
+from .decorators import idempotent_task
 from .errors import (
     ConfigurationError,
     DuplicateTaskError,
@@ -20,18 +21,24 @@ from .errors import (
     SerializationError,
     StoreUnavailableError,
 )
+from .extension import Idempotency
 from .records import IdempotencyRecord, State
+from .result import IdempotentResult
 from .stores import MemoryStore, Store, store_from_url
+from .task import IdempotentTask
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ConfigurationError",
     "DuplicateTaskError",
+    "Idempotency",
     "IdempotencyError",
     "IdempotencyPolicy",
     "IdempotencyRecord",
     "IdempotencySettings",
+    "IdempotentResult",
+    "IdempotentTask",
     "InvalidKeyError",
     "LockLostError",
     "MemoryStore",
@@ -44,5 +51,6 @@ __all__ = [
     "State",
     "Store",
     "StoreUnavailableError",
+    "idempotent_task",
     "store_from_url",
 ]

@@ -1,0 +1,183 @@
+"""Idempotency: the per-app extension. Settings, the store, the signal hooks, the counters."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from typing import Any
+
+from pydantic import ValidationError
+
+from .config import IdempotencyPolicy, IdempotencySettings
+from .errors import ConfigurationError
+from .fingerprint import validate_key, validate_scope
+from .heartbeat import Heartbeat
+from .records import IdempotencyRecord, Identity
+from .stores import Store, store_from_url
+
+__all__ = ["COUNTERS", "Idempotency"]
+
+logger = logging.getLogger("celery_idem")
+
+_ATTRIBUTE = "_celery_idempotency"
+COUNTERS = (
+    "claims",
+    "duplicates",
+    "replays",
+    "mismatches",
+    "busy_waits",
+    "lost_locks",
+    "store_errors",
+    "reconciled_completed",
+    "reconciled_failed",
+    "reconciled_released",
+)
+
+
+def _invalid(where: str, error: ValidationError) -> ConfigurationError:
+    problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in error.errors())
+    return ConfigurationError(f"invalid {where}: {problems}")
+
+
+class Idempotency:
+    """celery-idem on one Celery app.
+
+    ``Idempotency(app, store="redis://...", ttl_seconds=3600)``: settings come from these keywords,
+    then ``app.conf.idempotency_<name>``, then the defaults (:class:`IdempotencySettings`). Nothing
+    is connected at construction; the store is opened on first use. Installing a second instance
+    on the same app replaces the first.
+
+    Args:
+        app: The Celery app.
+        store: A store URL or :class:`~celery_idem.stores.Store` (same as ``store=`` in settings).
+        **settings: Any :class:`IdempotencySettings` field.
+
+    Raises:
+        ConfigurationError: an unknown or invalid setting.
+    """
+
+    def __init__(self, app: Any, store: str | Store | None = None, **settings: Any) -> None:
+        if store is not None:
+            settings["store"] = store
+        unknown = sorted(set(settings) - set(IdempotencySettings.model_fields))
+        if unknown:
+            known = ", ".join(sorted(IdempotencySettings.model_fields))
+            raise ConfigurationError(f"unknown setting {', '.join(unknown)}; settings are: {known}")
+        self.app = app
+        self._keywords = settings
+        self._lock = threading.Lock()
+        self._counters = dict.fromkeys(COUNTERS, 0)
+        self._policies: dict[str, IdempotencyPolicy] = {}
+        self.heartbeat = Heartbeat()
+        previous = app.__dict__.get(_ATTRIBUTE)
+        if previous is not None:
+            previous.disconnect()
+        setattr(app, _ATTRIBUTE, self)
+        from .signals import connect
+
+        self._receivers = connect(self)
+        if settings:
+            self.settings  # noqa: B018 - explicit settings are validated at construction
+
+    @classmethod
+    def of(cls, app: Any) -> Idempotency:
+        """The extension installed on ``app``; installs one with the app's settings if there is none."""
+        installed = app.__dict__.get(_ATTRIBUTE)
+        return installed if installed is not None else cls(app)
+
+    def disconnect(self) -> None:
+        """Disconnect this instance's signal hooks (a replaced instance does this)."""
+        from .signals import disconnect
+
+        disconnect(self._receivers)
+
+    def __repr__(self) -> str:
+        return f"<Idempotency app={self.app.main!r}>"
+
+    # ---- settings and policies -----------------------------------------------------------------
+
+    @functools.cached_property
+    def settings(self) -> IdempotencySettings:
+        """Resolved on first use, so ``app.conf`` may still change after tasks are defined."""
+        values: dict[str, Any] = {}
+        for name in IdempotencySettings.model_fields:
+            conf_value = self.app.conf.get(f"idempotency_{name}")
+            if conf_value is not None:
+                values[name] = conf_value
+        values.update(self._keywords)
+        try:
+            return IdempotencySettings(**values)
+        except ValidationError as exc:
+            raise _invalid(f"celery-idem settings of app {self.app.main!r}", exc) from None
+
+    @functools.cached_property
+    def store(self) -> Store:
+        """The store, built once from the ``store`` setting."""
+        settings = self.settings
+        store = settings.store
+        if store is None:
+            if not self.app.conf.task_always_eager:
+                raise ConfigurationError(
+                    f"no idempotency store for app {self.app.main!r}: pass Idempotency(app, "
+                    "store='redis://...') or set app.conf.idempotency_store (memory:// is the default "
+                    "only with task_always_eager)"
+                )
+            store = "memory://"
+        if isinstance(store, Store):
+            return store
+        return store_from_url(
+            str(store),
+            key_prefix=settings.key_prefix,
+            timeout_seconds=settings.store_timeout_seconds,
+            max_result_bytes=settings.max_result_bytes,
+        )
+
+    def policy_for(self, task: Any) -> IdempotencyPolicy:
+        """The task's effective policy: its ``idempotency`` option over the app-wide defaults."""
+        policy = self._policies.get(task.name)
+        if policy is None:
+            option = getattr(task, "idempotency", None)
+            if option is not None and not isinstance(option, (dict, IdempotencyPolicy)):
+                raise ConfigurationError(
+                    f"the idempotency option of task {task.name!r} must be a dict or IdempotencyPolicy; "
+                    f"got {type(option).__name__}"
+                )
+            try:
+                policy = self.settings.policy(option)
+            except ValidationError as exc:
+                raise _invalid(f"idempotency policy of task {task.name!r}", exc) from None
+            self._policies[task.name] = policy
+        return policy
+
+    # ---- records -------------------------------------------------------------------------------
+
+    def _identity(self, task: Any, key: str, scope: str | None) -> Identity:
+        name = task if isinstance(task, str) else task.name
+        return Identity(validate_scope(scope), name, validate_key(key))
+
+    def get(self, task: Any, key: str, scope: str | None = None) -> IdempotencyRecord | None:
+        """The record of ``(scope, task, key)``; ``task`` is the task or its name."""
+        return self.store.get(self._identity(task, key, scope))
+
+    def forget(self, task: Any, key: str, scope: str | None = None) -> bool:
+        """Remove the record in any state; True if there was one. A running attempt is fenced out."""
+        return self.store.forget(self._identity(task, key, scope))
+
+    # ---- counters ------------------------------------------------------------------------------
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counters[name] += n
+
+    def metrics(self) -> dict[str, int]:
+        """Counters since this process started: claims, duplicates, replays, mismatches, ..."""
+        with self._lock:
+            return dict(self._counters)
+
+
+def is_idempotent(task: Any) -> bool:
+    """True for tasks whose calls celery-idem protects."""
+    from .task import IdempotentTask
+
+    return isinstance(task, IdempotentTask)

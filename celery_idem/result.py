@@ -1,0 +1,120 @@
+"""IdempotentResult: the AsyncResult every apply_async of an idempotent task returns.
+
+``.deduplicated`` says whether this call was a duplicate; ``.idempotency_key`` is the key (the
+fingerprint for a key-less call). ``.get()`` answers from the store when the result backend cannot:
+a replayed outcome at once, and a task that keeps no result in the backend (``ignore_result=True``,
+no backend configured) by watching the store.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from celery import states
+from celery.backends.base import DisabledBackend
+from celery.exceptions import TimeoutError as CeleryTimeoutError
+from celery.result import AsyncResult
+
+from .outcome import replay
+
+if TYPE_CHECKING:
+    from .extension import Idempotency
+    from .records import IdempotencyRecord, Identity
+
+__all__ = ["IdempotentResult"]
+
+
+class IdempotentResult(AsyncResult):  # type: ignore[misc]
+    """An AsyncResult that knows its idempotency identity and can answer from the store."""
+
+    deduplicated: bool = False
+    idempotency_key: str | None = None
+    identity: Identity | None = None
+    idempotency: Idempotency | None = None
+
+    def __init__(
+        self,
+        id: str,
+        *args: Any,
+        deduplicated: bool = False,
+        idempotency_key: str | None = None,
+        identity: Identity | None = None,
+        idempotency: Idempotency | None = None,
+        record: IdempotencyRecord | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(id, *args, **kwargs)
+        self.deduplicated = deduplicated
+        self.idempotency_key = idempotency_key
+        self.identity = identity
+        self.idempotency = idempotency
+        self._record = record
+
+    def __repr__(self) -> str:
+        flag = " deduplicated" if self.deduplicated else ""
+        return f"<{type(self).__name__}: {self.id}{flag} key={self.idempotency_key!r}>"
+
+    def _settled_record(self) -> IdempotencyRecord | None:
+        if self._record is not None:
+            return self._record
+        if self.identity is None or self.idempotency is None:
+            return None
+        record = self.idempotency.store.get(self.identity)
+        if record is not None and record.state.settled:
+            self._record = record
+            return record
+        return None
+
+    def _backend_keeps_results(self) -> bool:
+        if isinstance(self.backend, DisabledBackend):
+            return False
+        task = self.app.tasks.get(self.name) if self.name else None
+        return not (task is not None and task.ignore_result)
+
+    def get(self, timeout: float | None = None, propagate: bool = True, interval: float = 0.5, **kwargs: Any) -> Any:
+        """The task's outcome: from the stored record when there is one, else as Celery gets it.
+
+        Raises:
+            celery.exceptions.TimeoutError: no outcome within ``timeout`` seconds.
+        """
+        record = self._settled_record() if self._record is not None or self.identity is not None else None
+        if record is None and self.identity is not None and not self._backend_keeps_results():
+            record = self._watch_store(timeout, interval)
+        if record is None:
+            return super().get(timeout=timeout, propagate=propagate, interval=interval, **kwargs)
+        if record.error is not None and not propagate:
+            from .outcome import rebuild_exception
+
+            return rebuild_exception(record.error)
+        return replay(record)
+
+    def _watch_store(self, timeout: float | None, interval: float) -> IdempotencyRecord:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 0.01
+        while True:
+            record = self._settled_record()
+            if record is not None:
+                return record
+            if deadline is not None and time.monotonic() >= deadline:
+                raise CeleryTimeoutError("The operation timed out.")
+            time.sleep(pause)
+            pause = min(pause * 2, interval)
+
+    @property
+    def state(self) -> str:
+        record = self._settled_record() if self.identity is not None else None
+        if record is not None:
+            return str(states.SUCCESS if record.error is None else states.FAILURE)
+        return str(super().state)
+
+    status = state
+
+    def ready(self) -> bool:
+        return bool(self.state in states.READY_STATES)
+
+    def successful(self) -> bool:
+        return bool(self.state == states.SUCCESS)
+
+    def failed(self) -> bool:
+        return bool(self.state == states.FAILURE)

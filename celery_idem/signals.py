@@ -1,0 +1,112 @@
+"""Signal hooks: protect messages sent by name, and settle records after a hard kill.
+
+A message published by ``app.send_task`` (or beat, or another service) never passes through
+IdempotentTask.apply_async, but it still runs through IdempotentTask.__call__ on the worker, where
+the handler acquires with the key from the ``idempotency_key`` header: no hook is needed for that.
+
+After a hard kill (SIGKILL, the hard time limit, a terminating revoke) the task's own code never
+runs again: the worker's parent process sends ``task_failure`` (WorkerLostError, TimeLimitExceeded)
+or ``task_revoked``. These hooks release the record then, fenced by the task id (the parent has no
+owner token): a record that another task id holds by now is left alone.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+from celery import signals
+from celery.exceptions import TimeLimitExceeded, WorkerLostError
+
+from .errors import IdempotencyError
+from .handler import KEY_HEADER, SCOPE_HEADER
+
+if TYPE_CHECKING:
+    from .extension import Idempotency
+
+__all__ = ["connect", "disconnect"]
+
+logger = logging.getLogger("celery_idem.signals")
+_HARD_KILLS = (WorkerLostError, TimeLimitExceeded)
+_REMEMBERED = 10_000  # headers of in-flight messages kept by the parent, newest first
+
+
+class _Hooks:
+    def __init__(self, idem: Idempotency) -> None:
+        self.idem = idem
+        # task id -> message headers, kept by the process that receives messages: the hard time
+        # limit's task_failure comes without the request, so the key is looked up here.
+        self.headers: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
+        self.lock = threading.Lock()
+
+    def _ours(self, task: Any) -> bool:
+        from .task import IdempotentTask
+
+        return isinstance(task, IdempotentTask) and task.app is self.idem.app
+
+    def received(self, sender: Any = None, request: Any = None, **_: Any) -> None:
+        task = getattr(request, "task", None)
+        if task is None or not self._ours(task):
+            return
+        message_headers = request.request_dict
+        kept = {k: message_headers[k] for k in (KEY_HEADER, SCOPE_HEADER) if message_headers.get(k) is not None}
+        with self.lock:
+            self.headers[request.id] = kept
+            while len(self.headers) > _REMEMBERED:
+                self.headers.popitem(last=False)
+
+    def failed(self, sender: Any = None, task_id: str | None = None, exception: Any = None, **kw: Any) -> None:
+        if task_id is None or not isinstance(exception, _HARD_KILLS) or not self._ours(sender):
+            return
+        self._release(sender, task_id, kw.get("args"), kw.get("kwargs"), self._request_headers(sender), "failure")
+
+    def revoked(self, sender: Any = None, request: Any = None, **_: Any) -> None:
+        task = getattr(request, "task", None) or sender
+        if request is None or task is None or not self._ours(task):
+            return
+        self._release(task, request.id, request.args, request.kwargs, request.request_dict, "revoke")
+
+    @staticmethod
+    def _request_headers(task: Any) -> dict[str, Any]:
+        request = task.request
+        headers = dict(request.headers or {})
+        for name in (KEY_HEADER, SCOPE_HEADER):
+            value = getattr(request, name, None)
+            if value is not None:
+                headers.setdefault(name, value)
+        return headers
+
+    def _release(self, task: Any, task_id: str, args: Any, kwargs: Any, headers: Any, why: str) -> None:
+        with self.lock:
+            remembered = self.headers.pop(task_id, None)
+        headers = {**(headers or {}), **(remembered or {})}
+        try:
+            handler = task.idempotency_handler
+            key = headers.get(KEY_HEADER)
+            fp = handler.fingerprint(args or (), kwargs or {}) if key is None else ""
+            identity = handler.identify(key, headers.get(SCOPE_HEADER), fp)
+            answer = self.idem.store.release(identity, task_id, fence="task_id")
+        except (IdempotencyError, TypeError, ValueError) as exc:
+            logger.warning("could not settle task %s after its %s: %s", task_id, why, exc)
+            return
+        logger.info("%s of task %s: record %s %s", why, task_id, identity, "released" if answer.ok else "left")
+
+
+def connect(idem: Idempotency) -> list[tuple[Any, Any]]:
+    """Connect one extension's hooks; returns what :func:`disconnect` needs."""
+    hooks = _Hooks(idem)
+    receivers = [
+        (signals.task_received, hooks.received),
+        (signals.task_failure, hooks.failed),
+        (signals.task_revoked, hooks.revoked),
+    ]
+    for signal, receiver in receivers:
+        signal.connect(receiver, weak=False)
+    return receivers
+
+
+def disconnect(receivers: list[tuple[Any, Any]]) -> None:
+    for signal, receiver in receivers:
+        signal.disconnect(receiver)

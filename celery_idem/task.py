@@ -1,0 +1,65 @@
+"""IdempotentTask: a thin Celery Task that hands both sides of every call to its Handler."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from celery import Task
+
+from .config import IdempotencyPolicy
+from .extension import Idempotency
+from .handler import Handler
+from .result import IdempotentResult
+
+__all__ = ["IdempotentTask"]
+
+
+class IdempotentTask(Task):  # type: ignore[misc]
+    """Base class of idempotent tasks: ``@app.task(base=IdempotentTask, idempotency={...})``.
+
+    The task option ``idempotency`` (a dict or :class:`IdempotencyPolicy`) is the task's policy;
+    fields it leaves out come from the app's settings. apply_async takes ``idempotency_key``,
+    ``idempotency_scope`` and ``idempotency=False`` (bypass for one call).
+    """
+
+    idempotency: ClassVar[dict[str, Any] | IdempotencyPolicy | None] = None
+    _idempotency_handler: Handler | None = None
+
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        # Install the extension as soon as the task is bound, so the worker's parent process has
+        # the signal hooks even if the user never calls Idempotency(app) themselves.
+        Idempotency.of(app)
+
+    @property
+    def idempotency_handler(self) -> Handler:
+        """The handler of this task on its app (built at first use, then cached)."""
+        handler = self._idempotency_handler
+        if handler is None or handler.idem is not Idempotency.of(self.app):
+            handler = self._idempotency_handler = Handler(Idempotency.of(self.app), self)
+        return handler
+
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: str | None = None,
+        **options: Any,
+    ) -> Any:
+        options.update(task_id=task_id, producer=producer, link=link, link_error=link_error, shadow=shadow)
+        return self.idempotency_handler.publish(args, kwargs, options, self._send)
+
+    def _send(self, args: Any, kwargs: Any, options: dict[str, Any]) -> Any:
+        return super().apply_async(args, kwargs, **options)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.request.called_directly:  # a plain function call in user code: Celery's behaviour
+            return super().__call__(*args, **kwargs)
+        return self.idempotency_handler.run(args, kwargs)
+
+    def AsyncResult(self, task_id: str, **kwargs: Any) -> IdempotentResult:  # noqa: N802 - Celery's name
+        return IdempotentResult(task_id, backend=self.backend, task_name=self.name, app=self.app, **kwargs)
