@@ -157,6 +157,8 @@ class Handler:
             return send(args, kwargs, options)
 
         fp = self.fingerprint(args, kwargs)
+        if key is None and scope is None:
+            key, scope = self._running_identity(fp)
         identity = self.identify(key, scope, fp)
         task_id = options.get("task_id") or str(uuid.uuid4())
         options["task_id"] = task_id
@@ -215,6 +217,14 @@ class Handler:
             record=record if record.state.settled else None,
         )
 
+    def _running_identity(self, fp: str) -> tuple[str | None, str | None]:
+        """A key-less call of this task from inside its own body, with the same arguments, is the
+        running call itself: it inherits that call's key and scope (and so gets its own id back)."""
+        request = self.task.request
+        if getattr(request, "idempotency_fingerprint", None) == fp:
+            return request.idempotency_key, request.idempotency_scope
+        return None, None
+
     def _result(self, result: Any, identity: Identity, *, deduplicated: bool) -> Any:
         result.deduplicated = deduplicated
         result.idempotency_key = identity.key
@@ -250,6 +260,7 @@ class Handler:
         identity = self.identify(header(KEY_HEADER), header(SCOPE_HEADER), fp)
         request.idempotency_key = identity.key
         request.idempotency_scope = identity.scope or None
+        request.idempotency_fingerprint = fp
         task_id = request.id
         policy, store = self.policy, self.idem.store
         deadline: float | None = None

@@ -67,7 +67,7 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
         return None
 
     def _backend_keeps_results(self) -> bool:
-        if isinstance(self.backend, DisabledBackend):
+        if self.ignored or isinstance(self.backend, DisabledBackend):
             return False
         task = self.app.tasks.get(self.name) if self.name else None
         return not (task is not None and task.ignore_result)

@@ -1,0 +1,130 @@
+"""The app the worker tests run: a shop whose tasks count their side effects in Redis.
+
+``make_app(...)`` builds one app per test module (in-process workers); a ``celery worker``
+subprocess imports this module and gets ``app`` built from the SHOP_* environment variables.
+Every side effect is an INCR on the counter Redis, keyed by task and idempotency key: the tests
+count executions there, outside the library, never in its records.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+
+from celery_idem import Idempotency, IdempotentTask, PermanentError, idempotent_task
+
+COUNTER_URL = os.environ.get("SHOP_COUNTER", "redis://127.0.0.1:6379/12")
+
+
+def effects_key(prefix: str, task: str, key: str) -> str:
+    return f"effects:{prefix}:{task}:{key}"
+
+
+def make_app(
+    *,
+    broker: str,
+    backend: str | None,
+    store: str,
+    prefix: str,
+    queue: str,
+    **settings: Any,
+) -> Celery:
+    app = Celery("shop", broker=broker, backend=backend, set_as_current=False)
+    app.conf.update(
+        task_default_queue=queue,
+        worker_prefetch_multiplier=1,
+        worker_hijack_root_logger=False,
+        broker_connection_retry_on_startup=True,
+        result_expires=600,
+        task_store_errors_even_if_ignored=False,
+    )
+    Idempotency(app, store=store, key_prefix=prefix, **settings)
+    counter = redis.Redis.from_url(COUNTER_URL)
+
+    def effect(task: Any) -> int:
+        """The side effect: one INCR per execution of the body, keyed by the call's identity, and
+        the time it started (so a test can tell when each execution ran)."""
+        key = effects_key(prefix, task.name, task.request.idempotency_key)
+        pipe = counter.pipeline()
+        pipe.incr(key)
+        pipe.rpush(f"{key}:at", repr(time.time()))
+        return int(pipe.execute()[0])
+
+    @app.task(base=IdempotentTask, bind=True, name="shop.charge", idempotency={"key_args": ["order_id", "amount"]})
+    def charge(self: Any, order_id: Any, amount: int, currency: str = "EUR", note: str = "") -> dict[str, Any]:
+        effect(self)
+        return {"order": str(order_id), "charged": amount, "currency": currency, "task_id": self.request.id}
+
+    @app.task(base=IdempotentTask, bind=True, name="shop.slow", acks_late=True, idempotency={"lease_seconds": 3})
+    def slow(self: Any, seconds: float, tag: str = "") -> str:
+        effect(self)
+        time.sleep(seconds)
+        return f"slept {seconds}"
+
+    @app.task(base=IdempotentTask, bind=True, name="shop.declined")
+    def declined(self: Any, order_id: int) -> None:
+        effect(self)
+        raise PermanentError(f"card declined for order {order_id}")
+
+    @app.task(
+        base=IdempotentTask,
+        bind=True,
+        name="shop.flaky",
+        autoretry_for=(ConnectionError,),
+        max_retries=2,
+        default_retry_delay=0,
+    )
+    def flaky(self: Any, fail_times: int, tag: str = "") -> dict[str, Any]:
+        n = effect(self)
+        if n <= fail_times:
+            raise ConnectionError(f"payment provider unreachable (attempt {n})")
+        return {"attempts": n, "task_id": self.request.id, "retries": self.request.retries}
+
+    @app.task(base=IdempotentTask, bind=True, name="shop.rebill", max_retries=3)
+    def rebill(self: Any, amount: int, tag: str = "") -> dict[str, Any]:
+        effect(self)
+        if self.request.retries == 0:
+            raise self.retry(args=(amount + 1,), kwargs={"tag": tag}, countdown=0)
+        return {"amount": amount, "retries": self.request.retries, "task_id": self.request.id}
+
+    @idempotent_task(app=app, bind=True, name="shop.quiet", ignore_result=True)
+    def quiet(self: Any, order_id: int) -> dict[str, Any]:
+        effect(self)
+        return {"quiet": order_id}
+
+    @app.task(base=IdempotentTask, bind=True, name="shop.again")
+    def again(self: Any, order_id: int) -> dict[str, Any]:
+        effect(self)
+        # A task that calls itself with its own arguments is its own duplicate.
+        return {"own": self.request.id, "again": again.delay(order_id).id}
+
+    @app.task(name="shop.add")
+    def add(value: dict[str, Any], extra: int) -> int:
+        counter.incr(effects_key(prefix, "shop.add", str(value.get("order"))))
+        return int(value["charged"]) + extra
+
+    @app.task(base=IdempotentTask, bind=True, name="shop.result_of_size")
+    def result_of_size(self: Any, size: int) -> str:
+        effect(self)
+        return "x" * size
+
+    @app.task(base=IdempotentTask, bind=True, name="shop.unencodable")
+    def unencodable(self: Any, tag: str) -> Any:
+        effect(self)
+        return object()
+
+    return app
+
+
+if os.environ.get("SHOP_BROKER"):
+    app = make_app(
+        broker=os.environ["SHOP_BROKER"],
+        backend=os.environ.get("SHOP_BACKEND") or None,
+        store=os.environ["SHOP_STORE"],
+        prefix=os.environ["SHOP_PREFIX"],
+        queue=os.environ["SHOP_QUEUE"],
+    )

@@ -1,0 +1,321 @@
+"""Through a real worker and a real broker: every main scenario on Redis and again on RabbitMQ.
+
+The worker runs in this process (celery.contrib.testing's start_worker, threads pool); the store is
+Redis; executions are counted by the INCR each task body makes (tests/shop.py), never by our records.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import redis
+from celery import chain, signals
+from celery.contrib.testing.worker import start_worker
+from conftest import IN_CI, REDIS_URL, require_server
+from shop import COUNTER_URL, effects_key, make_app
+
+from celery_idem import (
+    Idempotency,
+    InvalidKeyError,
+    PayloadMismatchError,
+    PermanentError,
+    ResultTooLargeError,
+    SerializationError,
+    State,
+)
+
+RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
+BROKERS = {"redis": "redis://127.0.0.1:6379/14", "rabbitmq": RABBITMQ_URL}
+BACKEND = "redis://127.0.0.1:6379/13"
+GET = 20  # seconds a test waits for a result
+
+
+def require_rabbitmq() -> None:
+    from kombu import Connection
+
+    try:
+        with Connection(RABBITMQ_URL, connect_timeout=3) as connection:
+            connection.connect()
+    except Exception as exc:  # noqa: BLE001
+        message = f"RabbitMQ is not reachable at {RABBITMQ_URL}: {exc}"
+        if IN_CI:
+            pytest.fail(f"{message} (CI=true: servers are required)")
+        pytest.skip(message)
+
+
+@dataclass
+class Shop:
+    app: Any
+    idem: Idempotency
+    prefix: str
+    broker: str
+    counter: redis.Redis
+
+    def task(self, name: str) -> Any:
+        return self.app.tasks[f"shop.{name}"]
+
+    def effects(self, task: str, key: str) -> int:
+        return int(self.counter.get(effects_key(self.prefix, f"shop.{task}", key)) or 0)
+
+
+@pytest.fixture(scope="module", params=sorted(BROKERS))
+def shop(request: pytest.FixtureRequest) -> Iterator[Shop]:
+    require_server("redis")
+    if request.param == "rabbitmq":
+        require_rabbitmq()
+    prefix = f"w{uuid.uuid4().hex[:10]}"
+    app = make_app(broker=BROKERS[request.param], backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix)
+    with start_worker(app, pool="threads", concurrency=8, perform_ping_check=False, shutdown_timeout=20):
+        yield Shop(app, Idempotency.of(app), prefix, request.param, redis.Redis.from_url(COUNTER_URL))
+
+
+@pytest.fixture
+def key() -> str:
+    return f"k-{uuid.uuid4().hex}"
+
+
+@pytest.fixture
+def published(shop: Shop) -> Iterator[list[str]]:
+    """Task ids of the messages this process publishes for the shop's app."""
+    sent: list[str] = []
+
+    def count(sender: Any = None, headers: Any = None, **_: Any) -> None:
+        if str(sender).startswith("shop."):
+            sent.append(headers["id"])
+
+    signals.before_task_publish.connect(count, weak=False)
+    yield sent
+    signals.before_task_publish.disconnect(count)
+
+
+# ---- one call, however it is spelled --------------------------------------------------------------
+
+
+def test_spellings_of_one_call_run_once_under_one_task_id(shop: Shop, key: str, published: list[str]) -> None:
+    charge = shop.task("charge")
+    results = [
+        charge.apply_async((42, 100), idempotency_key=key),
+        charge.apply_async(kwargs={"order_id": 42, "amount": 100}, idempotency_key=key),
+        charge.apply_async((42,), {"amount": 100}, idempotency_key=key),
+        charge.apply_async((42, 100, "EUR"), idempotency_key=key),
+        charge.s(42, amount=100).set(idempotency_key=key).apply_async(),
+    ]
+    assert {r.id for r in results} == {results[0].id}
+    assert [r.deduplicated for r in results] == [False, True, True, True, True]
+    assert {r.get(timeout=GET)["task_id"] for r in results} == {results[0].id}
+    assert shop.effects("charge", key) == 1
+    assert published == [results[0].id]
+
+
+def test_uuid_and_its_string_and_tuple_and_list_are_one_keyless_call(shop: Shop) -> None:
+    charge = shop.task("charge")
+    order = uuid.uuid4()
+    first, second = charge.delay(order, 100), charge.delay(str(order), 100)
+    assert second.id == first.id and second.idempotency_key == first.idempotency_key
+    assert first.get(timeout=GET) == second.get(timeout=GET)
+    third, fourth = charge.delay((1, 2), 5), charge.delay([1, 2], 5)
+    assert fourth.id == third.id
+    fourth.get(timeout=GET)
+    assert shop.effects("charge", first.idempotency_key) == 1
+    assert shop.effects("charge", third.idempotency_key) == 1
+
+
+# ---- a storm: 200 calls, 8 threads in each of 2 processes --------------------------------------------
+
+
+def _storm_process(broker: str, prefix: str, key: str, calls: int, go: Any, out: Any) -> None:
+    app = make_app(broker=broker, backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix)
+    charge = app.tasks["shop.charge"]
+    barrier = threading.Barrier(8)
+
+    def thread(n: int) -> None:
+        barrier.wait()
+        go.wait()
+        for _ in range(n):
+            result = charge.apply_async((7, 700), idempotency_key=key)
+            out.put((result.id, result.deduplicated, result.get(timeout=GET)))
+
+    threads = [threading.Thread(target=thread, args=(calls // 8 + (i < calls % 8),)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+@pytest.mark.slow
+def test_a_storm_of_200_calls_from_two_processes_runs_once_and_answers_everyone(shop: Shop, key: str) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    go, out = ctx.Event(), ctx.Queue()
+    storm = (BROKERS[shop.broker], shop.prefix, key, 100, go, out)
+    processes = [ctx.Process(target=_storm_process, args=storm) for _ in range(2)]
+    for p in processes:
+        p.start()
+    go.set()
+    answers = [out.get(timeout=120) for _ in range(200)]
+    for p in processes:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert shop.effects("charge", key) == 1
+    assert len({task_id for task_id, _, _ in answers}) == 1
+    assert sum(1 for _, deduplicated, _ in answers if not deduplicated) == 1
+    assert len({repr(result) for _, _, result in answers}) == 1
+
+
+# ---- mismatch ------------------------------------------------------------------------------------
+
+
+def test_mismatch_at_publish_publishes_nothing_before_and_after_completion(
+    shop: Shop, key: str, published: list[str]
+) -> None:
+    charge = shop.task("charge")
+    # Given a call still queued (countdown), then the same call completed
+    first = charge.apply_async((5, 50), idempotency_key=key, countdown=1)
+    with pytest.raises(PayloadMismatchError) as while_pending:
+        charge.apply_async((5, 51), idempotency_key=key)
+    assert while_pending.value.task_id == first.id
+    first.get(timeout=GET)
+    # When the key comes back with another amount after completion
+    with pytest.raises(PayloadMismatchError, match="a new call needs a new key"):
+        charge.apply_async((5, 999), idempotency_key=key)
+    # Then nothing but the first call was ever published or run
+    assert published == [first.id]
+    assert shop.effects("charge", key) == 1
+
+
+# ---- failures ---------------------------------------------------------------------------------------
+
+
+def test_final_failure_is_stored_and_replayed_without_running(shop: Shop, key: str, published: list[str]) -> None:
+    declined = shop.task("declined")
+    first = declined.apply_async((3,), idempotency_key=key)
+    with pytest.raises(PermanentError, match="card declined for order 3"):
+        first.get(timeout=GET)
+    second = declined.apply_async((3,), idempotency_key=key)
+    assert second.deduplicated and second.id == first.id
+    with pytest.raises(PermanentError, match="card declined for order 3"):
+        second.get(timeout=GET)
+    assert shop.effects("declined", key) == 1
+    assert published == [first.id]
+    record = shop.idem.get("shop.declined", key)
+    assert record is not None and record.state is State.FAILED and record.error.type == "PermanentError"
+
+
+def test_retryable_failure_is_retried_under_the_same_task_id(shop: Shop, key: str) -> None:
+    result = shop.task("flaky").apply_async((1,), idempotency_key=key)
+    answer = result.get(timeout=GET)
+    assert answer["task_id"] == result.id and answer["retries"] == 1 and answer["attempts"] == 2
+    assert shop.effects("flaky", key) == 2
+    record = shop.idem.get("shop.flaky", key)
+    assert record is not None and record.state is State.COMPLETED and record.attempt == 2
+
+
+def test_exhausted_retries_release_the_key_so_it_may_run_again(shop: Shop, key: str) -> None:
+    flaky = shop.task("flaky")
+    with pytest.raises(ConnectionError):
+        flaky.apply_async((10,), idempotency_key=key).get(timeout=GET)
+    assert shop.effects("flaky", key) == 3  # max_retries=2: three attempts
+    assert shop.idem.get("shop.flaky", key) is None
+    later = flaky.apply_async((10,), idempotency_key=key)
+    assert not later.deduplicated
+    with pytest.raises(ConnectionError):
+        later.get(timeout=GET)
+    assert shop.effects("flaky", key) == 6
+
+
+def test_self_retry_with_changed_arguments_really_runs(shop: Shop, key: str) -> None:
+    rebill = shop.task("rebill")
+    result = rebill.apply_async((10,), idempotency_key=key)
+    answer = result.get(timeout=GET)
+    assert answer == {"amount": 11, "retries": 1, "task_id": result.id}
+    assert shop.effects("rebill", key) == 2
+    # the caller's call is what the key answers for, with the outcome of its retry
+    again = rebill.apply_async((10,), idempotency_key=key)
+    assert again.deduplicated and again.get(timeout=GET) == answer
+    with pytest.raises(PayloadMismatchError):
+        rebill.apply_async((11,), idempotency_key=key)
+
+
+# ---- results ----------------------------------------------------------------------------------------
+
+
+def test_ignore_result_duplicate_get_returns_the_stored_result(shop: Shop, key: str) -> None:
+    quiet = shop.task("quiet")
+    first = quiet.apply_async((5,), idempotency_key=key)
+    assert first.get(timeout=GET) == {"quiet": 5}
+    second = quiet.apply_async((5,), idempotency_key=key)
+    assert second.deduplicated and second.get(timeout=GET) == {"quiet": 5}
+    assert shop.effects("quiet", key) == 1
+    # nothing was written to the result backend
+    assert shop.app.backend.get_task_meta(first.id)["status"] == "PENDING"
+
+
+def test_send_task_by_name_twice_runs_once(shop: Shop, key: str) -> None:
+    first = shop.app.send_task("shop.charge", (9, 90), headers={"idempotency_key": key})
+    second = shop.app.send_task("shop.charge", (9, 90), headers={"idempotency_key": key})
+    assert first.get(timeout=GET) == second.get(timeout=GET)
+    assert first.get(timeout=GET)["task_id"] == first.id  # the first one ran; the second replayed it
+    assert shop.effects("charge", key) == 1
+
+
+def test_send_task_with_other_arguments_under_a_used_key_fails_and_leaves_the_record(shop: Shop, key: str) -> None:
+    shop.task("charge").apply_async((9, 90), idempotency_key=key).get(timeout=GET)
+    before = shop.idem.get("shop.charge", key)
+    stray = shop.app.send_task("shop.charge", (9, 91), headers={"idempotency_key": key})
+    with pytest.raises(PayloadMismatchError):
+        stray.get(timeout=GET)
+    assert shop.idem.get("shop.charge", key) == before
+    assert shop.effects("charge", key) == 1
+
+
+def test_a_chain_whose_head_is_a_duplicate_still_runs_its_tail(shop: Shop, key: str) -> None:
+    charge, add = shop.task("charge"), shop.task("add")
+    charge.apply_async((8, 80), idempotency_key=key).get(timeout=GET)
+    result = chain(charge.s(8, 80).set(idempotency_key=key), add.s(5)).apply_async()
+    assert result.get(timeout=GET) == 85
+    assert shop.effects("charge", key) == 1
+    assert int(shop.counter.get(effects_key(shop.prefix, "shop.add", "8")) or 0) == 1
+
+
+def test_a_task_calling_delay_on_itself_gets_its_own_id_back(shop: Shop, key: str) -> None:
+    result = shop.task("again").apply_async((3,), idempotency_key=key)
+    answer = result.get(timeout=GET)
+    assert answer == {"own": result.id, "again": result.id}
+    assert shop.effects("again", key) == 1
+
+
+# ---- bad input: clear errors, nothing left IN_PROGRESS ----------------------------------------------
+
+
+@pytest.mark.parametrize("bad", ["", "has space", "x" * 256, "tab\there", 42])
+def test_invalid_keys_are_refused_before_anything_is_published(shop: Shop, bad: Any, published: list[str]) -> None:
+    with pytest.raises(InvalidKeyError, match="idempotency key must be"):
+        shop.task("charge").apply_async((1, 1), idempotency_key=bad)
+    assert published == []
+
+
+def test_unserializable_arguments_are_refused_at_publish(shop: Shop, key: str, published: list[str]) -> None:
+    with pytest.raises(SerializationError, match="cannot be encoded with the 'json' serializer"):
+        shop.task("charge").apply_async((object(), 1), idempotency_key=key)
+    assert published == []
+    assert shop.idem.get("shop.charge", key) is None
+
+
+def test_unserializable_result_fails_clearly_and_releases_the_key(shop: Shop, key: str) -> None:
+    result = shop.task("unencodable").apply_async(("a",), idempotency_key=key)
+    with pytest.raises(SerializationError, match="result cannot be encoded"):
+        result.get(timeout=GET)
+    assert shop.idem.get("shop.unencodable", key) is None
+
+
+def test_result_over_max_result_bytes_fails_clearly_and_releases_the_key(shop: Shop, key: str) -> None:
+    result = shop.task("result_of_size").apply_async((1_100_000,), idempotency_key=key)
+    with pytest.raises(ResultTooLargeError, match="over max_result_bytes=1048576"):
+        result.get(timeout=GET)
+    assert shop.idem.get("shop.result_of_size", key) is None
+    assert shop.effects("result_of_size", key) == 1
