@@ -16,6 +16,7 @@ from celery.backends.base import DisabledBackend
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult
 
+from .errors import StoreUnavailableError
 from .outcome import replay
 
 if TYPE_CHECKING:
@@ -66,6 +67,16 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
             return record
         return None
 
+    def _settled_record_or_none(self) -> IdempotencyRecord | None:
+        """The settled record; None when there is none yet, or when the store is down but the
+        result backend can still answer."""
+        try:
+            return self._settled_record()
+        except StoreUnavailableError:
+            if not self._backend_keeps_results():
+                raise
+            return None
+
     def _backend_keeps_results(self) -> bool:
         if self.ignored or isinstance(self.backend, DisabledBackend):
             return False
@@ -78,7 +89,7 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
         Raises:
             celery.exceptions.TimeoutError: no outcome within ``timeout`` seconds.
         """
-        record = self._settled_record() if self._record is not None or self.identity is not None else None
+        record = self._settled_record_or_none()
         if record is None and self.identity is not None and not self._backend_keeps_results():
             record = self._watch_store(timeout, interval)
         if record is None:
@@ -103,7 +114,7 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
 
     @property
     def state(self) -> str:
-        record = self._settled_record() if self.identity is not None else None
+        record = self._settled_record_or_none()
         if record is not None:
             return str(states.SUCCESS if record.error is None else states.FAILURE)
         return str(super().state)

@@ -60,18 +60,20 @@ class _Hooks:
     def failed(self, sender: Any = None, task_id: str | None = None, exception: Any = None, **kw: Any) -> None:
         if task_id is None or not isinstance(exception, _HARD_KILLS) or not self._ours(sender):
             return
-        self._release(sender, task_id, kw.get("args"), kw.get("kwargs"), self._request_headers(sender), "failure")
+        headers = self._request_headers(sender.request)
+        self._release(sender, task_id, kw.get("args"), kw.get("kwargs"), headers, "failure")
 
     def revoked(self, sender: Any = None, request: Any = None, **_: Any) -> None:
-        task = getattr(request, "task", None) or sender
-        if request is None or task is None or not self._ours(task):
+        # sender is the task; request is the revoked message's task Context.
+        if request is None or not self._ours(sender):
             return
-        self._release(task, request.id, request.args, request.kwargs, request.request_dict, "revoke")
+        headers = self._request_headers(request)
+        self._release(sender, request.id, request.args, request.kwargs, headers, "revoke")
 
     @staticmethod
-    def _request_headers(task: Any) -> dict[str, Any]:
-        request = task.request
-        headers = dict(request.headers or {})
+    def _request_headers(request: Any) -> dict[str, Any]:
+        """The idempotency headers of a task Context (worker: attributes; eager: .headers)."""
+        headers = dict(getattr(request, "headers", None) or {})
         for name in (KEY_HEADER, SCOPE_HEADER):
             value = getattr(request, name, None)
             if value is not None:

@@ -8,6 +8,8 @@ count executions there, outside the library, never in its records.
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import time
 from typing import Any
@@ -52,27 +54,28 @@ def make_app(
         pipe = counter.pipeline()
         pipe.incr(key)
         pipe.rpush(f"{key}:at", repr(time.time()))
+        pipe.set(f"{key}:pid", os.getpid())
         return int(pipe.execute()[0])
 
-    @app.task(base=IdempotentTask, bind=True, name="shop.charge", idempotency={"key_args": ["order_id", "amount"]})
+    task = functools.partial(app.task, shared=False, base=IdempotentTask, bind=True)
+
+    @task(name="shop.charge", idempotency={"key_args": ["order_id", "amount"]})
     def charge(self: Any, order_id: Any, amount: int, currency: str = "EUR", note: str = "") -> dict[str, Any]:
         effect(self)
         return {"order": str(order_id), "charged": amount, "currency": currency, "task_id": self.request.id}
 
-    @app.task(base=IdempotentTask, bind=True, name="shop.slow", acks_late=True, idempotency={"lease_seconds": 3})
+    @task(name="shop.slow", acks_late=True, idempotency={"lease_seconds": 3})
     def slow(self: Any, seconds: float, tag: str = "") -> str:
         effect(self)
         time.sleep(seconds)
         return f"slept {seconds}"
 
-    @app.task(base=IdempotentTask, bind=True, name="shop.declined")
+    @task(name="shop.declined")
     def declined(self: Any, order_id: int) -> None:
         effect(self)
         raise PermanentError(f"card declined for order {order_id}")
 
-    @app.task(
-        base=IdempotentTask,
-        bind=True,
+    @task(
         name="shop.flaky",
         autoretry_for=(ConnectionError,),
         max_retries=2,
@@ -84,35 +87,35 @@ def make_app(
             raise ConnectionError(f"payment provider unreachable (attempt {n})")
         return {"attempts": n, "task_id": self.request.id, "retries": self.request.retries}
 
-    @app.task(base=IdempotentTask, bind=True, name="shop.rebill", max_retries=3)
+    @task(name="shop.rebill", max_retries=3)
     def rebill(self: Any, amount: int, tag: str = "") -> dict[str, Any]:
         effect(self)
         if self.request.retries == 0:
             raise self.retry(args=(amount + 1,), kwargs={"tag": tag}, countdown=0)
         return {"amount": amount, "retries": self.request.retries, "task_id": self.request.id}
 
-    @idempotent_task(app=app, bind=True, name="shop.quiet", ignore_result=True)
+    @idempotent_task(app=app, shared=False, bind=True, name="shop.quiet", ignore_result=True)
     def quiet(self: Any, order_id: int) -> dict[str, Any]:
         effect(self)
         return {"quiet": order_id}
 
-    @app.task(base=IdempotentTask, bind=True, name="shop.again")
+    @task(name="shop.again")
     def again(self: Any, order_id: int) -> dict[str, Any]:
         effect(self)
         # A task that calls itself with its own arguments is its own duplicate.
         return {"own": self.request.id, "again": again.delay(order_id).id}
 
-    @app.task(name="shop.add")
+    @app.task(shared=False, name="shop.add")
     def add(value: dict[str, Any], extra: int) -> int:
         counter.incr(effects_key(prefix, "shop.add", str(value.get("order"))))
         return int(value["charged"]) + extra
 
-    @app.task(base=IdempotentTask, bind=True, name="shop.result_of_size")
+    @task(name="shop.result_of_size")
     def result_of_size(self: Any, size: int) -> str:
         effect(self)
         return "x" * size
 
-    @app.task(base=IdempotentTask, bind=True, name="shop.unencodable")
+    @task(name="shop.unencodable")
     def unencodable(self: Any, tag: str) -> Any:
         effect(self)
         return object()
@@ -127,4 +130,5 @@ if os.environ.get("SHOP_BROKER"):
         store=os.environ["SHOP_STORE"],
         prefix=os.environ["SHOP_PREFIX"],
         queue=os.environ["SHOP_QUEUE"],
+        **json.loads(os.environ.get("SHOP_SETTINGS") or "{}"),
     )

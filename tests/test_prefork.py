@@ -1,0 +1,239 @@
+"""Real ``celery worker`` processes with the prefork pool: hard kills, time limits, revokes, and a
+store that is down on the worker.
+
+Each test starts its worker as a subprocess in its own process group, so a test can SIGKILL one
+child (the parent survives and reports WorkerLostError) or the whole worker (nothing survives; the
+broker redelivers the acks_late message to the next worker).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery.exceptions import TimeLimitExceeded, WorkerLostError
+from conftest import REDIS_URL, require_server
+from shop import COUNTER_URL, effects_key, make_app
+from test_worker import BACKEND, BROKERS, require_rabbitmq
+
+from celery_idem import Idempotency, State, StoreUnavailableError
+
+pytestmark = pytest.mark.slow
+TESTS = Path(__file__).parent
+GET = 30
+
+
+def _wait_for(predicate: Callable[[], Any], what: str, seconds: float = 30) -> Any:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"{what} did not happen within {seconds}s")
+
+
+class Worker:
+    """A ``celery -A shop worker`` subprocess."""
+
+    def __init__(self, tmp: Path, broker: str, store: str, prefix: str, **settings: Any) -> None:
+        self.log = tmp / f"worker-{uuid.uuid4().hex[:6]}.log"
+        env = {
+            **os.environ,
+            "SHOP_BROKER": broker,
+            "SHOP_BACKEND": BACKEND,
+            "SHOP_STORE": store,
+            "SHOP_PREFIX": prefix,
+            "SHOP_QUEUE": prefix,
+            "SHOP_SETTINGS": json.dumps(settings),
+            "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")]),
+        }
+        command = [
+            sys.executable, "-m", "celery", "-A", "shop", "worker", "-P", "prefork", "-c", "2",
+            "-Q", prefix, "-n", f"{prefix}-{uuid.uuid4().hex[:4]}@%h", "-l", "INFO",
+            "--without-gossip", "--without-mingle", "--without-heartbeat",
+        ]  # fmt: skip
+        with self.log.open("wb") as out:
+            self.process = subprocess.Popen(command, cwd=TESTS, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                            start_new_session=True)  # fmt: skip
+        _wait_for(lambda: "ready." in self.output() or self.process.poll() is not None, "worker start", 60)
+        assert self.process.poll() is None, f"worker exited:\n{self.output()}"
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def kill(self) -> None:
+        """SIGKILL the whole worker: parent and children, no handler runs anywhere."""
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture
+def workers(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
+    started: list[Worker] = []
+
+    def start(broker: str, store: str, prefix: str, **settings: Any) -> Worker:
+        worker = Worker(tmp_path, broker, store, prefix, **settings)
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop()
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"p{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def counter() -> redis.Redis:
+    require_server("redis")
+    return redis.Redis.from_url(COUNTER_URL)
+
+
+def _producer(broker: str, prefix: str, store: str = REDIS_URL, **settings: Any) -> Any:
+    return make_app(broker=broker, backend=BACKEND, store=store, prefix=prefix, queue=prefix, **settings)
+
+
+def _started(counter: redis.Redis, prefix: str, task: str, key: str, times: int = 1) -> Callable[[], bool]:
+    return lambda: int(counter.get(effects_key(prefix, task, key)) or 0) >= times
+
+
+# ---- hard kills -----------------------------------------------------------------------------------
+
+
+def test_child_killed_mid_task_is_settled_by_the_parent_signal_hook(workers, prefix, counter) -> None:
+    # Given a prefork worker running an acks_late task
+    app = _producer(BROKERS["redis"], prefix)
+    workers(BROKERS["redis"], REDIS_URL, prefix)
+    key = f"k-{uuid.uuid4().hex}"
+    result = app.tasks["shop.slow"].apply_async((30,), idempotency_key=key)
+    _wait_for(_started(counter, prefix, "shop.slow", key), "task start")
+    idem = Idempotency.of(app)
+    assert idem.get("shop.slow", key).state is State.IN_PROGRESS
+    # When its child process is SIGKILLed
+    os.kill(int(counter.get(effects_key(prefix, "shop.slow", key) + ":pid")), signal.SIGKILL)
+    # Then the parent reports WorkerLostError and its hook releases the record at once
+    with pytest.raises(WorkerLostError):
+        result.get(timeout=GET)
+    _wait_for(lambda: idem.get("shop.slow", key) is None, "release by the signal hook", 10)
+    assert int(counter.get(effects_key(prefix, "shop.slow", key))) == 1
+
+
+def test_whole_worker_killed_leaves_the_lease_to_guard_the_redelivered_message(workers, prefix, counter) -> None:
+    # RabbitMQ redelivers an unacked (acks_late) message as soon as the dead worker's connection drops.
+    require_rabbitmq()
+    app = _producer(BROKERS["rabbitmq"], prefix)
+    idem = Idempotency.of(app)
+    first = workers(BROKERS["rabbitmq"], REDIS_URL, prefix)
+    key = f"k-{uuid.uuid4().hex}"
+    result = app.tasks["shop.slow"].apply_async((4,), idempotency_key=key)
+    effects = effects_key(prefix, "shop.slow", key)
+    _wait_for(_started(counter, prefix, "shop.slow", key), "first attempt start")
+    # When the whole worker dies (no hook can run anywhere)
+    first.kill()
+    stale = idem.get("shop.slow", key)
+    assert stale is not None and stale.state is State.IN_PROGRESS  # never silently gone, never settled wrongly
+    # and a new worker receives the redelivered message
+    workers(BROKERS["rabbitmq"], REDIS_URL, prefix)
+    assert result.get(timeout=GET) == "slept 4"
+    # Then it ran again only after the first attempt's lease had run out
+    started = [float(t) for t in counter.lrange(effects + ":at", 0, -1)]
+    assert len(started) == 2
+    assert started[1] >= stale.lease_expires_at, "the redelivered message ran while the first lease was live"
+    record = idem.get("shop.slow", key)
+    assert record is not None and record.state is State.COMPLETED and record.attempt == 2
+
+
+def test_hard_time_limit_is_settled_by_the_parent_signal_hook(workers, prefix, counter) -> None:
+    app = _producer(BROKERS["redis"], prefix)
+    idem = Idempotency.of(app)
+    workers(BROKERS["redis"], REDIS_URL, prefix)
+    key = f"k-{uuid.uuid4().hex}"
+    result = app.tasks["shop.slow"].apply_async((30,), idempotency_key=key, time_limit=1)
+    with pytest.raises(TimeLimitExceeded):
+        result.get(timeout=GET)
+    _wait_for(lambda: idem.get("shop.slow", key) is None, "release after the hard time limit", 10)
+    assert int(counter.get(effects_key(prefix, "shop.slow", key))) == 1
+
+
+def test_revoke_with_terminate_is_settled_by_the_parent_signal_hook(workers, prefix, counter) -> None:
+    app = _producer(BROKERS["redis"], prefix)
+    idem = Idempotency.of(app)
+    workers(BROKERS["redis"], REDIS_URL, prefix)
+    key = f"k-{uuid.uuid4().hex}"
+    result = app.tasks["shop.slow"].apply_async((30,), idempotency_key=key)
+    _wait_for(_started(counter, prefix, "shop.slow", key), "task start")
+    app.control.revoke(result.id, terminate=True, signal="SIGKILL")
+    _wait_for(lambda: idem.get("shop.slow", key) is None, "release after revoke", 15)
+    # the key is free for a new attempt, which runs
+    again = app.tasks["shop.slow"].apply_async((0,), idempotency_key=key)
+    assert not again.deduplicated and again.get(timeout=GET) == "slept 0"
+
+
+# ---- the store is down on the worker ------------------------------------------------------------
+
+
+@pytest.fixture
+def closed_store() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"redis://127.0.0.1:{port}/0"
+
+
+def test_store_down_at_the_worker_fails_closed_by_default(workers, prefix, counter, closed_store) -> None:
+    app = _producer(BROKERS["redis"], prefix)  # the producer's store is up; the worker's is not
+    workers(BROKERS["redis"], closed_store, prefix, store_timeout_seconds=0.5)
+    key = f"k-{uuid.uuid4().hex}"
+    result = app.tasks["shop.charge"].apply_async((1, 10), idempotency_key=key)
+    with pytest.raises(StoreUnavailableError, match="on_store_error='proceed'"):
+        result.get(timeout=GET)
+    assert int(counter.get(effects_key(prefix, "shop.charge", key)) or 0) == 0
+
+
+def test_store_down_at_the_worker_proceeds_when_configured(workers, prefix, counter, closed_store) -> None:
+    app = _producer(BROKERS["redis"], prefix)
+    workers(BROKERS["redis"], closed_store, prefix, store_timeout_seconds=0.5, on_store_error="proceed")
+    key = f"k-{uuid.uuid4().hex}"
+    result = app.tasks["shop.charge"].apply_async((1, 10), idempotency_key=key)
+    assert result.get(timeout=GET)["charged"] == 10
+    assert int(counter.get(effects_key(prefix, "shop.charge", key))) == 1
+
+
+def test_store_down_at_publish_raises_within_the_timeout_or_proceeds(workers, prefix, counter, closed_store) -> None:
+    down = _producer(BROKERS["redis"], prefix, store=closed_store, store_timeout_seconds=0.5)
+    key = f"k-{uuid.uuid4().hex}"
+    started = time.monotonic()
+    with pytest.raises(StoreUnavailableError):
+        down.tasks["shop.charge"].apply_async((2, 20), idempotency_key=key)
+    assert time.monotonic() - started < 5
+    # With on_store_error="proceed" the call is published unprotected, and a worker runs it.
+    lenient = _producer(BROKERS["redis"], prefix, store=closed_store, store_timeout_seconds=0.5,
+                        on_store_error="proceed")  # fmt: skip
+    workers(BROKERS["redis"], REDIS_URL, prefix)
+    result = lenient.tasks["shop.charge"].apply_async((2, 20), idempotency_key=key)
+    assert result.get(timeout=GET)["charged"] == 20
+    assert int(counter.get(effects_key(prefix, "shop.charge", key))) == 1
+    assert Idempotency.of(lenient).metrics()["store_errors"] == 1
