@@ -1,11 +1,14 @@
 """SQLStore: one conditional statement per transition, on PostgreSQL (psycopg 3) and SQLite.
 
-claim and acquire are one ``INSERT ... ON CONFLICT DO UPDATE ... RETURNING`` each: every column
-is set to ``CASE WHEN <the caller may take the record> THEN <new value> ELSE <old value> END``, so
-the statement always returns the row as it stands after the decision, under the row lock, even
-when a concurrent transaction inserted it after this one's snapshot. The caller took the record
-exactly when the returned owner is its own fresh token. The fenced writes are ``UPDATE``/``DELETE
-... WHERE owner = :token``, judged by their row count.
+Every statement is built once, with bind parameters, and runs in autocommit mode: one statement is
+one transaction and one round trip.
+
+- claim and acquire: ``INSERT ... ON CONFLICT DO UPDATE SET ... WHERE <the caller may take the
+  record> RETURNING``. A returned row means the caller took the record (NEW / RUN) in that one
+  atomic statement. No row means the record is held: it is then read, and the decision
+  (DUPLICATE, REPLAY, MISMATCH, BUSY) is named from it. A duplicate writes nothing.
+- complete, fail, release, renew: ``UPDATE``/``DELETE ... WHERE owner = :token AND state IN
+  (unsettled)``, judged by the row count.
 """
 
 from __future__ import annotations
@@ -30,26 +33,11 @@ __all__ = ["SQLStore", "records_table"]
 
 T = TypeVar("T")
 _UNSETTLED = [s.value for s in UNSETTLED]
-
-
-def _one(result: sa.CursorResult[Any]) -> Any:
-    return result.one()
-
-
-def _one_or_none(result: sa.CursorResult[Any]) -> Any:
-    return result.one_or_none()
-
-
-def _all(result: sa.CursorResult[Any]) -> Sequence[Any]:
-    return result.all()
-
-
-def _rowcount(result: sa.CursorResult[Any]) -> int:
-    return result.rowcount
-
-
 # Both dialects' insert() has on_conflict_do_update and .excluded; the generic Insert has neither.
 _INSERTS: dict[str, Callable[[sa.Table], Any]] = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
+_TAKE_TRIES = 5  # a held record that frees itself between our upsert and our read is taken on a retry
+_DATA = ("fingerprint", "state", "task_id", "owner", "attempt", "lease_expires_at", "created_at", "updated_at",
+         "expires_at", "ttl_seconds", "result", "content_type", "content_encoding", "error")  # fmt: skip
 
 
 def records_table(metadata: sa.MetaData, name: str = "celery_idem_records") -> sa.Table:
@@ -86,6 +74,7 @@ def _engine_from_url(url: str, timeout: float) -> sa.Engine:
     if scheme in ("postgresql", "postgres"):
         url = f"postgresql+psycopg://{rest}"  # psycopg 3 is the driver the `sql` extra installs
     if url.startswith("postgresql"):
+        milliseconds = int(timeout * 1000)
         return sa.create_engine(
             url,
             pool_size=10,
@@ -93,7 +82,7 @@ def _engine_from_url(url: str, timeout: float) -> sa.Engine:
             pool_timeout=timeout,
             connect_args={
                 "connect_timeout": max(2, math.ceil(timeout)),  # libpq's minimum is 2 seconds
-                "options": f"-c statement_timeout={int(timeout * 1000)} -c lock_timeout={int(timeout * 1000)}",
+                "options": f"-c statement_timeout={milliseconds} -c lock_timeout={milliseconds}",
             },
         )
     engine = sa.create_engine(url, pool_timeout=timeout, connect_args={"timeout": timeout})
@@ -108,11 +97,28 @@ def _engine_from_url(url: str, timeout: float) -> sa.Engine:
     return engine
 
 
+def _one(result: sa.CursorResult[Any]) -> Any:
+    return result.one()
+
+
+def _one_or_none(result: sa.CursorResult[Any]) -> Any:
+    return result.one_or_none()
+
+
+def _all(result: sa.CursorResult[Any]) -> Sequence[Any]:
+    return result.all()
+
+
+def _rowcount(result: sa.CursorResult[Any]) -> int:
+    return result.rowcount
+
+
 class SQLStore(Store):
     """Records as rows of ``celery_idem_records``; the table is created on first use.
 
     Args:
         engine: A SQLAlchemy engine on PostgreSQL or SQLite (or build one with :meth:`from_url`).
+            The store runs its statements in autocommit mode on the engine's pool.
         table_name: The records table.
     """
 
@@ -136,11 +142,87 @@ class SQLStore(Store):
         if len(key_prefix) > 64:
             raise ConfigurationError(f"key_prefix must be at most 64 characters for SQLStore; got {len(key_prefix)}")
         self.engine = engine
+        self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
         self.metadata = sa.MetaData()
         self.table = records_table(self.metadata, table_name)
-        self._insert = _INSERTS[engine.dialect.name]
         self._schema_ready = False
         self._schema_lock = threading.Lock()
+        self._build_statements(_INSERTS[engine.dialect.name])
+
+    def _build_statements(self, insert: Callable[[sa.Table], Any]) -> None:
+        t, c = self.table, self.table.c
+
+        def p(name: str) -> sa.BindParameter[Any]:
+            # Parameters are prefixed: SQLAlchemy reserves column names for INSERT/UPDATE values.
+            return sa.bindparam(f"p_{name}")
+
+        now = p("now")
+        pk = sa.and_(c.namespace == p("ns"), c.scope == p("scope"), c.task_name == p("task_name"), c.key == p("key"))
+        unsettled = c.state.in_(_UNSETTLED)
+        absent = c.expires_at <= now
+
+        def upsert(take: sa.ColumnElement[bool], special: dict[str, Any]) -> sa.Executable:
+            ins = insert(t).values(
+                namespace=p("ns"), scope=p("scope"), task_name=p("task_name"), key=p("key"),
+                **{name: p(name) for name in _DATA},
+            )  # fmt: skip
+            changes = {name: ins.excluded[name] for name in _DATA} | special
+            statement: sa.Executable = ins.on_conflict_do_update(
+                index_elements=[c.namespace, c.scope, c.task_name, c.key], set_=changes, where=take
+            ).returning(c.fingerprint, c.attempt, c.created_at)
+            return statement
+
+        # claim takes an absent record, or one whose lease ran out under the same fingerprint.
+        self._claim_sql = upsert(sa.or_(absent, sa.and_(c.fingerprint == p("fingerprint"), unsettled,
+                                                        c.lease_expires_at <= now)), {})  # fmt: skip
+        # acquire takes an absent record, a PENDING one, or an IN_PROGRESS one whose lease ran out,
+        # if it is the same call or the same attempt chain (task id); the chain keeps the caller's
+        # fingerprint and counts its attempts.
+        runnable = sa.or_(c.state == State.PENDING.value, sa.and_(c.state == State.IN_PROGRESS.value,
+                                                                  c.lease_expires_at <= now))  # fmt: skip
+        same = sa.or_(c.fingerprint == p("fingerprint"), c.task_id == p("task_id"))
+        self._acquire_sql = upsert(
+            sa.or_(absent, sa.and_(same, runnable)),
+            {
+                "fingerprint": sa.case((absent, p("fingerprint")), else_=c.fingerprint),
+                "created_at": sa.case((absent, now), else_=c.created_at),
+                "attempt": sa.case((absent, 1), else_=c.attempt + 1),
+            },
+        )
+        self._get_sql = sa.select(t).where(pk, c.expires_at > now)
+
+        def owned(fence: str) -> sa.ColumnElement[bool]:
+            return sa.and_(pk, c[fence] == p("token"), unsettled, c.expires_at > now)
+
+        self._settle_sql = {
+            fence: sa.update(t).where(owned(fence)).values(
+                state=p("state"), result=p("result"), content_type=p("content_type"),
+                content_encoding=p("content_encoding"), error=p("error"), lease_expires_at=None,
+                updated_at=now, expires_at=now + c.ttl_seconds,
+            )
+            for fence in ("owner", "task_id")
+        }  # fmt: skip
+        only_expired = sa.or_(sa.not_(p("expired_only")), c.lease_expires_at <= now)
+        self._delete_sql = {fence: sa.delete(t).where(owned(fence), only_expired) for fence in ("owner", "task_id")}
+        self._pending_sql = {
+            fence: sa.update(t).where(owned(fence), only_expired).values(
+                state=State.PENDING.value, owner=p("new_owner"), lease_expires_at=now + p("lease"),
+                updated_at=now, expires_at=now + p("lease") + c.ttl_seconds,
+            )
+            for fence in ("owner", "task_id")
+        }  # fmt: skip
+        self._renew_sql = (
+            sa.update(t)
+            .where(owned("owner"), c.state == State.IN_PROGRESS.value)
+            .values(lease_expires_at=now + p("lease"), updated_at=now, expires_at=now + p("lease") + c.ttl_seconds)
+        )
+        self._forget_sql = sa.delete(t).where(pk).returning(c.expires_at)
+        self._due_sql = (
+            sa.select(t)
+            .where(c.namespace == p("ns"), c.lease_expires_at <= now, unsettled, c.expires_at > now)
+            .order_by(c.lease_expires_at)
+            .limit(p("limit"))
+        )
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> SQLStore:
@@ -160,20 +242,19 @@ class SQLStore(Store):
                 self.metadata.create_all(self.engine, checkfirst=True)
         self._schema_ready = True
 
-    def _ensure_schema(self) -> None:
+    def _run(self, statement: sa.Executable, params: dict[str, Any], fetch: Callable[[sa.CursorResult[Any]], T]) -> T:
+        """Run one prebuilt statement (autocommit: one transaction, one round trip) and read its answer."""
         if not self._schema_ready:
             with self._schema_lock:
                 if not self._schema_ready:
                     self.create_schema()
+        with self._autocommit.connect() as connection:
+            return fetch(connection.execute(statement, params))
 
-    def _pk(self, identity: Identity) -> sa.ColumnElement[bool]:
-        c = self.table.c
-        return sa.and_(
-            c.namespace == self.key_prefix,
-            c.scope == identity.scope,
-            c.task_name == identity.task_name,
-            c.key == identity.key,
-        )
+    def _params(self, identity: Identity, now: float, **more: Any) -> dict[str, Any]:
+        scope, task_name, key = identity
+        named = {"ns": self.key_prefix, "scope": scope, "task_name": task_name, "key": key, "now": now, **more}
+        return {f"p_{name}": value for name, value in named.items()}
 
     def _record(self, row: Any) -> IdempotencyRecord:
         return IdempotencyRecord(
@@ -196,113 +277,51 @@ class SQLStore(Store):
             error=ErrorInfo.model_validate_json(row.error) if row.error else None,
         )
 
-    def _execute(self, statement: sa.Executable, fetch: Callable[[sa.CursorResult[Any]], T]) -> T:
-        """Run one statement in its own transaction and read its answer before the commit."""
-        self._ensure_schema()
-        with self.engine.begin() as connection:
-            return fetch(connection.execute(statement))
-
     # ---- take-or-read: claim and acquire ------------------------------------------------------
 
-    def _upsert(
-        self,
-        identity: Identity,
-        values: dict[str, Any],
-        take: sa.ColumnElement[bool],
-        special: dict[str, sa.ColumnElement[Any]],
-    ) -> IdempotencyRecord:
-        t = self.table
-        insert = self._insert(t).values(
-            namespace=self.key_prefix,
-            scope=identity.scope,
-            task_name=identity.task_name,
-            key=identity.key,
-            result=None,
-            content_type=None,
-            content_encoding=None,
-            error=None,
-            **values,
-        )
-        changes: dict[str, Any] = {
-            name: sa.case((take, insert.excluded[name]), else_=t.c[name])
-            for name in (*values, "result", "content_type", "content_encoding", "error")
-        }
-        changes.update(special)
-        statement = insert.on_conflict_do_update(
-            index_elements=[t.c.namespace, t.c.scope, t.c.task_name, t.c.key], set_=changes
-        ).returning(*t.c)
-        return self._record(self._execute(statement, _one))
+    def _take(
+        self, statement: sa.Executable, claiming: bool, identity: Identity, fingerprint: str, task_id: str,
+        owner: str, lease: float, ttl: float,
+    ) -> Transition:  # fmt: skip
+        for _ in range(_TAKE_TRIES):
+            now = self.clock()
+            values = {
+                "fingerprint": fingerprint, "state": (State.PENDING if claiming else State.IN_PROGRESS).value,
+                "task_id": task_id, "owner": owner, "attempt": 0 if claiming else 1, "lease_expires_at": now + lease,
+                "created_at": now, "updated_at": now, "expires_at": now + lease + ttl, "ttl_seconds": ttl,
+                "result": None, "content_type": None, "content_encoding": None, "error": None,
+            }  # fmt: skip
+            taken = self._run(statement, self._params(identity, now, **values), _one_or_none)
+            if taken is not None:
+                values.update(fingerprint=taken.fingerprint, attempt=taken.attempt, created_at=taken.created_at)
+                record = IdempotencyRecord(
+                    scope=identity.scope, task_name=identity.task_name, key=identity.key, **values
+                )
+                return Transition(Decision.NEW if claiming else Decision.RUN, record)
+            held = self._get(identity)
+            if held is not None:
+                decision = classify(held, fingerprint, now=now, claiming=claiming, task_id=task_id)
+                if decision is not (Decision.DUPLICATE if claiming else Decision.BUSY) or not self._takeable(held):
+                    return Transition(decision, held)
+            # It was freed (deleted, expired, lease ran out) between the upsert and the read: take again.
+        raise sa_exc.TimeoutError(f"{identity} changed hands {_TAKE_TRIES} times in a row")
+
+    def _takeable(self, record: IdempotencyRecord) -> bool:
+        if record.lease_expires_at is None or record.lease_expires_at > self.clock():
+            return False
+        return record.state is State.IN_PROGRESS or record.state is State.PENDING
 
     def _claim(
         self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float
     ) -> Transition:
-        now, c = self.clock(), self.table.c
-        take = sa.or_(
-            c.expires_at <= now,
-            sa.and_(c.fingerprint == fingerprint, c.state.in_(_UNSETTLED), c.lease_expires_at <= now),
-        )
-        record = self._upsert(
-            identity,
-            dict(
-                fingerprint=fingerprint,
-                state=State.PENDING.value,
-                task_id=task_id,
-                owner=owner,
-                attempt=0,
-                lease_expires_at=now + lease,
-                created_at=now,
-                updated_at=now,
-                expires_at=now + lease + ttl,
-                ttl_seconds=ttl,
-            ),
-            take,
-            {},
-        )
-        if record.owner == owner:
-            return Transition(Decision.NEW, record)
-        return Transition(classify(record, fingerprint, now=now, claiming=True, task_id=task_id), record)
+        return self._take(self._claim_sql, True, identity, fingerprint, task_id, owner, lease, ttl)
 
     def _acquire(
         self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float
     ) -> Transition:
-        now, c = self.clock(), self.table.c
-        absent = c.expires_at <= now
-        runnable = sa.or_(
-            c.state == State.PENDING.value,
-            sa.and_(c.state == State.IN_PROGRESS.value, c.lease_expires_at <= now),
-        )
-        take = sa.or_(absent, sa.and_(sa.or_(c.fingerprint == fingerprint, c.task_id == task_id), runnable))
-        record = self._upsert(
-            identity,
-            dict(
-                fingerprint=fingerprint,
-                state=State.IN_PROGRESS.value,
-                task_id=task_id,
-                owner=owner,
-                attempt=1,
-                lease_expires_at=now + lease,
-                created_at=now,
-                updated_at=now,
-                expires_at=now + lease + ttl,
-                ttl_seconds=ttl,
-            ),
-            take,
-            {
-                # A retry of the same chain keeps the caller's fingerprint and counts the attempt.
-                "fingerprint": sa.case((absent, fingerprint), else_=c.fingerprint),
-                "created_at": sa.case((absent, now), else_=c.created_at),
-                "attempt": sa.case((absent, 1), (take, c.attempt + 1), else_=c.attempt),
-            },
-        )
-        if record.owner == owner:
-            return Transition(Decision.RUN, record)
-        return Transition(classify(record, fingerprint, now=now, claiming=False, task_id=task_id), record)
+        return self._take(self._acquire_sql, False, identity, fingerprint, task_id, owner, lease, ttl)
 
     # ---- fenced writes --------------------------------------------------------------------------
-
-    def _owned(self, identity: Identity, fence: Fence, token: str, now: float) -> sa.ColumnElement[bool]:
-        c = self.table.c
-        return sa.and_(self._pk(identity), c[fence] == token, c.state.in_(_UNSETTLED), c.expires_at > now)
 
     def _settle(
         self,
@@ -315,82 +334,43 @@ class SQLStore(Store):
         content_encoding: str | None,
         error: ErrorInfo | None,
     ) -> Transition:
-        now, c = self.clock(), self.table.c
-        statement = (
-            sa.update(self.table)
-            .where(self._owned(identity, fence, token, now))
-            .values(
-                state=state.value,
-                result=result,
-                content_type=content_type,
-                content_encoding=content_encoding,
-                error=error.model_dump_json() if error else None,
-                lease_expires_at=None,
-                updated_at=now,
-                expires_at=now + c.ttl_seconds,
-            )
-        )
-        return OK if self._execute(statement, _rowcount) == 1 else LOST
+        params = self._params(
+            identity, self.clock(), token=token, state=state.value, result=result, content_type=content_type,
+            content_encoding=content_encoding, error=error.model_dump_json() if error else None,
+        )  # fmt: skip
+        return OK if self._run(self._settle_sql[fence], params, _rowcount) == 1 else LOST
 
     def _release(
         self, identity: Identity, fence: Fence, token: str, lease: float | None, new_owner: str, expired_only: bool
     ) -> Transition:
-        now, c = self.clock(), self.table.c
-        where = self._owned(identity, fence, token, now)
-        if expired_only:
-            where = sa.and_(where, c.lease_expires_at <= now)
-        statement: sa.Executable
+        params = self._params(identity, self.clock(), token=token, expired_only=expired_only)
         if lease is None:
-            statement = sa.delete(self.table).where(where)
-        else:
-            statement = (
-                sa.update(self.table)
-                .where(where)
-                .values(
-                    state=State.PENDING.value,
-                    owner=new_owner,
-                    lease_expires_at=now + lease,
-                    updated_at=now,
-                    expires_at=now + lease + c.ttl_seconds,
-                )
-            )
-        return OK if self._execute(statement, _rowcount) == 1 else LOST
+            return OK if self._run(self._delete_sql[fence], params, _rowcount) == 1 else LOST
+        params.update(p_lease=lease, p_new_owner=new_owner)
+        return OK if self._run(self._pending_sql[fence], params, _rowcount) == 1 else LOST
 
     def _renew(self, identity: Identity, token: str, lease: float) -> Transition:
-        now, c = self.clock(), self.table.c
-        statement = (
-            sa.update(self.table)
-            .where(self._owned(identity, "owner", token, now), c.state == State.IN_PROGRESS.value)
-            .values(lease_expires_at=now + lease, updated_at=now, expires_at=now + lease + c.ttl_seconds)
-        )
-        return OK if self._execute(statement, _rowcount) == 1 else LOST
+        params = self._params(identity, self.clock(), token=token, lease=lease)
+        return OK if self._run(self._renew_sql, params, _rowcount) == 1 else LOST
 
     # ---- reads ------------------------------------------------------------------------------------
 
     def _get(self, identity: Identity) -> IdempotencyRecord | None:
-        statement = sa.select(self.table).where(self._pk(identity), self.table.c.expires_at > self.clock())
-        row = self._execute(statement, _one_or_none)
+        row = self._run(self._get_sql, self._params(identity, self.clock()), _one_or_none)
         return None if row is None else self._record(row)
 
     def _forget(self, identity: Identity) -> bool:
         now = self.clock()
-        statement = sa.delete(self.table).where(self._pk(identity)).returning(self.table.c.expires_at)
-        rows = self._execute(statement, _all)
+        rows = self._run(self._forget_sql, self._params(identity, now), _all)
         return any(row.expires_at > now for row in rows)
 
     def _expired_leases(self, limit: int) -> list[IdempotencyRecord]:
-        now, c = self.clock(), self.table.c
-        statement = (
-            sa.select(self.table)
-            .where(c.namespace == self.key_prefix, c.lease_expires_at <= now, c.state.in_(_UNSETTLED))
-            .where(c.expires_at > now)
-            .order_by(c.lease_expires_at)
-            .limit(limit)
-        )
-        return [self._record(row) for row in self._execute(statement, _all)]
+        params = {"p_ns": self.key_prefix, "p_now": self.clock(), "p_limit": limit}
+        return [self._record(row) for row in self._run(self._due_sql, params, _all)]
 
     def _ping(self) -> None:
-        self._execute(sa.select(1), _one)
+        with self._autocommit.connect() as connection:
+            connection.execute(sa.select(1)).one()
 
     def close(self) -> None:
         self.engine.dispose()
