@@ -176,20 +176,36 @@ class RedisStore(Store):
 
     # ---- primitives ----------------------------------------------------------------------------
 
-    def _take(self, script: str, identity: Identity, *argv: object) -> Transition:
-        args: list[Any] = [self._now(), *argv, *identity]
-        decision, flat = self._scripts[script](keys=self.keys_for(identity), args=args)
-        return Transition(Decision(decision.decode("ascii")), _record(flat))
+    def _take(
+        self, script: str, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float
+    ) -> Transition:
+        args: list[Any] = [self._now(), fingerprint, task_id, owner, repr(lease), repr(ttl), *identity]
+        answer = self._scripts[script](keys=self.keys_for(identity), args=args)
+        decision = Decision(answer[0].decode("ascii"))
+        if decision is not Decision.NEW and decision is not Decision.RUN:
+            return Transition(decision, _record(answer[1]))
+        # Taken: the script wrote what we sent; it answers only what we could not know.
+        now = float(answer[1])
+        claimed = decision is Decision.NEW
+        record = IdempotencyRecord.model_construct(
+            scope=identity.scope, task_name=identity.task_name, key=identity.key,
+            fingerprint=fingerprint if claimed else answer[2].decode("ascii"),
+            state=State.PENDING if claimed else State.IN_PROGRESS, task_id=task_id, owner=owner,
+            attempt=0 if claimed else int(answer[3]), lease_expires_at=now + lease,
+            created_at=now if claimed else float(answer[4]), updated_at=now, expires_at=now + lease + ttl,
+            ttl_seconds=ttl, result=None, content_type=None, content_encoding=None, error=None,
+        )  # fmt: skip
+        return Transition(decision, record)
 
     def _claim(
         self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float
     ) -> Transition:
-        return self._take("claim", identity, fingerprint, task_id, owner, repr(lease), repr(ttl))
+        return self._take("claim", identity, fingerprint, task_id, owner, lease, ttl)
 
     def _acquire(
         self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float
     ) -> Transition:
-        return self._take("acquire", identity, fingerprint, task_id, owner, repr(lease), repr(ttl))
+        return self._take("acquire", identity, fingerprint, task_id, owner, lease, ttl)
 
     def _fenced(self, script: str, identity: Identity, *argv: object) -> Transition:
         args: list[Any] = [self._now(), *argv]

@@ -45,5 +45,4 @@ local function write_fresh(key, index, fields, lease, expires, now)
   redis.call('HSET', key, unpack(fields))
   expire_at(key, expires, now)
   redis.call('ZADD', index, lease, key)
-  return fields
 end

@@ -2,7 +2,8 @@
 -- KEYS[1] record hash   KEYS[2] lease index of its shard
 -- ARGV[1] now ('' = server clock)  ARGV[2] fingerprint  ARGV[3] task id  ARGV[4] owner token
 -- ARGV[5] lease seconds            ARGV[6] ttl seconds   ARGV[7] scope  ARGV[8] task name  ARGV[9] key
--- Returns {decision, flat record}: RUN (IN_PROGRESS written), BUSY, REPLAY or MISMATCH (untouched).
+-- Returns {decision, flat record} for BUSY, REPLAY or MISMATCH (untouched), and
+-- {'RUN', now, fingerprint, attempt, created} when the IN_PROGRESS record was written.
 -- The same task id is the same attempt chain (a Celery retry): it runs even with other arguments,
 -- and the record keeps the fingerprint of the caller's call.
 local now = now_of(ARGV[1])
@@ -21,4 +22,5 @@ local fields = {
   'task_id', ARGV[3], 'owner', ARGV[4], 'attempt', tostring(attempt), 'lease', fmt(lease),
   'created', fmt(created), 'updated', fmt(now), 'expires', fmt(expires), 'ttl', ARGV[6],
 }
-return {'RUN', write_fresh(KEYS[1], KEYS[2], fields, lease, expires, now)}
+write_fresh(KEYS[1], KEYS[2], fields, lease, expires, now)
+return {'RUN', fmt(now), fp, tostring(attempt), fmt(created)}
