@@ -1,0 +1,98 @@
+"""The producer side against real brokers, without a worker: what a claim leaves behind when
+publishing fails, and how long a PENDING claim lives when the message is scheduled."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+from conftest import REDIS_URL, require_server, wipe
+from kombu.exceptions import OperationalError
+
+from celery_idem import Idempotency, IdempotentTask, State, store_from_url
+
+POLICY = {"pending_timeout_seconds": 600, "ttl_seconds": 3600}
+
+
+def _app(broker: str, prefix: str) -> Celery:
+    app = Celery("pub", broker=broker, set_as_current=False)
+    app.conf.update(
+        task_default_queue=prefix,
+        broker_connection_retry=False,
+        broker_connection_max_retries=0,
+        broker_connection_timeout=1,
+    )
+    Idempotency(app, store=REDIS_URL, key_prefix=prefix)
+
+    @app.task(shared=False, base=IdempotentTask, name="pub.charge", idempotency=POLICY)
+    def charge(order_id: int, amount: int) -> int:
+        return amount
+
+    return app
+
+
+@pytest.fixture
+def prefix() -> Iterator[str]:
+    require_server("redis")
+    name = f"pub{uuid.uuid4().hex[:10]}"
+    yield name
+    wipe(store_from_url(REDIS_URL, key_prefix=name))
+
+
+@pytest.fixture
+def dead_broker() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"redis://127.0.0.1:{s.getsockname()[1]}/0"
+
+
+def test_a_failed_publish_releases_the_claim_and_raises_the_brokers_own_error(dead_broker: str, prefix: str) -> None:
+    # Given a broker that refuses connections
+    app = _app(dead_broker, prefix)
+    charge = app.tasks["pub.charge"]
+    # When publishing fails after the claim
+    with pytest.raises(OperationalError):  # kombu's own error, not wrapped in ours
+        charge.apply_async((1, 10), idempotency_key="order-1", retry=False)
+    # Then the key is free at once: no lock left for an hour
+    idem = Idempotency.of(app)
+    assert idem.get("pub.charge", "order-1") is None
+    assert idem.metrics()["claims"] == 1
+
+
+def test_the_next_call_after_a_failed_publish_is_new_not_a_duplicate(dead_broker: str, prefix: str) -> None:
+    app = _app(dead_broker, prefix)
+    charge = app.tasks["pub.charge"]
+    with pytest.raises(OperationalError):
+        charge.apply_async((1, 10), idempotency_key="order-1", retry=False)
+    # The same call on a working broker is published as a new call.
+    working = _app("redis://127.0.0.1:6379/14", prefix)
+    result = working.tasks["pub.charge"].apply_async((1, 10), idempotency_key="order-1")
+    assert not result.deduplicated
+    working.connection_for_write().default_channel.queue_purge(prefix)
+
+
+@pytest.mark.parametrize("schedule", ["countdown", "eta"])
+def test_a_scheduled_call_keeps_its_claim_past_its_eta(prefix: str, schedule: str) -> None:
+    app = _app("redis://127.0.0.1:6379/14", prefix)
+    charge = app.tasks["pub.charge"]
+    delay = 7200
+    options: dict[str, Any] = (
+        {"countdown": delay}
+        if schedule == "countdown"
+        else {"eta": datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=delay)}
+    )
+    before = time.time()
+    result = charge.apply_async((2, 20), idempotency_key="order-2", **options)
+    record = Idempotency.of(app).get("pub.charge", "order-2")
+    assert record is not None and record.state is State.PENDING and record.task_id == result.id
+    # the claim outlives the ETA by the pending timeout, so it cannot lapse before the task starts
+    assert record.lease_expires_at >= before + delay + POLICY["pending_timeout_seconds"] - 1
+    again = charge.apply_async((2, 20), idempotency_key="order-2")
+    assert again.deduplicated and again.id == result.id
+    app.connection_for_write().default_channel.queue_purge(prefix)
