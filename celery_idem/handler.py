@@ -45,6 +45,7 @@ from .errors import (
 from .fingerprint import fingerprint, validate_key, validate_scope
 from .outcome import encode_result, replay
 from .records import Decision, ErrorInfo, IdempotencyRecord, Identity
+from .stores.base import Fence
 
 if TYPE_CHECKING:
     from .config import IdempotencyPolicy
@@ -185,7 +186,10 @@ class Handler:
             try:
                 sent = send(args, kwargs, options)
             except BaseException:
-                self._give_back(identity, record.owner)  # the broker's own error propagates, unwrapped
+                # The call is over: publishing failed, or (eager mode) the body ran inline and raised.
+                # Free whatever is still unsettled under this call's task id; an outcome the body
+                # already stored stays. The broker's own error propagates, unwrapped.
+                self._give_back(identity, task_id, fence="task_id", settled_is_fine=True)
                 raise
             return self._result(sent, identity, deduplicated=False)
         if claimed.decision is Decision.MISMATCH:
@@ -232,15 +236,23 @@ class Handler:
         result.idempotency = self.idem
         return result
 
-    def _give_back(self, identity: Identity, owner: str, pending_seconds: float | None = None) -> None:
-        """Release under ``owner``; a store error here is logged, never raised over the real error."""
+    def _give_back(
+        self,
+        identity: Identity,
+        token: str,
+        pending_seconds: float | None = None,
+        *,
+        fence: Fence = "owner",
+        settled_is_fine: bool = False,
+    ) -> None:
+        """Release under ``token``; a store error here is logged, never raised over the real error."""
         try:
-            answer = self.idem.store.release(identity, owner, pending_seconds=pending_seconds)
+            answer = self.idem.store.release(identity, token, pending_seconds=pending_seconds, fence=fence)
         except IdempotencyError as exc:
             logger.warning("could not release %s: %s; it frees itself when its lease runs out", identity, exc)
             self.idem.count("store_errors")
             return
-        if not answer.ok:
+        if not answer.ok and not settled_is_fine:
             self.idem.count("lost_locks")
             logger.warning("release of %s was LOST: another attempt owns it now", identity)
 

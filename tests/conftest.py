@@ -119,3 +119,7 @@ def store(store_kind: str, tmp_path: Any, prefix: str, clock: FakeClock) -> Iter
         instance = make_store(store_kind, tmp_path, prefix, clock=clock)
     yield instance
     wipe(instance)
+
+
+# The celery_app / celery_worker fixtures users test their own tasks with (tests/test_contrib_pytest.py).
+pytest_plugins = ("celery.contrib.pytest",)

@@ -1,0 +1,380 @@
+"""Policy and settings models (DESIGN §6), and how the Idempotency extension resolves them per app."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import pytest
+from celery import Celery
+from pydantic import ValidationError
+
+from celery_idem import (
+    ConfigurationError,
+    Idempotency,
+    IdempotencyError,
+    IdempotencyPolicy,
+    IdempotencySettings,
+    IdempotentTask,
+    MemoryStore,
+    StoreUnavailableError,
+)
+
+POLICY_DEFAULTS: dict[str, Any] = {
+    "key_args": None,
+    "require_key": False,
+    "ttl_seconds": 86400,
+    "lease_seconds": 30,
+    "pending_timeout_seconds": 3600,
+    "on_duplicate": "return",
+    "on_busy": "wait",
+    "busy_wait_seconds": 60,
+    "retryable": (),
+    "permanent": (),
+    "default_failure": "retryable",
+    "stale_action": "release",
+}
+SETTINGS_DEFAULTS: dict[str, Any] = {
+    **POLICY_DEFAULTS,
+    "store": None,
+    "key_prefix": "idem",
+    "store_timeout_seconds": 2.0,
+    "on_store_error": "raise",
+    "max_result_bytes": 1_048_576,
+    "accept_pickle": False,
+    "reconcile_interval_seconds": None,
+    "ledger": None,
+    "stale_grace_seconds": 3600,
+}
+MODELS = [IdempotencyPolicy, IdempotencySettings]
+
+# (field, invalid value): each must be refused by both models, naming the field.
+INVALID_VALUES = [
+    ("ttl_seconds", 0),
+    ("lease_seconds", -1),
+    ("on_busy", "sometimes"),
+    ("key_args", []),
+    ("key_args", "order_id"),
+]
+
+
+def eager_app(name: str = "t") -> Celery:
+    app = Celery(name, set_as_current=False)
+    app.conf.task_always_eager = True
+    app.conf.task_eager_propagates = True
+    return app
+
+
+def counting_task(app: Celery, calls: list[Any], name: str = "t.charge") -> Any:
+    @app.task(shared=False, base=IdempotentTask, name=name)
+    def charge(order_id: int, amount: int) -> dict[str, int]:
+        calls.append((order_id, amount))
+        return {"order_id": order_id, "amount": amount}
+
+    return charge
+
+
+# --- the models ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_model_is_frozen(model: type[IdempotencyPolicy]) -> None:
+    instance = model()
+
+    with pytest.raises(ValidationError, match="frozen"):
+        instance.ttl_seconds = 5  # type: ignore[misc]
+    assert instance.ttl_seconds == 86400
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_model_refuses_unknown_fields_naming_them(model: type[IdempotencyPolicy]) -> None:
+    with pytest.raises(ValidationError) as excinfo:
+        model(ttl_secondz=5)  # type: ignore[call-arg]
+
+    assert "ttl_secondz" in str(excinfo.value)
+    assert [e["type"] for e in excinfo.value.errors()] == ["extra_forbidden"]
+
+
+@pytest.mark.parametrize(("field", "expected"), sorted(POLICY_DEFAULTS.items()))
+def test_policy_default_matches_the_design(field: str, expected: Any) -> None:
+    assert getattr(IdempotencyPolicy(), field) == expected
+
+
+@pytest.mark.parametrize(("field", "expected"), sorted(SETTINGS_DEFAULTS.items()))
+def test_settings_default_matches_the_design(field: str, expected: Any) -> None:
+    assert getattr(IdempotencySettings(), field) == expected
+
+
+def test_defaults_cover_every_field() -> None:
+    # A new field must get its DESIGN default pinned here too.
+    assert set(IdempotencyPolicy.model_fields) == set(POLICY_DEFAULTS)
+    assert set(IdempotencySettings.model_fields) == set(SETTINGS_DEFAULTS)
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize(("field", "value"), INVALID_VALUES)
+def test_invalid_value_is_refused_naming_the_field(model: type[IdempotencyPolicy], field: str, value: Any) -> None:
+    with pytest.raises(ValidationError) as excinfo:
+        model(**{field: value})
+
+    assert [e["loc"] for e in excinfo.value.errors()] == [(field,)]
+    assert field in str(excinfo.value)
+
+
+def test_key_args_list_of_names_is_accepted() -> None:
+    assert IdempotencyPolicy(key_args=["order_id", "amount"]).key_args == ["order_id", "amount"]
+
+
+# --- IdempotencySettings.policy(overrides) --------------------------------------------------------
+
+
+def test_policy_without_overrides_is_the_app_defaults() -> None:
+    settings = IdempotencySettings(ttl_seconds=10, on_busy="retry")
+
+    policy = settings.policy()
+
+    assert isinstance(policy, IdempotencyPolicy)
+    assert (policy.ttl_seconds, policy.on_busy, policy.lease_seconds) == (10, "retry", 30)
+
+
+def test_policy_dict_overrides_app_defaults_field_by_field() -> None:
+    settings = IdempotencySettings(ttl_seconds=10, lease_seconds=5)
+
+    policy = settings.policy({"lease_seconds": 7, "require_key": True})
+
+    assert (policy.ttl_seconds, policy.lease_seconds, policy.require_key) == (10, 7, True)
+
+
+def test_policy_model_overrides_only_fields_it_set_explicitly() -> None:
+    # Given: app defaults that differ from the model defaults
+    settings = IdempotencySettings(ttl_seconds=10, lease_seconds=5, on_duplicate="raise")
+
+    # When: a task policy sets ttl_seconds explicitly (to the model default) and nothing else
+    policy = settings.policy(IdempotencyPolicy(ttl_seconds=86400))
+
+    # Then: the explicit field wins even though it equals the default; the others stay the app's
+    assert policy.ttl_seconds == 86400
+    assert policy.lease_seconds == 5
+    assert policy.on_duplicate == "raise"
+
+
+def test_policy_with_an_invalid_override_is_refused() -> None:
+    with pytest.raises(ValidationError, match="ttl_seconds"):
+        IdempotencySettings().policy({"ttl_seconds": 0})
+
+
+# --- resolution on the extension: keyword > app.conf > default ------------------------------------
+
+
+def test_settings_default_when_nothing_is_configured() -> None:
+    idem = Idempotency(eager_app())
+
+    assert idem.settings.ttl_seconds == 86400
+    assert idem.settings.key_prefix == "idem"
+
+
+def test_app_conf_overrides_the_default() -> None:
+    app = eager_app()
+    app.conf.idempotency_ttl_seconds = 10
+    app.conf.idempotency_key_prefix = "shop"
+
+    idem = Idempotency(app)
+
+    assert idem.settings.ttl_seconds == 10
+    assert idem.settings.key_prefix == "shop"
+
+
+def test_keyword_overrides_app_conf() -> None:
+    app = eager_app()
+    app.conf.idempotency_ttl_seconds = 10
+    app.conf.idempotency_lease_seconds = 7
+
+    idem = Idempotency(app, ttl_seconds=20)
+
+    assert idem.settings.ttl_seconds == 20  # keyword beats app.conf
+    assert idem.settings.lease_seconds == 7  # app.conf still beats the default
+
+
+def test_app_wide_policy_default_reaches_a_task_without_its_own_policy() -> None:
+    app = eager_app()
+    app.conf.idempotency_ttl_seconds = 10
+    idem = Idempotency(app)
+    charge = counting_task(app, [])
+
+    assert idem.policy_for(charge).ttl_seconds == 10
+
+
+def test_unknown_keyword_raises_naming_it_and_listing_valid_settings() -> None:
+    with pytest.raises(ConfigurationError) as excinfo:
+        Idempotency(eager_app(), nonsense=1)
+
+    message = str(excinfo.value)
+    assert "nonsense" in message
+    for valid in ("store", "ttl_seconds", "key_prefix", "max_result_bytes"):
+        assert valid in message
+
+
+def test_invalid_keyword_value_raises_configuration_error_naming_the_field() -> None:
+    with pytest.raises(ConfigurationError, match="ttl_seconds"):
+        Idempotency(eager_app(), ttl_seconds=0)
+
+
+def test_invalid_app_conf_value_raises_configuration_error_at_first_use() -> None:
+    # Given: a bad value in app.conf, which the extension only reads when first needed
+    app = eager_app()
+    app.conf.idempotency_lease_seconds = -1
+    calls: list[Any] = []
+    charge = counting_task(app, calls)
+    Idempotency(app)  # construction reads nothing yet
+
+    # When / Then: the first call names the field, as a ConfigurationError (an IdempotencyError)
+    with pytest.raises(ConfigurationError, match="lease_seconds") as excinfo:
+        charge.apply_async((42, 100), idempotency_key="order-42")
+    assert isinstance(excinfo.value, IdempotencyError)
+    assert calls == []
+
+
+# --- Idempotency.of and replacement ---------------------------------------------------------------
+
+
+def test_of_returns_the_installed_instance() -> None:
+    app = eager_app()
+    idem = Idempotency(app)
+
+    assert Idempotency.of(app) is idem
+
+
+def test_of_installs_one_when_none_is_installed() -> None:
+    app = eager_app()
+
+    installed = Idempotency.of(app)
+
+    assert isinstance(installed, Idempotency)
+    assert installed.app is app
+    assert Idempotency.of(app) is installed
+
+
+def test_second_instance_replaces_the_first() -> None:
+    # Given: a task already used through a first extension
+    app = eager_app()
+    first = Idempotency(app)
+    calls: list[Any] = []
+    charge = counting_task(app, calls)
+    charge.apply_async((42, 100), idempotency_key="order-42").get()
+
+    # When: a second extension is installed with its own store
+    second = Idempotency(app, store=MemoryStore())
+
+    # Then: it is the installed one, and the task now uses its (empty) store
+    assert Idempotency.of(app) is second
+    assert second is not first
+    charge.apply_async((42, 100), idempotency_key="order-42").get()
+    assert len(calls) == 2
+    assert second.get(charge, "order-42") is not None
+    assert second.metrics()["claims"] == 1
+
+
+def test_two_apps_have_independent_extensions_stores_and_counters() -> None:
+    # Given: two eager apps in one process, each with a task of the same name on a memory store
+    app_a, app_b = eager_app("a"), eager_app("b")
+    idem_a = Idempotency(app_a, store="memory://")
+    idem_b = Idempotency(app_b, store="memory://")
+    calls_a: list[Any] = []
+    calls_b: list[Any] = []
+    charge_a = counting_task(app_a, calls_a, name="shop.charge")
+    charge_b = counting_task(app_b, calls_b, name="shop.charge")
+
+    # When: the same key is used twice on app a and once on app b
+    charge_a.apply_async((42, 100), idempotency_key="order-42").get()
+    charge_a.apply_async((42, 100), idempotency_key="order-42").get()
+    charge_b.apply_async((42, 100), idempotency_key="order-42").get()
+
+    # Then: each app ran the call once, in its own store, counted by its own extension
+    assert Idempotency.of(app_a) is idem_a
+    assert Idempotency.of(app_b) is idem_b
+    assert idem_a.store is not idem_b.store
+    assert len(calls_a) == 1
+    assert len(calls_b) == 1
+    assert (idem_a.metrics()["claims"], idem_a.metrics()["replays"]) == (2, 1)
+    assert (idem_b.metrics()["claims"], idem_b.metrics()["replays"]) == (1, 0)
+    assert idem_a.get("shop.charge", "order-42").task_id != idem_b.get("shop.charge", "order-42").task_id
+
+
+def test_forgetting_on_one_app_does_not_touch_the_other() -> None:
+    app_a, app_b = eager_app("a"), eager_app("b")
+    idem_a, idem_b = Idempotency(app_a), Idempotency(app_b)
+    charge_a = counting_task(app_a, [], name="shop.charge")
+    charge_b = counting_task(app_b, [], name="shop.charge")
+    charge_a.apply_async((1, 2), idempotency_key="k").get()
+    charge_b.apply_async((1, 2), idempotency_key="k").get()
+
+    assert idem_a.forget("shop.charge", "k") is True
+
+    assert idem_a.get("shop.charge", "k") is None
+    assert idem_b.get("shop.charge", "k") is not None
+
+
+# --- the store setting ----------------------------------------------------------------------------
+
+
+def test_non_eager_app_without_a_store_raises_when_the_store_is_first_needed() -> None:
+    app = Celery("t", set_as_current=False)
+    charge = counting_task(app, [])
+    idem = Idempotency(app)  # no store yet, and no error yet
+
+    with pytest.raises(ConfigurationError, match="idempotency_store"):
+        charge.apply_async((42, 100), idempotency_key="order-42")
+    with pytest.raises(ConfigurationError, match="idempotency_store"):
+        idem.get(charge, "order-42")
+
+
+def test_eager_app_defaults_to_a_memory_store() -> None:
+    idem = Idempotency(eager_app())
+
+    assert isinstance(idem.store, MemoryStore)
+
+
+def test_store_url_from_app_conf_is_used() -> None:
+    app = Celery("t", set_as_current=False)
+    app.conf.idempotency_store = "memory://"
+
+    assert isinstance(Idempotency(app).store, MemoryStore)
+
+
+def test_store_instance_is_used_as_given() -> None:
+    store = MemoryStore(key_prefix="given")
+    app = Celery("t", set_as_current=False)
+
+    idem = Idempotency(app, store=store)
+
+    assert idem.store is store
+
+
+def test_store_is_built_once_per_extension() -> None:
+    idem = Idempotency(eager_app())
+
+    assert idem.store is idem.store
+
+
+def test_construction_does_no_network_io_and_first_use_fails_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given: a Redis URL on a closed port, and a guard recording every socket connect
+    connects: list[Any] = []
+    real_connect = socket.socket.connect
+
+    def recording_connect(self: socket.socket, address: Any) -> Any:
+        connects.append(address)
+        return real_connect(self, address)
+
+    monkeypatch.setattr(socket.socket, "connect", recording_connect)
+    app = Celery("t", set_as_current=False)
+    charge = counting_task(app, [])
+
+    # When: the extension is built
+    idem = Idempotency(app, store="redis://127.0.0.1:1/0", store_timeout_seconds=0.5)
+
+    # Then: nothing was connected; only the first use reaches the store, and fails closed
+    assert connects == []
+    with pytest.raises(StoreUnavailableError):
+        charge.apply_async((42, 100), idempotency_key="order-42")
+    assert connects, "the first use should have tried the store"
+    assert idem.metrics()["store_errors"] == 1
