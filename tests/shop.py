@@ -70,6 +70,12 @@ def make_app(
         time.sleep(seconds)
         return f"slept {seconds}"
 
+    @task(name="shop.slow_retry", idempotency={"lease_seconds": 2, "on_busy": "retry"}, max_retries=5)
+    def slow_retry(self: Any, seconds: float) -> str:
+        effect(self)
+        time.sleep(seconds)
+        return f"slept {seconds}"
+
     @task(name="shop.declined")
     def declined(self: Any, order_id: int) -> None:
         effect(self)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from shop import COUNTER_URL, effects_key, make_app
 from celery_idem import (
     Idempotency,
     InvalidKeyError,
+    LockLostError,
     PayloadMismatchError,
     PermanentError,
     ResultTooLargeError,
@@ -319,3 +321,46 @@ def test_result_over_max_result_bytes_fails_clearly_and_releases_the_key(shop: S
         result.get(timeout=GET)
     assert shop.idem.get("shop.result_of_size", key) is None
     assert shop.effects("result_of_size", key) == 1
+
+
+# ---- a second message while the first attempt runs ---------------------------------------------------
+
+
+def test_a_message_for_a_running_identity_waits_and_answers_with_its_outcome(shop: Shop, key: str) -> None:
+    # Given an attempt that runs past its own 3 s lease (the heartbeat keeps renewing it)
+    first = shop.app.send_task("shop.slow", (4,), headers={"idempotency_key": key})
+    _until(lambda: shop.effects("slow", key) == 1)
+    time.sleep(3.2)  # past the first lease: only the heartbeat keeps the attempt's claim alive
+    # When a second message with the key arrives (on_busy="wait")
+    second = shop.app.send_task("shop.slow", (4,), headers={"idempotency_key": key})
+    # Then it does not run, and answers with the first attempt's outcome
+    assert second.get(timeout=GET) == first.get(timeout=GET) == "slept 4"
+    assert shop.effects("slow", key) == 1
+    assert shop.idem.metrics()["busy_waits"] >= 1
+
+
+def test_on_busy_retry_retries_later_and_then_replays(shop: Shop, key: str) -> None:
+    first = shop.app.send_task("shop.slow_retry", (1.5,), headers={"idempotency_key": key})
+    _until(lambda: shop.effects("slow_retry", key) == 1)
+    second = shop.app.send_task("shop.slow_retry", (1.5,), headers={"idempotency_key": key})
+    assert second.get(timeout=GET) == first.get(timeout=GET) == "slept 1.5"
+    assert shop.effects("slow_retry", key) == 1
+
+
+def test_an_attempt_fenced_out_while_running_ends_with_lock_lost(shop: Shop, key: str) -> None:
+    # Given a running attempt whose record is forgotten under it (an operator's forget)
+    result = shop.task("slow").apply_async((1,), idempotency_key=key)
+    _until(lambda: shop.effects("slow", key) == 1)
+    assert shop.idem.forget("shop.slow", key)
+    # Then its outcome is not stored, and it says so
+    with pytest.raises(LockLostError, match="lost its lease"):
+        result.get(timeout=GET)
+    assert shop.idem.get("shop.slow", key) is None
+    assert shop.effects("slow", key) == 1
+
+
+def _until(predicate: Any, seconds: float = GET) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
