@@ -317,6 +317,8 @@ class Handler:
 
     def _run_owned(self, record: IdempotencyRecord, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         identity, owner, policy, store = record.identity, record.owner, self.policy, self.idem.store
+        # The caller's call, which a retry with changed arguments still answers for (the ledger checks it).
+        self.task.request.idempotency_fingerprint = record.fingerprint
         lease = self.idem.heartbeat.add(store, identity, owner, policy.lease_seconds)
         try:
             try:

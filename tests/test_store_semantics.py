@@ -441,3 +441,46 @@ def test_non_positive_durations_are_refused_before_touching_the_store(store: Sto
     with pytest.raises(ValueError, match=message):
         call(store)
     assert store.get(ID) is None
+
+
+# ---- the kept call, and the operators' queries ---------------------------------------------------
+
+
+def test_a_kept_call_survives_acquire_and_is_dropped_by_nothing_but_a_new_call(store: Store) -> None:
+    call = b'{"args":[42,100],"kwargs":{}}'
+    assert store.claim(ID, FP, "task-1", pending_seconds=PENDING_S, ttl_seconds=TTL_S, call=call).ok is False
+    assert store.get(ID).call == call
+    store.acquire(ID, FP, "task-1", lease_seconds=LEASE_S, ttl_seconds=TTL_S)  # no call given: the claim's stays
+    assert store.get(ID).call == call
+    other = Identity("", "shop.charge", "other")
+    store.acquire(other, FP, "task-2", lease_seconds=LEASE_S, ttl_seconds=TTL_S, call=b"[1]")
+    assert store.get(other).call == b"[1]"
+    assert store.get(Identity("", "shop.charge", "none")) is None
+
+
+def test_records_filters_by_state_and_task_newest_first(store: Store, clock) -> None:
+    for n in range(3):
+        store.claim(Identity("", "shop.charge", f"p{n}"), FP, f"t{n}", pending_seconds=PENDING_S, ttl_seconds=TTL_S)
+        clock.advance(1)
+    running_record = store.acquire(
+        Identity("", "shop.refund", "r0"), FP, "t9", lease_seconds=LEASE_S, ttl_seconds=TTL_S
+    )
+    assert running_record.record is not None
+    pending = store.records(state=State.PENDING)
+    assert [r.key for r in pending] == ["p2", "p1", "p0"]
+    assert [r.key for r in store.records(task_name="shop.refund")] == ["r0"]
+    assert len(store.records(limit=2)) == 2
+    assert store.records(state=State.COMPLETED) == []
+    with pytest.raises(ValueError, match="limit must be at least 1"):
+        store.records(limit=0)
+
+
+def test_count_by_state_counts_live_records(store: Store, clock) -> None:
+    claim(store)
+    settle_id = Identity("", "shop.charge", "done")
+    t = store.acquire(settle_id, FP, "t2", lease_seconds=LEASE_S, ttl_seconds=5)
+    assert t.record is not None
+    store.complete(settle_id, t.record.owner, RESULT)
+    assert store.count_by_state() == {State.PENDING: 1, State.IN_PROGRESS: 0, State.COMPLETED: 1, State.FAILED: 0}
+    clock.advance(6)  # the completed record's ttl ran out
+    assert store.count_by_state()[State.COMPLETED] == 0

@@ -106,11 +106,15 @@ class Store(ABC):
         pending_seconds: float,
         ttl_seconds: float,
         owner: str | None = None,
+        call: bytes | None = None,
     ) -> Transition:
-        """Producer side, before publishing: NEW, DUPLICATE, REPLAY or MISMATCH (with the record)."""
+        """Producer side, before publishing: NEW, DUPLICATE, REPLAY or MISMATCH (with the record).
+
+        ``call`` (the serialized arguments) is kept on the record for the reconciler to requeue.
+        """
         lease, ttl = _positive("pending_seconds", pending_seconds), _positive("ttl_seconds", ttl_seconds)
         with self._guard("claim", identity):
-            return self._claim(identity, fingerprint, task_id, owner or new_token(), lease, ttl)
+            return self._claim(identity, fingerprint, task_id, owner or new_token(), lease, ttl, call)
 
     def acquire(
         self,
@@ -121,11 +125,15 @@ class Store(ABC):
         lease_seconds: float,
         ttl_seconds: float,
         owner: str | None = None,
+        call: bytes | None = None,
     ) -> Transition:
-        """Worker side, before the body: RUN, BUSY, REPLAY or MISMATCH (with the record)."""
+        """Worker side, before the body: RUN, BUSY, REPLAY or MISMATCH (with the record).
+
+        ``call`` is kept as with :meth:`claim`; None keeps the call the claim stored, if any.
+        """
         lease, ttl = _positive("lease_seconds", lease_seconds), _positive("ttl_seconds", ttl_seconds)
         with self._guard("acquire", identity):
-            return self._acquire(identity, fingerprint, task_id, owner or new_token(), lease, ttl)
+            return self._acquire(identity, fingerprint, task_id, owner or new_token(), lease, ttl, call)
 
     def complete(
         self,
@@ -206,6 +214,26 @@ class Store(ABC):
         with self._guard("expired_leases"):
             return self._expired_leases(limit)
 
+    def records(
+        self, *, state: State | None = None, task_name: str | None = None, limit: int = 100
+    ) -> list[IdempotencyRecord]:
+        """Live records, optionally of one state and one task, at most ``limit`` (for operators).
+
+        Not for hot paths: on Redis it scans the key space.
+        """
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1; got {limit!r}")
+        with self._guard("records"):
+            return self._records(state, task_name, limit)
+
+    def count_by_state(self) -> dict[State, int]:
+        """How many live records each state holds (for operators; scans on Redis)."""
+        with self._guard("count_by_state"):
+            counts = dict.fromkeys(State, 0)
+            for record_state, n in self._count_by_state().items():
+                counts[record_state] += n
+            return counts
+
     def ping(self) -> None:
         """Round-trip to the store; raises StoreUnavailableError if it does not answer in time."""
         with self._guard("ping"):
@@ -219,13 +247,15 @@ class Store(ABC):
 
     @abstractmethod
     def _claim(
-        self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float
-    ) -> Transition: ...
+        self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float,
+        call: bytes | None,
+    ) -> Transition: ...  # fmt: skip
 
     @abstractmethod
     def _acquire(
-        self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float
-    ) -> Transition: ...
+        self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float,
+        call: bytes | None,
+    ) -> Transition: ...  # fmt: skip
 
     @abstractmethod
     def _settle(
@@ -256,6 +286,12 @@ class Store(ABC):
 
     @abstractmethod
     def _expired_leases(self, limit: int) -> list[IdempotencyRecord]: ...
+
+    @abstractmethod
+    def _records(self, state: State | None, task_name: str | None, limit: int) -> list[IdempotencyRecord]: ...
+
+    @abstractmethod
+    def _count_by_state(self) -> dict[State, int]: ...
 
     @abstractmethod
     def _ping(self) -> None: ...

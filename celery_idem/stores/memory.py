@@ -31,17 +31,17 @@ class MemoryStore(Store):
             key_prefix=key_prefix, timeout_seconds=timeout_seconds, max_result_bytes=max_result_bytes, clock=clock
         )
         self._lock = threading.RLock()
-        self._records: dict[Identity, IdempotencyRecord] = {}
+        self._by_identity: dict[Identity, IdempotencyRecord] = {}
 
     def __len__(self) -> int:
         with self._lock:
             now = self.clock()
-            return sum(1 for r in self._records.values() if r.expires_at > now)
+            return sum(1 for r in self._by_identity.values() if r.expires_at > now)
 
     def _live(self, identity: Identity, now: float) -> IdempotencyRecord | None:
-        record = self._records.get(identity)
+        record = self._by_identity.get(identity)
         if record is not None and record.expires_at <= now:
-            del self._records[identity]
+            del self._by_identity[identity]
             return None
         return record
 
@@ -59,12 +59,13 @@ class MemoryStore(Store):
             )
         else:
             record = base.model_copy(update={"updated_at": now, **fields})
-        self._records[identity] = record
+        self._by_identity[identity] = record
         return record
 
     def _claim(
-        self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float
-    ) -> Transition:
+        self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float,
+        call: bytes | None,
+    ) -> Transition:  # fmt: skip
         with self._lock:
             now = self.clock()
             record = self._live(identity, now)
@@ -87,12 +88,14 @@ class MemoryStore(Store):
                 lease_expires_at=now + lease,
                 expires_at=now + lease + ttl,
                 ttl_seconds=ttl,
+                call=call,
             )
             return Transition(Decision.NEW, new)
 
     def _acquire(
-        self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float
-    ) -> Transition:
+        self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float,
+        call: bytes | None,
+    ) -> Transition:  # fmt: skip
         with self._lock:
             now = self.clock()
             record = self._live(identity, now)
@@ -116,6 +119,7 @@ class MemoryStore(Store):
                 lease_expires_at=now + lease,
                 expires_at=now + lease + ttl,
                 ttl_seconds=ttl,
+                call=call if call is not None else (record.call if record else None),
             )
             return Transition(Decision.RUN, taken)
 
@@ -164,7 +168,7 @@ class MemoryStore(Store):
             if record is None or (expired_only and (record.lease_expires_at or 0) > now):
                 return LOST
             if lease is None:
-                del self._records[identity]
+                del self._by_identity[identity]
             else:
                 self._put(
                     identity,
@@ -194,20 +198,38 @@ class MemoryStore(Store):
         with self._lock:
             if self._live(identity, self.clock()) is None:
                 return False
-            del self._records[identity]
+            del self._by_identity[identity]
             return True
 
     def _expired_leases(self, limit: int) -> list[IdempotencyRecord]:
         with self._lock:
             now = self.clock()
             due: list[tuple[float, str, IdempotencyRecord]] = []
-            for record in list(self._records.values()):
+            for record in list(self._by_identity.values()):
                 if record.expires_at <= now:
-                    del self._records[record.identity]
+                    del self._by_identity[record.identity]
                 elif record.state in UNSETTLED and record.lease_expires_at is not None:
                     if record.lease_expires_at <= now:
                         bisect.insort(due, (record.lease_expires_at, str(record.identity), record))
             return [r for _, _, r in due[:limit]]
+
+    def _records(self, state: State | None, task_name: str | None, limit: int) -> list[IdempotencyRecord]:
+        with self._lock:
+            now = self.clock()
+            found = [
+                r for r in self._by_identity.values()
+                if r.expires_at > now and state in (None, r.state) and task_name in (None, r.task_name)
+            ]  # fmt: skip
+            return sorted(found, key=lambda r: r.updated_at, reverse=True)[:limit]
+
+    def _count_by_state(self) -> dict[State, int]:
+        with self._lock:
+            now = self.clock()
+            counts = dict.fromkeys(State, 0)
+            for record in self._by_identity.values():
+                if record.expires_at > now:
+                    counts[record.state] += 1
+            return counts
 
     def _ping(self) -> None:
         return None

@@ -63,6 +63,7 @@ def _record(flat: Sequence[bytes]) -> IdempotencyRecord:
         content_type=_text(fields.get("ctype")),
         content_encoding=_text(fields.get("cenc")),
         error=ErrorInfo.model_validate_json(error) if error else None,
+        call=fields.get("call"),
     )
 
 
@@ -177,9 +178,10 @@ class RedisStore(Store):
     # ---- primitives ----------------------------------------------------------------------------
 
     def _take(
-        self, script: str, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float
-    ) -> Transition:
-        args: list[Any] = [self._now(), fingerprint, task_id, owner, repr(lease), repr(ttl), *identity]
+        self, script: str, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float,
+        call: bytes | None,
+    ) -> Transition:  # fmt: skip
+        args: list[Any] = [self._now(), fingerprint, task_id, owner, repr(lease), repr(ttl), *identity, call or b""]
         answer = self._scripts[script](keys=self.keys_for(identity), args=args)
         decision = Decision(answer[0].decode("ascii"))
         if decision is not Decision.NEW and decision is not Decision.RUN:
@@ -193,19 +195,21 @@ class RedisStore(Store):
             state=State.PENDING if claimed else State.IN_PROGRESS, task_id=task_id, owner=owner,
             attempt=0 if claimed else int(answer[3]), lease_expires_at=now + lease,
             created_at=now if claimed else float(answer[4]), updated_at=now, expires_at=now + lease + ttl,
-            ttl_seconds=ttl, result=None, content_type=None, content_encoding=None, error=None,
+            ttl_seconds=ttl, result=None, content_type=None, content_encoding=None, error=None, call=call,
         )  # fmt: skip
         return Transition(decision, record)
 
     def _claim(
-        self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float
-    ) -> Transition:
-        return self._take("claim", identity, fingerprint, task_id, owner, lease, ttl)
+        self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float,
+        call: bytes | None,
+    ) -> Transition:  # fmt: skip
+        return self._take("claim", identity, fingerprint, task_id, owner, lease, ttl, call)
 
     def _acquire(
-        self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float
-    ) -> Transition:
-        return self._take("acquire", identity, fingerprint, task_id, owner, lease, ttl)
+        self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float,
+        call: bytes | None,
+    ) -> Transition:  # fmt: skip
+        return self._take("acquire", identity, fingerprint, task_id, owner, lease, ttl, call)
 
     def _fenced(self, script: str, identity: Identity, *argv: object) -> Transition:
         args: list[Any] = [self._now(), *argv]
@@ -281,6 +285,42 @@ class RedisStore(Store):
         if len(leftovers):
             leftovers.execute()
         return records
+
+    def _scan(self) -> Any:
+        """Every live record, in batches (a SCAN over this prefix's record keys)."""
+        batch: list[Any] = []
+        for key in self.client.scan_iter(match=f"{{{self.key_prefix}:*}}:r:*", count=1000):
+            batch.append(key)
+            if len(batch) == 500:
+                yield from self._read(batch)
+                batch = []
+        yield from self._read(batch)
+
+    def _read(self, keys: list[Any]) -> Any:
+        if not keys:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hgetall(key)
+        for flat in pipe.execute():
+            record = self._live(flat)
+            if record is not None:
+                yield record
+
+    def _records(self, state: State | None, task_name: str | None, limit: int) -> list[IdempotencyRecord]:
+        found: list[IdempotencyRecord] = []
+        for record in self._scan():
+            if state in (None, record.state) and task_name in (None, record.task_name):
+                found.append(record)
+                if len(found) >= limit:
+                    break
+        return sorted(found, key=lambda r: r.updated_at, reverse=True)
+
+    def _count_by_state(self) -> dict[State, int]:
+        counts = dict.fromkeys(State, 0)
+        for record in self._scan():
+            counts[record.state] += 1
+        return counts
 
     def _ping(self) -> None:
         self.client.ping()

@@ -37,7 +37,7 @@ _UNSETTLED = [s.value for s in UNSETTLED]
 _INSERTS: dict[str, Callable[[sa.Table], Any]] = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
 _TAKE_TRIES = 5  # a held record that frees itself between our upsert and our read is taken on a retry
 _DATA = ("fingerprint", "state", "task_id", "owner", "attempt", "lease_expires_at", "created_at", "updated_at",
-         "expires_at", "ttl_seconds", "result", "content_type", "content_encoding", "error")  # fmt: skip
+         "expires_at", "ttl_seconds", "result", "content_type", "content_encoding", "error", "call")  # fmt: skip
 
 
 def records_table(metadata: sa.MetaData, name: str = "celery_idem_records") -> sa.Table:
@@ -63,6 +63,7 @@ def records_table(metadata: sa.MetaData, name: str = "celery_idem_records") -> s
         sa.Column("content_type", sa.String(128), nullable=True),
         sa.Column("content_encoding", sa.String(64), nullable=True),
         sa.Column("error", sa.Text, nullable=True),
+        sa.Column("call", sa.LargeBinary, nullable=True),  # kept only for stale_action="requeue"
         # The reconciler's index: unsettled records by lease expiry (settled rows hold NULL).
         sa.Index(f"ix_{name}_lease", "namespace", "lease_expires_at"),
         sa.Index(f"ix_{name}_expires", "expires_at"),
@@ -187,6 +188,7 @@ class SQLStore(Store):
                 "fingerprint": sa.case((absent, p("fingerprint")), else_=c.fingerprint),
                 "created_at": sa.case((absent, now), else_=c.created_at),
                 "attempt": sa.case((absent, 1), else_=c.attempt + 1),
+                "call": sa.func.coalesce(p("call"), c.call),
             },
         )
         self._get_sql = sa.select(t).where(pk, c.expires_at > now)
@@ -231,7 +233,8 @@ class SQLStore(Store):
         return cls(engine, **options)
 
     def create_schema(self) -> None:
-        """Create the table and its indexes if they are missing (safe to call from many processes)."""
+        """Create the table and its indexes if they are missing, and add the nullable columns a
+        newer celery-idem brought to an older table (safe to call from many processes)."""
         with self._guard("create_schema"):
             try:
                 self.metadata.create_all(self.engine, checkfirst=True)
@@ -240,7 +243,22 @@ class SQLStore(Store):
                 # IntegrityError on PostgreSQL, OperationalError on SQLite). Check again; a real
                 # failure fails the second time too.
                 self.metadata.create_all(self.engine, checkfirst=True)
+            self._add_missing_columns()
         self._schema_ready = True
+
+    def _add_missing_columns(self) -> None:
+        present = {column["name"] for column in sa.inspect(self.engine).get_columns(self.table.name)}
+        for column in self.table.columns:
+            if column.name in present or not column.nullable:
+                continue
+            kind = column.type.compile(dialect=self.engine.dialect)
+            name = self.engine.dialect.identifier_preparer.quote(column.name)
+            table = self.engine.dialect.identifier_preparer.quote(self.table.name)
+            try:
+                with self.engine.begin() as connection:
+                    connection.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
+            except sa_exc.DBAPIError:
+                pass  # a concurrent upgrader added it first
 
     def _run(self, statement: sa.Executable, params: dict[str, Any], fetch: Callable[[sa.CursorResult[Any]], T]) -> T:
         """Run one prebuilt statement (autocommit: one transaction, one round trip) and read its answer."""
@@ -275,13 +293,14 @@ class SQLStore(Store):
             content_type=row.content_type,
             content_encoding=row.content_encoding,
             error=ErrorInfo.model_validate_json(row.error) if row.error else None,
+            call=bytes(row.call) if row.call is not None else None,
         )
 
     # ---- take-or-read: claim and acquire ------------------------------------------------------
 
     def _take(
         self, statement: sa.Executable, claiming: bool, identity: Identity, fingerprint: str, task_id: str,
-        owner: str, lease: float, ttl: float,
+        owner: str, lease: float, ttl: float, call: bytes | None,
     ) -> Transition:  # fmt: skip
         for _ in range(_TAKE_TRIES):
             now = self.clock()
@@ -289,7 +308,7 @@ class SQLStore(Store):
                 "fingerprint": fingerprint, "state": (State.PENDING if claiming else State.IN_PROGRESS).value,
                 "task_id": task_id, "owner": owner, "attempt": 0 if claiming else 1, "lease_expires_at": now + lease,
                 "created_at": now, "updated_at": now, "expires_at": now + lease + ttl, "ttl_seconds": ttl,
-                "result": None, "content_type": None, "content_encoding": None, "error": None,
+                "result": None, "content_type": None, "content_encoding": None, "error": None, "call": call,
             }  # fmt: skip
             taken = self._run(statement, self._params(identity, now, **values), _one_or_none)
             if taken is not None:
@@ -312,14 +331,16 @@ class SQLStore(Store):
         return record.state is State.IN_PROGRESS or record.state is State.PENDING
 
     def _claim(
-        self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float
-    ) -> Transition:
-        return self._take(self._claim_sql, True, identity, fingerprint, task_id, owner, lease, ttl)
+        self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float,
+        call: bytes | None,
+    ) -> Transition:  # fmt: skip
+        return self._take(self._claim_sql, True, identity, fingerprint, task_id, owner, lease, ttl, call)
 
     def _acquire(
-        self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float
-    ) -> Transition:
-        return self._take(self._acquire_sql, False, identity, fingerprint, task_id, owner, lease, ttl)
+        self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float,
+        call: bytes | None,
+    ) -> Transition:  # fmt: skip
+        return self._take(self._acquire_sql, False, identity, fingerprint, task_id, owner, lease, ttl, call)
 
     # ---- fenced writes --------------------------------------------------------------------------
 
@@ -367,6 +388,25 @@ class SQLStore(Store):
     def _expired_leases(self, limit: int) -> list[IdempotencyRecord]:
         params = {"p_ns": self.key_prefix, "p_now": self.clock(), "p_limit": limit}
         return [self._record(row) for row in self._run(self._due_sql, params, _all)]
+
+    def _records(self, state: State | None, task_name: str | None, limit: int) -> list[IdempotencyRecord]:
+        c = self.table.c
+        query = sa.select(self.table).where(c.namespace == self.key_prefix, c.expires_at > self.clock())
+        if state is not None:
+            query = query.where(c.state == state.value)
+        if task_name is not None:
+            query = query.where(c.task_name == task_name)
+        query = query.order_by(c.updated_at.desc()).limit(limit)
+        return [self._record(row) for row in self._run(query, {}, _all)]
+
+    def _count_by_state(self) -> dict[State, int]:
+        c = self.table.c
+        query = (
+            sa.select(c.state, sa.func.count())
+            .where(c.namespace == self.key_prefix, c.expires_at > self.clock())
+            .group_by(c.state)
+        )
+        return {State(state): int(n) for state, n in self._run(query, {}, _all)}
 
     def _ping(self) -> None:
         with self._autocommit.connect() as connection:

@@ -7,7 +7,8 @@
 -- shard that are PENDING or IN_PROGRESS, scored by lease expiry (POSIX seconds).
 --
 -- Record hash fields: scope task key fp state task_id owner attempt lease created updated
--- expires ttl [result ctype cenc | error]. Times are POSIX seconds with 6 decimals.
+-- expires ttl [call] [result ctype cenc | error]. Times are POSIX seconds with 6 decimals. `call`
+-- (the serialized arguments) is kept only for tasks whose stale action is "requeue".
 -- A record whose `expires` has passed is absent, even while Redis still holds the key.
 
 local function now_of(arg)

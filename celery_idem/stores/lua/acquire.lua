@@ -2,18 +2,20 @@
 -- KEYS[1] record hash   KEYS[2] lease index of its shard
 -- ARGV[1] now ('' = server clock)  ARGV[2] fingerprint  ARGV[3] task id  ARGV[4] owner token
 -- ARGV[5] lease seconds            ARGV[6] ttl seconds   ARGV[7] scope  ARGV[8] task name  ARGV[9] key
+-- ARGV[10] the serialized call ('' = keep the claim's, if any)
 -- Returns {decision, flat record} for BUSY, REPLAY or MISMATCH (untouched), and
 -- {'RUN', now, fingerprint, attempt, created} when the IN_PROGRESS record was written.
 -- The same task id is the same attempt chain (a Celery retry): it runs even with other arguments,
 -- and the record keeps the fingerprint of the caller's call.
 local now = now_of(ARGV[1])
 local rec, flat = load(KEYS[1], now)
-local fp, attempt, created = ARGV[2], 1, now
+local fp, attempt, created, call = ARGV[2], 1, now, ARGV[10]
 if rec then
   if rec.fp ~= ARGV[2] and rec.task_id ~= ARGV[3] then return {'MISMATCH', flat} end
   if settled(rec) then return {'REPLAY', flat} end
   if rec.state == 'IN_PROGRESS' and tonumber(rec.lease) > now then return {'BUSY', flat} end
   fp, attempt, created = rec.fp, tonumber(rec.attempt) + 1, tonumber(rec.created)
+  if call == '' and rec.call then call = rec.call end
 end
 local lease = now + tonumber(ARGV[5])
 local expires = lease + tonumber(ARGV[6])
@@ -22,5 +24,9 @@ local fields = {
   'task_id', ARGV[3], 'owner', ARGV[4], 'attempt', tostring(attempt), 'lease', fmt(lease),
   'created', fmt(created), 'updated', fmt(now), 'expires', fmt(expires), 'ttl', ARGV[6],
 }
+if call ~= '' then
+  table.insert(fields, 'call')
+  table.insert(fields, call)
+end
 write_fresh(KEYS[1], KEYS[2], fields, lease, expires, now)
 return {'RUN', fmt(now), fp, tostring(attempt), fmt(created)}

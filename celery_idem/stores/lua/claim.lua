@@ -2,6 +2,7 @@
 -- KEYS[1] record hash   KEYS[2] lease index of its shard
 -- ARGV[1] now ('' = server clock)  ARGV[2] fingerprint  ARGV[3] task id  ARGV[4] owner token
 -- ARGV[5] pending lease seconds    ARGV[6] ttl seconds   ARGV[7] scope  ARGV[8] task name  ARGV[9] key
+-- ARGV[10] the serialized call ('' = not kept)
 -- Returns {decision, flat record} for DUPLICATE, REPLAY or MISMATCH (untouched), and {'NEW', now}
 -- when the PENDING record was written (the caller knows every other field of it).
 local now = now_of(ARGV[1])
@@ -18,5 +19,9 @@ local fields = {
   'task_id', ARGV[3], 'owner', ARGV[4], 'attempt', '0', 'lease', fmt(lease),
   'created', fmt(now), 'updated', fmt(now), 'expires', fmt(expires), 'ttl', ARGV[6],
 }
+if ARGV[10] ~= '' then
+  table.insert(fields, 'call')
+  table.insert(fields, ARGV[10])
+end
 write_fresh(KEYS[1], KEYS[2], fields, lease, expires, now)
 return {'NEW', fmt(now)}
