@@ -22,6 +22,7 @@ from .errors import (
     StoreUnavailableError,
 )
 from .extension import Idempotency
+from .reconciler import ReconcileReport
 from .records import IdempotencyRecord, State
 from .result import IdempotentResult
 from .stores import MemoryStore, Store, store_from_url
@@ -44,6 +45,7 @@ __all__ = [
     "MemoryStore",
     "PayloadMismatchError",
     "PermanentError",
+    "ReconcileReport",
     "ReplayedFailureError",
     "ResultTooLargeError",
     "RetryableError",

@@ -79,6 +79,9 @@ class IdempotencySettings(IdempotencyPolicy):
         default=None, gt=0, description="Run the reconciler from beat this often (None: no beat entry)."
     )
     ledger: Any = Field(default=None, description="A celery_idem.ledger.Ledger the reconciler consults.")
+    inspect_timeout_seconds: float = Field(
+        default=1.0, gt=0, description="How long the reconciler waits for workers to answer inspect."
+    )
     stale_grace_seconds: float = Field(
         default=3600, ge=0, description="Release a stale record with no evidence once this far past its lease."
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -14,6 +14,9 @@ from .errors import ConfigurationError
 from .fingerprint import validate_key, validate_scope
 from .heartbeat import Heartbeat
 from .records import IdempotencyRecord, Identity
+
+if TYPE_CHECKING:
+    from .reconciler import ReconcileReport
 from .stores import Store, store_from_url
 
 __all__ = ["COUNTERS", "Idempotency"]
@@ -74,9 +77,11 @@ class Idempotency:
         if previous is not None:
             previous.disconnect()
         setattr(app, _ATTRIBUTE, self)
+        from .reconciler import install
         from .signals import connect
 
         self._receivers = connect(self)
+        install(self)
         if settings:
             self.settings  # noqa: B018 - explicit settings are validated at construction
 
@@ -163,6 +168,18 @@ class Idempotency:
     def forget(self, task: Any, key: str, scope: str | None = None) -> bool:
         """Remove the record in any state; True if there was one. A running attempt is fenced out."""
         return self.store.forget(self._identity(task, key, scope))
+
+    def reconcile(self, limit: int | None = None, dry_run: bool = False) -> ReconcileReport:
+        """Settle records stuck past their lease against the ledger, the result backend and worker
+        liveness (see :mod:`celery_idem.reconciler`). Safe to run twice at once.
+
+        Args:
+            limit: At most this many stale records per run (default 1000).
+            dry_run: Count what would be done; change nothing.
+        """
+        from .reconciler import Reconciler
+
+        return Reconciler(self, dry_run=dry_run).run(limit)
 
     # ---- counters ------------------------------------------------------------------------------
 

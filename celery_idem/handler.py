@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from .config import IdempotencyPolicy
     from .extension import Idempotency
 
-__all__ = ["BYPASS_HEADER", "KEY_HEADER", "SCOPE_HEADER", "Handler"]
+__all__ = ["BYPASS_HEADER", "KEY_HEADER", "SCOPE_HEADER", "Handler", "classify_failure"]
 
 KEY_HEADER, SCOPE_HEADER, BYPASS_HEADER = "idempotency_key", "idempotency_scope", "idempotency"
 _CONTINUATIONS = ("link", "link_error", "chain", "chord", "group_id")
@@ -70,6 +70,24 @@ _TRANSIENT_NAMES = frozenset({"ConnectionError", "TimeoutError", "Timeout"})
 
 logger = logging.getLogger("celery_idem.handler")
 FailureClass = Literal["retryable", "permanent"]
+
+
+def classify_failure(
+    exc: BaseException, policy: IdempotencyPolicy, autoretry_for: Sequence[type[BaseException]] = ()
+) -> FailureClass:
+    """``"permanent"`` (stored and replayed) or ``"retryable"`` (released) for an exception.
+
+    The policy's and the marker's permanent classes win; then the retryable ones (the markers,
+    Celery's Retry, the task's autoretry_for, the policy's list, connection and timeout errors,
+    time limits, a lost worker); anything else follows ``policy.default_failure``.
+    """
+    if isinstance(exc, (PermanentError, *policy.permanent)):
+        return "permanent"
+    if isinstance(exc, (*_TRANSIENT, *autoretry_for, *policy.retryable)):
+        return "retryable"
+    if any(c.__name__ in _TRANSIENT_NAMES for c in type(exc).__mro__):
+        return "retryable"
+    return policy.default_failure
 
 
 def _delay_seconds(options: Mapping[str, Any]) -> float:
@@ -99,8 +117,7 @@ class Handler:
                 "a stored pickle runs code when replayed; use json, or set accept_pickle=True"
             )
         self._run_function: Callable[..., Any] = task.run
-        autoretry = getattr(task, "autoretry_for", ()) or ()
-        self._retryable = (*_TRANSIENT, *autoretry, *self.policy.retryable)
+        self._autoretry_for: tuple[type[BaseException], ...] = tuple(getattr(task, "autoretry_for", ()) or ())
         if self.policy.key_args is not None:
             self._check_key_args(self.policy.key_args)
 
@@ -356,11 +373,7 @@ class Handler:
 
     def classify(self, exc: BaseException) -> FailureClass:
         """``"permanent"`` (stored and replayed) or ``"retryable"`` (released) for an exception."""
-        if isinstance(exc, (PermanentError, *self.policy.permanent)):
-            return "permanent"
-        if isinstance(exc, self._retryable) or any(c.__name__ in _TRANSIENT_NAMES for c in type(exc).__mro__):
-            return "retryable"
-        return self.policy.default_failure
+        return classify_failure(exc, self.policy, self._autoretry_for)
 
     def _settle_failure(self, identity: Identity, owner: str, exc: BaseException) -> None:
         # SystemExit, KeyboardInterrupt...: never an outcome; and a retryable error never freezes a key.

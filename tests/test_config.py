@@ -45,6 +45,7 @@ SETTINGS_DEFAULTS: dict[str, Any] = {
     "reconcile_interval_seconds": None,
     "ledger": None,
     "stale_grace_seconds": 3600,
+    "inspect_timeout_seconds": 1.0,  # not in DESIGN §6: the reconciler's inspect deadline
 }
 MODELS = [IdempotencyPolicy, IdempotencySettings]
 

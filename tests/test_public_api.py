@@ -14,8 +14,8 @@ import celery_idem
 from celery_idem import errors
 
 # DESIGN §1 fixes these names; outside code and tests import them from the package root.
-# ReconcileReport is left out on purpose: it arrives with the reconciler issue.
 REQUIRED_NAMES = {
+    "ReconcileReport",
     "Idempotency",
     "IdempotentTask",
     "idempotent_task",

@@ -1,0 +1,233 @@
+"""The reconciler: settle records stuck in PENDING or IN_PROGRESS past their lease (DESIGN §4).
+
+Stale records come from the store's lease-expiry index (cost grows with the stale records, not
+with all records). Each is settled against the truth, in order, and only on positive evidence:
+
+1. the ledger: a committed outcome for the identity -> COMPLETED with it;
+2. the result backend, for the record's task id: SUCCESS -> COMPLETED; FAILURE -> FAILED if the
+   task's policy classes the error permanent, else released;
+3. worker liveness (one ``inspect().query_task`` broadcast for all undecided records): a live
+   worker holds the task id (active, reserved or scheduled) -> left alone; workers answered and
+   none holds it -> provably dead: released, or re-published under the same key and task id
+   (``stale_action="requeue"``); no worker answered -> unknown, left, until the lease is
+   ``stale_grace_seconds`` past, then released.
+
+Every write is a compare-and-set on the owner token the scan saw (a release also requires the lease
+to still be expired), so two reconcilers at once never settle one record twice, and a worker that
+finishes meanwhile wins.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from celery import states
+from celery.backends.base import DisabledBackend
+from pydantic import BaseModel, ConfigDict
+
+from .handler import KEY_HEADER, SCOPE_HEADER, classify_failure
+from .outcome import encode_result
+from .records import Decision, ErrorInfo, IdempotencyRecord
+
+if TYPE_CHECKING:
+    from .config import IdempotencyPolicy
+    from .extension import Idempotency
+
+__all__ = ["TASK_NAME", "ReconcileReport", "Reconciler", "install", "reconcile_task"]
+
+logger = logging.getLogger("celery_idem.reconciler")
+TASK_NAME = "celery_idem.reconcile"
+BEAT_ENTRY = "celery-idem-reconcile"
+DEFAULT_LIMIT = 1000
+
+
+class ReconcileReport(BaseModel):
+    """What one reconciler run did (or, with ``dry_run``, would do)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    scanned: int = 0
+    completed: int = 0
+    failed: int = 0
+    released: int = 0
+    requeued: int = 0
+    left: int = 0
+    seconds: float = 0.0
+    dry_run: bool = False
+
+
+class Reconciler:
+    """One reconciler run over one app's store."""
+
+    def __init__(self, idem: Idempotency, *, dry_run: bool = False) -> None:
+        self.idem = idem
+        self.app = idem.app
+        self.store = idem.store
+        self.dry_run = dry_run
+        self.counts = dict.fromkeys(("scanned", "completed", "failed", "released", "requeued", "left"), 0)
+
+    def run(self, limit: int | None = None) -> ReconcileReport:
+        started = time.monotonic()
+        stale = self.store.expired_leases(limit=limit or DEFAULT_LIMIT)
+        self.counts["scanned"] = len(stale)
+        undecided = [record for record in stale if not self._settle_on_evidence(record)]
+        if undecided:
+            holders = self._live_task_ids([record.task_id for record in undecided])
+            for record in undecided:
+                self._settle_on_liveness(record, holders)
+        report = ReconcileReport(**self.counts, seconds=time.monotonic() - started, dry_run=self.dry_run)
+        logger.info("reconciled: %s", report.model_dump_json())
+        if not self.dry_run:
+            for name in ("completed", "failed", "released"):
+                self.idem.count(f"reconciled_{name}", self.counts[name])
+        return report
+
+    # ---- evidence --------------------------------------------------------------------------------
+
+    def _task(self, name: str) -> Any:
+        return self.app.tasks.get(name)
+
+    def _policy(self, record: IdempotencyRecord) -> IdempotencyPolicy:
+        task = self._task(record.task_name)
+        return self.idem.policy_for(task) if task is not None else self.idem.settings.policy()
+
+    def _settle_on_evidence(self, record: IdempotencyRecord) -> bool:
+        """Settle from the ledger or the result backend; False when neither knows the outcome."""
+        ledger = self.idem.settings.ledger
+        if ledger is not None:
+            entry = ledger.lookup(record.identity)
+            if entry is not None and entry.fingerprint == record.fingerprint:
+                payload = entry.result or b"null"
+                self._complete(
+                    record, payload, entry.content_type or "application/json", entry.content_encoding, "ledger"
+                )
+                return True
+        backend = self.app.backend
+        if isinstance(backend, DisabledBackend):
+            return False
+        meta = backend.get_task_meta(record.task_id)
+        status = meta.get("status")
+        if status == states.SUCCESS:
+            task = self._task(record.task_name)
+            serializer = (task.serializer if task is not None else None) or self.app.conf.task_serializer or "json"
+            payload, content_type, encoding = encode_result(meta.get("result"), serializer)
+            self._complete(record, payload, content_type, encoding, "result backend")
+            return True
+        if status == states.FAILURE:
+            error = meta.get("result")
+            if isinstance(error, BaseException) and self._permanent(record, error):
+                info = ErrorInfo.from_exception(error)
+                self._write(record, "failed", "result backend: permanent failure",
+                            lambda: self.store.fail(record.identity, record.owner, info))  # fmt: skip
+            else:
+                self._release(record, "result backend: retryable failure")
+            return True
+        return False
+
+    def _permanent(self, record: IdempotencyRecord, error: BaseException) -> bool:
+        autoretry = getattr(self._task(record.task_name), "autoretry_for", ()) or ()
+        return classify_failure(error, self._policy(record), autoretry) == "permanent"
+
+    def _live_task_ids(self, task_ids: list[str]) -> set[str] | None:
+        """Task ids a live worker holds (active, reserved, scheduled); None when no worker answered."""
+        timeout = self.idem.settings.inspect_timeout_seconds
+        try:
+            replies = self.app.control.inspect(timeout=timeout).query_task(*task_ids)
+        except Exception as exc:  # noqa: BLE001 - the broker is down: liveness is unknown
+            logger.warning("could not ask the workers (%s): liveness unknown", exc)
+            return None
+        if not replies:
+            return None
+        return {task_id for reply in replies.values() for task_id in (reply or {})}
+
+    def _settle_on_liveness(self, record: IdempotencyRecord, holders: set[str] | None) -> None:
+        if holders is not None and record.task_id in holders:
+            self._leave(record, "a live worker holds its task")
+            return
+        if holders is None:
+            grace = self.idem.settings.stale_grace_seconds
+            overdue = self.store.clock() - (record.lease_expires_at or 0)
+            if overdue < grace:
+                self._leave(record, f"no worker answered; {overdue:.0f}s past its lease, grace {grace:g}s")
+                return
+        if self._policy(record).stale_action == "requeue" and record.call is not None:
+            self._requeue(record)
+        else:
+            self._release(record, "provably dead" if holders is not None else "dead past the grace period")
+
+    # ---- writes (compare-and-set on the owner token) -------------------------------------------
+
+    def _complete(
+        self, record: IdempotencyRecord, payload: bytes, content_type: str, encoding: str | None, why: str
+    ) -> None:
+        self._write(record, "completed", why, lambda: self.store.complete(
+            record.identity, record.owner, payload, content_type=content_type, content_encoding=encoding or "utf-8"
+        ))  # fmt: skip
+
+    def _release(self, record: IdempotencyRecord, why: str) -> None:
+        self._write(record, "released", why,
+                    lambda: self.store.release(record.identity, record.owner, expired_only=True))  # fmt: skip
+
+    def _requeue(self, record: IdempotencyRecord) -> None:
+        policy = self._policy(record)
+        written = self._write(record, "requeued", "provably dead: requeued", lambda: self.store.release(
+            record.identity, record.owner, pending_seconds=policy.pending_timeout_seconds, expired_only=True
+        ))  # fmt: skip
+        if not written or self.dry_run or record.call is None:
+            return
+        call = json.loads(record.call)
+        headers = {KEY_HEADER: record.key, **({SCOPE_HEADER: record.scope} if record.scope else {})}
+        try:
+            self.app.send_task(record.task_name, call.get("args"), call.get("kwargs"), task_id=record.task_id,
+                               headers=headers)  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - the record stays PENDING until its lease runs out again
+            logger.warning("requeue of %s failed: %s; retried on a later run", record.identity, exc)
+
+    def _leave(self, record: IdempotencyRecord, why: str) -> None:
+        self.counts["left"] += 1
+        logger.info("left key=%s task=%s task_id=%s state=%s: %s", record.key, record.task_name, record.task_id,
+                    record.state.value, why)  # fmt: skip
+
+    def _write(self, record: IdempotencyRecord, outcome: str, why: str, write: Any) -> bool:
+        if not self.dry_run:
+            answer = write()
+            if answer.decision is not Decision.OK:
+                # Someone moved the record after our scan (a worker finished, another reconciler):
+                # they win, and we touch nothing.
+                self._leave(record, f"changed since the scan ({why})")
+                return False
+        self.counts[outcome] += 1
+        logger.info("%s key=%s task=%s task_id=%s was=%s: %s", outcome, record.key, record.task_name,
+                    record.task_id, record.state.value, why)  # fmt: skip
+        return True
+
+
+def reconcile_task(self: Any, limit: int | None = None, dry_run: bool = False) -> dict[str, Any]:
+    """The body of the ``celery_idem.reconcile`` task that beat runs."""
+    from .extension import Idempotency
+
+    return Idempotency.of(self.app).reconcile(limit=limit, dry_run=dry_run).model_dump()
+
+
+def install(idem: Idempotency) -> None:
+    """Register ``celery_idem.reconcile`` on the app, and its beat entry once the app is configured."""
+    app = idem.app
+    app.task(name=TASK_NAME, bind=True, shared=False, ignore_result=False)(reconcile_task)
+
+    def add_beat_entry(**_: Any) -> None:
+        if app.__dict__.get("_celery_idempotency") is not idem:
+            return  # replaced by a newer instance
+        interval = idem.settings.reconcile_interval_seconds
+        if interval:
+            app.conf.beat_schedule = {
+                **(app.conf.beat_schedule or {}),
+                BEAT_ENTRY: {"task": TASK_NAME, "schedule": interval},
+            }
+
+    if app.configured:
+        add_beat_entry()
+    else:
+        app.on_after_configure.connect(add_beat_entry, weak=False)
