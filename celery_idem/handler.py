@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from celery.exceptions import Retry, SoftTimeLimitExceeded, TimeLimitExceeded, WorkerLostError
 from kombu.exceptions import OperationalError as KombuOperationalError
+from kombu.utils import json as kombu_json
 
 from .errors import (
     ConfigurationError,
@@ -189,6 +190,7 @@ class Handler:
                 task_id,
                 pending_seconds=policy.pending_timeout_seconds + _delay_seconds(options),
                 ttl_seconds=policy.ttl_seconds,
+                call=self._call(args, kwargs),
             )
         except StoreUnavailableError:
             if not self._proceed_unprotected("claim", identity, task_id):
@@ -246,6 +248,13 @@ class Handler:
             return request.idempotency_key, request.idempotency_scope
         return None, None
 
+    def _call(self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None) -> bytes | None:
+        """The call as the reconciler re-publishes it; kept only when the policy requeues."""
+        if self.policy.stale_action != "requeue":
+            return None
+        text: str = kombu_json.dumps({"args": list(args or ()), "kwargs": dict(kwargs or {})})  # type: ignore[no-untyped-call]
+        return text.encode("utf-8")
+
     def _result(self, result: Any, identity: Identity, *, deduplicated: bool) -> Any:
         result.deduplicated = deduplicated
         result.idempotency_key = identity.key
@@ -297,7 +306,12 @@ class Handler:
         while True:
             try:
                 taken = store.acquire(
-                    identity, fp, task_id, lease_seconds=policy.lease_seconds, ttl_seconds=policy.ttl_seconds
+                    identity,
+                    fp,
+                    task_id,
+                    lease_seconds=policy.lease_seconds,
+                    ttl_seconds=policy.ttl_seconds,
+                    call=self._call(args, kwargs),
                 )
             except StoreUnavailableError:
                 if not self._proceed_unprotected("acquire", identity, task_id):

@@ -19,13 +19,13 @@ finishes meanwhile wins.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import TYPE_CHECKING, Any
 
 from celery import states
 from celery.backends.base import DisabledBackend
+from kombu.utils import json as kombu_json
 from pydantic import BaseModel, ConfigDict
 
 from .handler import KEY_HEADER, SCOPE_HEADER, classify_failure
@@ -178,7 +178,7 @@ class Reconciler:
         ))  # fmt: skip
         if not written or self.dry_run or record.call is None:
             return
-        call = json.loads(record.call)
+        call: dict[str, Any] = kombu_json.loads(record.call)  # type: ignore[no-untyped-call]
         headers = {KEY_HEADER: record.key, **({SCOPE_HEADER: record.scope} if record.scope else {})}
         try:
             self.app.send_task(record.task_name, call.get("args"), call.get("kwargs"), task_id=record.task_id,

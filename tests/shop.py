@@ -15,9 +15,11 @@ import time
 from typing import Any
 
 import redis
+import sqlalchemy as sa
 from celery import Celery
 
 from celery_idem import Idempotency, IdempotentTask, PermanentError, idempotent_task
+from celery_idem.ledger import Ledger
 
 COUNTER_URL = os.environ.get("SHOP_COUNTER", "redis://127.0.0.1:6379/12")
 
@@ -33,6 +35,7 @@ def make_app(
     store: str,
     prefix: str,
     queue: str,
+    ledger_url: str | None = None,
     **settings: Any,
 ) -> Celery:
     app = Celery("shop", broker=broker, backend=backend, set_as_current=False)
@@ -44,6 +47,11 @@ def make_app(
         result_expires=600,
         task_store_errors_even_if_ignored=False,
     )
+    ledger = payments = None
+    if ledger_url:
+        engine = sa.create_engine(ledger_url, poolclass=sa.pool.NullPool)
+        ledger = settings["ledger"] = Ledger(engine, table_name=f"ledger_{prefix}")
+        payments = payments_table(prefix)
     Idempotency(app, store=store, key_prefix=prefix, **settings)
     counter = redis.Redis.from_url(COUNTER_URL)
 
@@ -126,7 +134,38 @@ def make_app(
         effect(self)
         return object()
 
+    def pay(self: Any, order_id: int, amount: int, hold_before_commit: float = 0, hold_after_commit: float = 0) -> Any:
+        """A payment recorded in the business database with the ledger, in one transaction."""
+        assert ledger is not None and payments is not None
+
+        def charge_card(session: Any) -> dict[str, int]:
+            session.execute(payments.insert().values(order_id=order_id, amount=amount))
+            if counter.incr(effects_key(prefix, f"{self.name}.fn", self.request.idempotency_key)) == 1:
+                time.sleep(hold_before_commit)  # only the first attempt gets stuck
+            return {"paid": amount, "order": order_id}
+
+        outcome = ledger.run_once(self, charge_card)
+        effect(self)
+        time.sleep(hold_after_commit)
+        return outcome
+
+    if ledger is not None:
+        paying = {"key_args": ["order_id", "amount"], "lease_seconds": 3}
+        task(name="shop.pay", acks_late=True, idempotency=paying)(pay)
+        task(name="shop.pay_requeue", acks_late=True, idempotency={**paying, "stale_action": "requeue"})(pay)
+
     return app
+
+
+def payments_table(prefix: str) -> sa.Table:
+    """The business table of the ledger tasks: no unique key, so a second charge would show."""
+    return sa.Table(
+        f"payments_{prefix}",
+        sa.MetaData(),
+        sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+        sa.Column("order_id", sa.Integer, nullable=False),
+        sa.Column("amount", sa.Integer, nullable=False),
+    )
 
 
 if os.environ.get("SHOP_BROKER"):
@@ -136,5 +175,6 @@ if os.environ.get("SHOP_BROKER"):
         store=os.environ["SHOP_STORE"],
         prefix=os.environ["SHOP_PREFIX"],
         queue=os.environ["SHOP_QUEUE"],
+        ledger_url=os.environ.get("SHOP_LEDGER") or None,
         **json.loads(os.environ.get("SHOP_SETTINGS") or "{}"),
     )

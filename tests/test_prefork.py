@@ -8,12 +8,9 @@ broker redelivers the acks_late message to the next worker).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -26,65 +23,13 @@ from celery.exceptions import TimeLimitExceeded, WorkerLostError
 from conftest import REDIS_URL, require_server
 from shop import COUNTER_URL, effects_key, make_app
 from test_worker import BACKEND, BROKERS, require_rabbitmq
+from workers import Worker, wait_for
 
 from celery_idem import Idempotency, State, StoreUnavailableError
 
 pytestmark = pytest.mark.slow
 TESTS = Path(__file__).parent
 GET = 30
-
-
-def _wait_for(predicate: Callable[[], Any], what: str, seconds: float = 30) -> Any:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{what} did not happen within {seconds}s")
-
-
-class Worker:
-    """A ``celery -A shop worker`` subprocess."""
-
-    def __init__(self, tmp: Path, broker: str, store: str, prefix: str, **settings: Any) -> None:
-        self.log = tmp / f"worker-{uuid.uuid4().hex[:6]}.log"
-        env = {
-            **os.environ,
-            "SHOP_BROKER": broker,
-            "SHOP_BACKEND": BACKEND,
-            "SHOP_STORE": store,
-            "SHOP_PREFIX": prefix,
-            "SHOP_QUEUE": prefix,
-            "SHOP_SETTINGS": json.dumps(settings),
-            "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")]),
-        }
-        command = [
-            sys.executable, "-m", "celery", "-A", "shop", "worker", "-P", "prefork", "-c", "2",
-            "-Q", prefix, "-n", f"{prefix}-{uuid.uuid4().hex[:4]}@%h", "-l", "INFO",
-            "--without-gossip", "--without-mingle", "--without-heartbeat",
-        ]  # fmt: skip
-        with self.log.open("wb") as out:
-            self.process = subprocess.Popen(command, cwd=TESTS, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                            start_new_session=True)  # fmt: skip
-        _wait_for(lambda: "ready." in self.output() or self.process.poll() is not None, "worker start", 60)
-        assert self.process.poll() is None, f"worker exited:\n{self.output()}"
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def kill(self) -> None:
-        """SIGKILL the whole worker: parent and children, no handler runs anywhere."""
-        os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
 
 @pytest.fixture
@@ -129,7 +74,7 @@ def test_child_killed_mid_task_is_settled_by_the_parent_signal_hook(workers, pre
     workers(BROKERS["redis"], REDIS_URL, prefix)
     key = f"k-{uuid.uuid4().hex}"
     result = app.tasks["shop.slow"].apply_async((30,), idempotency_key=key)
-    _wait_for(_started(counter, prefix, "shop.slow", key), "task start")
+    wait_for(_started(counter, prefix, "shop.slow", key), "task start")
     idem = Idempotency.of(app)
     assert idem.get("shop.slow", key).state is State.IN_PROGRESS
     # When its child process is SIGKILLed
@@ -137,7 +82,7 @@ def test_child_killed_mid_task_is_settled_by_the_parent_signal_hook(workers, pre
     # Then the parent reports WorkerLostError and its hook releases the record at once
     with pytest.raises(WorkerLostError):
         result.get(timeout=GET)
-    _wait_for(lambda: idem.get("shop.slow", key) is None, "release by the signal hook", 10)
+    wait_for(lambda: idem.get("shop.slow", key) is None, "release by the signal hook", 10)
     assert int(counter.get(effects_key(prefix, "shop.slow", key))) == 1
 
 
@@ -150,7 +95,7 @@ def test_whole_worker_killed_leaves_the_lease_to_guard_the_redelivered_message(w
     key = f"k-{uuid.uuid4().hex}"
     result = app.tasks["shop.slow"].apply_async((4,), idempotency_key=key)
     effects = effects_key(prefix, "shop.slow", key)
-    _wait_for(_started(counter, prefix, "shop.slow", key), "first attempt start")
+    wait_for(_started(counter, prefix, "shop.slow", key), "first attempt start")
     # When the whole worker dies (no hook can run anywhere)
     first.kill()
     stale = idem.get("shop.slow", key)
@@ -174,7 +119,7 @@ def test_hard_time_limit_is_settled_by_the_parent_signal_hook(workers, prefix, c
     result = app.tasks["shop.slow"].apply_async((30,), idempotency_key=key, time_limit=1)
     with pytest.raises(TimeLimitExceeded):
         result.get(timeout=GET)
-    _wait_for(lambda: idem.get("shop.slow", key) is None, "release after the hard time limit", 10)
+    wait_for(lambda: idem.get("shop.slow", key) is None, "release after the hard time limit", 10)
     assert int(counter.get(effects_key(prefix, "shop.slow", key))) == 1
 
 
@@ -184,9 +129,9 @@ def test_revoke_with_terminate_is_settled_by_the_parent_signal_hook(workers, pre
     workers(BROKERS["redis"], REDIS_URL, prefix)
     key = f"k-{uuid.uuid4().hex}"
     result = app.tasks["shop.slow"].apply_async((30,), idempotency_key=key)
-    _wait_for(_started(counter, prefix, "shop.slow", key), "task start")
+    wait_for(_started(counter, prefix, "shop.slow", key), "task start")
     app.control.revoke(result.id, terminate=True, signal="SIGKILL")
-    _wait_for(lambda: idem.get("shop.slow", key) is None, "release after revoke", 15)
+    wait_for(lambda: idem.get("shop.slow", key) is None, "release after revoke", 15)
     # the key is free for a new attempt, which runs
     again = app.tasks["shop.slow"].apply_async((0,), idempotency_key=key)
     assert not again.deduplicated and again.get(timeout=GET) == "slept 0"

@@ -1,0 +1,324 @@
+"""The reconciler against the truth: a real PostgreSQL ledger, a real Redis store and result backend,
+and real worker processes that are SIGKILLed before and after their business commit.
+
+Executions are counted outside the library: business rows in PostgreSQL, and the INCR each body
+and each ledger function makes (tests/shop.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import sqlalchemy as sa
+from celery import Celery
+from conftest import POSTGRES_URL, REDIS_URL, require_server, wipe
+from shop import COUNTER_URL, effects_key, make_app, payments_table
+from workers import BACKEND, Worker, wait_for
+
+from celery_idem import Idempotency, IdempotentTask, ReconcileReport, State, store_from_url
+from celery_idem.outcome import replay
+from celery_idem.reconciler import BEAT_ENTRY, TASK_NAME
+from celery_idem.records import Identity
+from celery_idem.stores import Store
+
+BROKER = "redis://127.0.0.1:6379/14"
+GET = 30
+FP = "e" * 64
+
+
+@pytest.fixture
+def prefix() -> Iterator[str]:
+    require_server("redis")
+    name = f"r{uuid.uuid4().hex[:10]}"
+    yield name
+    wipe(store_from_url(REDIS_URL, key_prefix=name))
+
+
+@pytest.fixture
+def counter() -> redis.Redis:
+    return redis.Redis.from_url(COUNTER_URL)
+
+
+# ---- with the ledger: workers killed before and after their commit -----------------------------------
+
+
+@pytest.fixture
+def bank(prefix: str) -> Iterator[tuple[Any, sa.Engine]]:
+    """A producer app whose tasks record payments with the ledger, and the business database."""
+    require_server("postgresql")
+    app = make_app(broker=BROKER, backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix,
+                   ledger_url=POSTGRES_URL, inspect_timeout_seconds=1.0)  # fmt: skip
+    engine = sa.create_engine(POSTGRES_URL, poolclass=sa.pool.NullPool)
+    Idempotency.of(app).settings.ledger.create_schema()
+    payments_table(prefix).metadata.create_all(engine)
+    yield app, engine
+    with engine.begin() as connection:
+        connection.exec_driver_sql(f"DROP TABLE IF EXISTS payments_{prefix}, ledger_{prefix}")
+    engine.dispose()
+
+
+@pytest.fixture
+def workers(tmp_path: Path, prefix: str) -> Iterator[Callable[..., Worker]]:
+    started: list[Worker] = []
+
+    def start(**settings: Any) -> Worker:
+        worker = Worker(tmp_path, BROKER, REDIS_URL, prefix, ledger_url=POSTGRES_URL, **settings)
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop()
+
+
+def _payments(engine: sa.Engine, prefix: str, order_id: int) -> int:
+    table = payments_table(prefix)
+    query = sa.select(sa.func.count()).select_from(table).where(table.c.order_id == order_id)
+    with engine.connect() as connection:
+        return int(connection.execute(query).scalar_one())
+
+
+@pytest.mark.slow
+def test_killed_after_commit_is_completed_from_the_ledger_and_never_runs_again(bank, workers, prefix, counter) -> None:
+    app, engine = bank
+    idem = Idempotency.of(app)
+    key = f"k-{uuid.uuid4().hex}"
+    worker = workers()
+    # Given a payment whose business transaction committed, and whose worker dies before the store write
+    result = app.tasks["shop.pay"].apply_async((1, 100), {"hold_after_commit": 60}, idempotency_key=key)
+    wait_for(lambda: counter.get(effects_key(prefix, "shop.pay", key)), "commit")
+    worker.kill()
+    assert _payments(engine, prefix, 1) == 1
+    record = idem.get("shop.pay", key)
+    assert record is not None and record.state is State.IN_PROGRESS
+    # When its lease has run out and the reconciler runs
+    time.sleep(max(0.0, record.lease_expires_at - time.time()) + 0.2)
+    report = idem.reconcile()
+    # Then the record is COMPLETED with the ledger's outcome...
+    assert (report.scanned, report.completed) == (1, 1)
+    settled = idem.get("shop.pay", key)
+    assert settled is not None and settled.state is State.COMPLETED
+    # ...a later duplicate replays it, and nothing ran twice
+    again = app.tasks["shop.pay"].apply_async((1, 100), idempotency_key=key)
+    assert again.deduplicated and again.id == result.id and again.get(timeout=GET) == {"paid": 100, "order": 1}
+    assert _payments(engine, prefix, 1) == 1
+    assert int(counter.get(effects_key(prefix, "shop.pay.fn", key))) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", ["shop.pay", "shop.pay_requeue"])
+def test_killed_before_commit_is_released_or_requeued_and_then_runs_exactly_once(
+    bank, workers, prefix, counter, task: str
+) -> None:
+    app, engine = bank
+    idem = Idempotency.of(app)
+    key = f"k-{uuid.uuid4().hex}"
+    doomed = workers()
+    # Given a payment killed inside its transaction, before the commit
+    result = app.tasks[task].apply_async((2, 200), {"hold_before_commit": 60}, idempotency_key=key)
+    wait_for(lambda: counter.get(effects_key(prefix, f"{task}.fn", key)), "the business write")
+    doomed.kill()
+    stale = idem.get(task, key)
+    assert stale is not None and stale.state is State.IN_PROGRESS
+    # and a live worker that answers, and does not hold the task
+    workers()
+    time.sleep(max(0.0, stale.lease_expires_at - time.time()) + 0.2)
+    report = idem.reconcile()
+    assert report.scanned == 1
+    if task == "shop.pay":
+        # Then the dead attempt is released, and the retried call runs once
+        assert report.released == 1 and idem.get(task, key) is None
+        retried = app.tasks[task].apply_async((2, 200), idempotency_key=key)
+        assert not retried.deduplicated
+        assert retried.get(timeout=GET) == {"paid": 200, "order": 2}
+    else:
+        # Then the original call is re-published under the same key and task id, and runs once
+        assert report.requeued == 1
+        assert result.get(timeout=GET) == {"paid": 200, "order": 2}
+        assert idem.get(task, key).task_id == result.id
+    assert _payments(engine, prefix, 2) == 1  # the killed attempt's write was rolled back
+    assert int(counter.get(effects_key(prefix, task, key))) == 1  # one finished body
+
+
+# ---- the result backend ---------------------------------------------------------------------------------
+
+
+def _stale(store: Store, key: str, task_id: str, task_name: str = "shop.charge", lease: float = 0.2) -> Identity:
+    identity = Identity("", task_name, key)
+    taken = store.acquire(identity, FP, task_id, lease_seconds=lease, ttl_seconds=600)
+    assert taken.record is not None
+    return identity
+
+
+def _quiet_app(prefix: str, **settings: Any) -> Celery:
+    """An app whose broker has no workers (nobody answers inspect) and a real result backend."""
+    app = Celery("rec", broker="memory://", backend=BACKEND, set_as_current=False)
+    Idempotency(app, store=REDIS_URL, key_prefix=prefix, inspect_timeout_seconds=0.2, **settings)
+
+    @app.task(base=IdempotentTask, shared=False, name="shop.charge", idempotency={"permanent": (KeyError,)})
+    def charge(order_id: int) -> None: ...
+
+    return app
+
+
+def test_success_in_the_backend_with_a_lost_store_write_is_completed(prefix: str) -> None:
+    app = _quiet_app(prefix)
+    idem = Idempotency.of(app)
+    task_id = str(uuid.uuid4())
+    identity = _stale(idem.store, "lost-write", task_id)
+    app.backend.store_result(task_id, {"charged": 5}, "SUCCESS")
+    time.sleep(0.3)
+    report = idem.reconcile()
+    assert (report.scanned, report.completed) == (1, 1)
+    record = idem.store.get(identity)
+    assert record is not None and record.state is State.COMPLETED
+    assert replay(record) == {"charged": 5}
+
+
+def test_failure_in_the_backend_is_failed_when_permanent_and_released_when_retryable(prefix: str) -> None:
+    app = _quiet_app(prefix)
+    idem = Idempotency.of(app)
+    permanent, retryable = str(uuid.uuid4()), str(uuid.uuid4())
+    kept = _stale(idem.store, "permanent", permanent)
+    freed = _stale(idem.store, "retryable", retryable)
+    app.backend.store_result(permanent, KeyError("no such card"), "FAILURE")
+    app.backend.store_result(retryable, ConnectionError("provider down"), "FAILURE")
+    time.sleep(0.3)
+    report = idem.reconcile()
+    assert (report.failed, report.released) == (1, 1)
+    record = idem.store.get(kept)
+    assert record is not None and record.state is State.FAILED and record.error.type == "KeyError"
+    assert idem.store.get(freed) is None
+    assert idem.metrics()["reconciled_failed"] == 1 and idem.metrics()["reconciled_released"] == 1
+
+
+# ---- leaving alone what is alive or unknown --------------------------------------------------------------
+
+
+def test_records_with_a_live_lease_are_not_even_scanned(prefix: str) -> None:
+    app = _quiet_app(prefix, stale_grace_seconds=0)
+    idem = Idempotency.of(app)
+    identity = _stale(idem.store, "live", str(uuid.uuid4()), lease=60)
+    before = idem.store.get(identity)
+    report = idem.reconcile()
+    assert report.model_dump(exclude={"seconds"}) == ReconcileReport().model_dump(exclude={"seconds"})
+    assert idem.store.get(identity) == before
+
+
+def test_unknown_liveness_is_left_until_the_grace_period_has_passed(prefix: str) -> None:
+    identity = Identity("", "shop.charge", "unknown")
+    patient = Idempotency.of(_quiet_app(prefix, stale_grace_seconds=3600))
+    _stale(patient.store, "unknown", str(uuid.uuid4()))
+    time.sleep(0.3)
+    report = patient.reconcile()
+    assert (report.scanned, report.left, report.released) == (1, 1, 0)
+    assert patient.store.get(identity) is not None
+    # past the grace period (here: none), a record with no evidence either way is released
+    impatient = Idempotency.of(_quiet_app(prefix, stale_grace_seconds=0))
+    assert impatient.reconcile().released == 1
+    assert impatient.store.get(identity) is None
+
+
+@pytest.mark.slow
+def test_a_task_active_on_a_live_worker_is_left_alone_even_past_its_lease(workers, prefix, counter) -> None:
+    # Given a task running on a live worker (its heartbeat keeps the lease; a reconciler whose
+    # clock runs an hour ahead sees the lease as long expired)
+    app = make_app(broker=BROKER, backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix)
+    workers()
+    key = f"k-{uuid.uuid4().hex}"
+    result = app.tasks["shop.slow"].apply_async((3,), idempotency_key=key)
+    wait_for(lambda: counter.get(effects_key(prefix, "shop.slow", key)), "task start")
+    ahead = store_from_url(REDIS_URL, key_prefix=prefix, clock=lambda: time.time() + 3600)
+    skewed = Celery("skewed", broker=BROKER, backend=BACKEND, set_as_current=False)
+    reconciler = Idempotency(skewed, store=ahead, stale_grace_seconds=0, inspect_timeout_seconds=2)
+    # When the reconciler runs
+    report = reconciler.reconcile()
+    # Then it asks the workers, learns the task is alive, and leaves it
+    assert (report.scanned, report.left) == (1, 1)
+    assert result.get(timeout=GET) == "slept 3"
+    assert int(counter.get(effects_key(prefix, "shop.slow", key))) == 1
+    assert Idempotency.of(app).get("shop.slow", key).state is State.COMPLETED
+
+
+# ---- concurrency -------------------------------------------------------------------------------------------
+
+
+def test_two_reconcilers_at_once_settle_each_record_once(prefix: str) -> None:
+    app = _quiet_app(prefix, stale_grace_seconds=0)
+    idem = Idempotency.of(app)
+    identities = []
+    for n in range(40):
+        task_id = str(uuid.uuid4())
+        identities.append(_stale(idem.store, f"k{n}", task_id))
+        if n % 2 == 0:
+            app.backend.store_result(task_id, {"n": n}, "SUCCESS")
+    time.sleep(0.3)
+    reports: list[ReconcileReport] = []
+    barrier = threading.Barrier(2)
+
+    def run() -> None:
+        own = Idempotency.of(_quiet_app(prefix, stale_grace_seconds=0))  # its own app, store client and counters
+        barrier.wait()
+        reports.append(own.reconcile())
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sum(r.completed for r in reports) == 20
+    assert sum(r.released for r in reports) == 20
+    for n, identity in enumerate(identities):
+        record = idem.store.get(identity)
+        assert (record is not None and record.state is State.COMPLETED) if n % 2 == 0 else record is None
+
+
+def test_a_worker_that_finishes_during_the_run_wins_over_the_reconciler(prefix: str) -> None:
+    app = _quiet_app(prefix, stale_grace_seconds=0)
+    idem = Idempotency.of(app)
+    identity = _stale(idem.store, "late", str(uuid.uuid4()))
+    owner = idem.store.get(identity).owner
+    time.sleep(0.3)
+    # Given the worker completes while the reconciler waits for workers to answer (0.2 s)
+    finisher = threading.Timer(0.05, lambda: idem.store.complete(identity, owner, b'{"late":true}'))
+    finisher.start()
+    report = idem.reconcile()
+    finisher.join()
+    # Then the reconciler's compare-and-set loses, and the worker's outcome stands
+    assert (report.scanned, report.released, report.left) == (1, 0, 1)
+    record = idem.store.get(identity)
+    assert record is not None and record.state is State.COMPLETED and record.result == b'{"late":true}'
+
+
+def test_dry_run_counts_and_changes_nothing(prefix: str) -> None:
+    app = _quiet_app(prefix, stale_grace_seconds=0)
+    idem = Idempotency.of(app)
+    identity = _stale(idem.store, "dry", str(uuid.uuid4()))
+    time.sleep(0.3)
+    before = idem.store.get(identity)
+    report = idem.reconcile(dry_run=True)
+    assert report.dry_run and (report.scanned, report.released) == (1, 1)
+    assert idem.store.get(identity) == before
+    assert idem.metrics()["reconciled_released"] == 0
+
+
+# ---- the beat task ---------------------------------------------------------------------------------------------
+
+
+def test_the_reconcile_task_and_its_beat_entry_are_registered(prefix: str) -> None:
+    app = Celery("beat", broker="memory://", set_as_current=False)
+    app.conf.task_always_eager = True
+    Idempotency(app, store=REDIS_URL, key_prefix=prefix, reconcile_interval_seconds=300)
+    assert app.conf.beat_schedule[BEAT_ENTRY] == {"task": TASK_NAME, "schedule": 300}
+    report = app.tasks[TASK_NAME].delay(dry_run=True).get()
+    assert set(report) == set(ReconcileReport.model_fields)
+    without = Celery("nobeat", broker="memory://", set_as_current=False)
+    Idempotency(without, store=REDIS_URL, key_prefix=prefix)
+    assert BEAT_ENTRY not in (without.conf.beat_schedule or {})

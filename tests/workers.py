@@ -1,0 +1,73 @@
+"""A ``celery -A shop worker`` subprocess for the tests that need real worker processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+TESTS = Path(__file__).parent
+BACKEND = "redis://127.0.0.1:6379/13"
+
+
+def wait_for(predicate: Callable[[], Any], what: str, seconds: float = 30) -> Any:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"{what} did not happen within {seconds}s")
+
+
+class Worker:
+    """A ``celery -A shop worker`` subprocess."""
+
+    def __init__(
+        self, tmp: Path, broker: str, store: str, prefix: str, ledger_url: str | None = None, **settings: Any
+    ) -> None:
+        self.log = tmp / f"worker-{uuid.uuid4().hex[:6]}.log"
+        env = {
+            **os.environ,
+            "SHOP_BROKER": broker,
+            "SHOP_BACKEND": BACKEND,
+            "SHOP_STORE": store,
+            "SHOP_PREFIX": prefix,
+            "SHOP_QUEUE": prefix,
+            "SHOP_SETTINGS": json.dumps(settings),
+            "SHOP_LEDGER": ledger_url or "",
+            "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")]),
+        }
+        command = [
+            sys.executable, "-m", "celery", "-A", "shop", "worker", "-P", "prefork", "-c", "2",
+            "-Q", prefix, "-n", f"{prefix}-{uuid.uuid4().hex[:4]}@%h", "-l", "INFO",
+            "--without-gossip", "--without-mingle", "--without-heartbeat",
+        ]  # fmt: skip
+        with self.log.open("wb") as out:
+            self.process = subprocess.Popen(command, cwd=TESTS, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                            start_new_session=True)  # fmt: skip
+        wait_for(lambda: "ready." in self.output() or self.process.poll() is not None, "worker start", 60)
+        assert self.process.poll() is None, f"worker exited:\n{self.output()}"
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def kill(self) -> None:
+        """SIGKILL the whole worker: parent and children, no handler runs anywhere."""
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.kill()
