@@ -1,0 +1,53 @@
+"""The README's two commands, run as written, in a fresh copy of the repository with a fresh venv:
+the demo must exit 0 with its summary, and the test command must install and run pytest."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+
+def readme_commands() -> list[str]:
+    """The shell lines of the README block under the ``two-commands`` marker."""
+    text = (REPO / "README.md").read_text()
+    block = re.search(r"<!-- two-commands[^>]*-->\s*```bash\n(.*?)```", text, re.S)
+    assert block, "the README lost its two-commands block"
+    return [line for line in block.group(1).splitlines() if line.strip()]
+
+
+def test_the_readme_has_exactly_two_commands() -> None:
+    commands = readme_commands()
+    assert len(commands) == 2
+    assert "demo" in commands[0] and "pytest" in commands[1]
+
+
+def test_the_readme_commands_work_in_a_fresh_copy(tmp_path: Path) -> None:
+    # Given a clean copy of the repository (what git would check out), and no venv
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
+                           text=True, check=True).stdout.split()  # fmt: skip
+    copy = tmp_path / "celery-idem"
+    for name in files:
+        source = REPO / name
+        if source.is_file():
+            (copy / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, copy / name)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if ".venv" not in p)
+    demo, tests = readme_commands()
+    # When the first command runs: it installs and runs the demo
+    run = subprocess.run(demo, shell=True, cwd=copy, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "every guarantee held" in run.stdout
+    # When the second runs (here on a few tests: the whole suite is what runs us)
+    env["PYTEST_ADDOPTS"] = "-q -p no:cacheprovider tests/test_keys.py -k 255"
+    run = subprocess.run(tests, shell=True, cwd=copy, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert re.search(r"\d+ passed", run.stdout)
