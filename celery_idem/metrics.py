@@ -1,7 +1,9 @@
 """Prometheus export of the extension's counters (the ``prometheus`` extra).
 
 ``Idempotency.metrics()`` is the plain dict; this module exposes the same counters as Prometheus
-counters named ``celery_idem_<counter>_total``, read from the extension at scrape time::
+counters named ``celery_idem_<counter>_total``, one sample per app (label ``app``), read at scrape
+time. Several apps in one process share one collector per registry, so each metric family appears
+once::
 
     from prometheus_client import start_http_server
     from celery_idem.metrics import register_prometheus
@@ -12,6 +14,8 @@ counters named ``celery_idem_<counter>_total``, read from the extension at scrap
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +39,10 @@ HELP = {
     "reconciled_released": "Stale records the reconciler released.",
 }
 
+# One collector per registry (prometheus_client refuses two collectors of the same names).
+_COLLECTORS: weakref.WeakKeyDictionary[Any, IdempotencyCollector] = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
 
 def _prometheus() -> Any:
     try:
@@ -47,25 +55,36 @@ def _prometheus() -> Any:
 
 
 class IdempotencyCollector:
-    """A Prometheus collector over one extension's counters."""
+    """A Prometheus collector over the counters of every extension registered with it."""
 
-    def __init__(self, idem: Idempotency, namespace: str = "celery_idem") -> None:
-        self.idem = idem
+    def __init__(self, namespace: str = "celery_idem") -> None:
         self.namespace = namespace
+        self._extensions: weakref.WeakSet[Idempotency] = weakref.WeakSet()
+
+    def add(self, idem: Idempotency) -> None:
+        self._extensions.add(idem)
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily
 
-        labels = {"app": str(self.idem.app.main)}
-        for name, value in self.idem.metrics().items():
-            family = CounterMetricFamily(f"{self.namespace}_{name}", HELP.get(name, name), labels=list(labels))
-            family.add_metric(list(labels.values()), value)
+        snapshots = [(str(idem.app.main), idem.metrics()) for idem in list(self._extensions)]
+        for name, help_text in HELP.items():
+            family = CounterMetricFamily(f"{self.namespace}_{name}", help_text, labels=["app"])
+            for app_name, counters in snapshots:
+                family.add_metric([app_name], counters.get(name, 0))
             yield family
 
 
 def register_prometheus(idem: Idempotency, registry: Any = None) -> IdempotencyCollector:
-    """Register the extension's counters with ``registry`` (default: prometheus_client's)."""
-    prometheus = _prometheus()
-    collector = IdempotencyCollector(idem)
-    (registry or prometheus.REGISTRY).register(collector)
+    """Expose the extension's counters in ``registry`` (default: prometheus_client's own)."""
+    prometheus = _prometheus()  # the extra is needed either way: name it before anything else
+    registry = registry or prometheus.REGISTRY
+    with _LOCK:
+        collector = _COLLECTORS.get(registry)
+        if collector is None:
+            collector = _COLLECTORS[registry] = IdempotencyCollector()
+            collector.add(idem)
+            registry.register(collector)
+        else:
+            collector.add(idem)
     return collector

@@ -308,13 +308,9 @@ class RedisStore(Store):
                 yield record
 
     def _records(self, state: State | None, task_name: str | None, limit: int) -> list[IdempotencyRecord]:
-        found: list[IdempotencyRecord] = []
-        for record in self._scan():
-            if state in (None, record.state) and task_name in (None, record.task_name):
-                found.append(record)
-                if len(found) >= limit:
-                    break
-        return sorted(found, key=lambda r: r.updated_at, reverse=True)
+        # SCAN order is arbitrary: "newest first" needs every match before the cut.
+        found = [r for r in self._scan() if state in (None, r.state) and task_name in (None, r.task_name)]
+        return sorted(found, key=lambda r: r.updated_at, reverse=True)[:limit]
 
     def _count_by_state(self) -> dict[State, int]:
         counts = dict.fromkeys(State, 0)

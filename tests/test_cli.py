@@ -1,0 +1,340 @@
+"""``celery -A shop idem ...`` as an operator runs it: a subprocess, the shop app, a real Redis store.
+
+Records are seeded from this process straight through the store (the same URL and prefix the shop
+app is built with), and checked there again after a command that changes something.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import REDIS_URL, FakeClock, require_server, wipe
+
+from celery_idem.records import ErrorInfo, Identity, State
+from celery_idem.stores import Store, store_from_url
+
+TESTS = Path(__file__).resolve().parent
+BROKER = "redis://127.0.0.1:6379/14"
+BACKEND = "redis://127.0.0.1:6379/13"
+FP = "f" * 64
+LONG = 600.0  # seconds: leases and TTLs that do not run out during a test
+
+
+@dataclass
+class Cli:
+    prefix: str
+    store: Store
+    env: dict[str, str]
+
+    def __call__(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "celery", "-A", "shop", "idem", *args],
+            cwd=TESTS,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    def parallel(self, *commands: tuple[str, ...]) -> list[subprocess.CompletedProcess[str]]:
+        """Several read-only commands at once (each subprocess spends about a second importing)."""
+        with ThreadPoolExecutor(len(commands)) as pool:
+            return list(pool.map(lambda args: self(*args), commands))
+
+    def json(self, *args: str) -> Any:
+        return self.loads(self(*args, "--json"))
+
+    @staticmethod
+    def loads(done: subprocess.CompletedProcess[str]) -> Any:
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    # ---- seeding, straight through the store ----
+
+    def pending(self, task: str, key: str) -> str:
+        task_id = str(uuid.uuid4())
+        claimed = self.store.claim(Identity("", task, key), FP, task_id, pending_seconds=LONG, ttl_seconds=LONG)
+        assert claimed.decision.value == "NEW"
+        return task_id
+
+    def running(self, task: str, key: str, store: Store | None = None, lease_seconds: float = LONG) -> str:
+        task_id = str(uuid.uuid4())
+        taken = (store or self.store).acquire(
+            Identity("", task, key), FP, task_id, lease_seconds=lease_seconds, ttl_seconds=LONG
+        )
+        assert taken.decision.value == "RUN"
+        return task_id
+
+    def completed(self, task: str, key: str, value: Any) -> str:
+        task_id = str(uuid.uuid4())
+        identity = Identity("", task, key)
+        taken = self.store.acquire(identity, FP, task_id, lease_seconds=LONG, ttl_seconds=LONG)
+        assert taken.record is not None
+        assert self.store.complete(identity, taken.record.owner, json.dumps(value).encode()).ok
+        return task_id
+
+    def failed(self, task: str, key: str, message: str) -> str:
+        task_id = str(uuid.uuid4())
+        identity = Identity("", task, key)
+        taken = self.store.acquire(identity, FP, task_id, lease_seconds=LONG, ttl_seconds=LONG)
+        assert taken.record is not None
+        error = ErrorInfo(type="PermanentError", module="celery_idem.errors", message=message, args=[message])
+        assert self.store.fail(identity, taken.record.owner, error).ok
+        return task_id
+
+
+@pytest.fixture
+def cli() -> Iterator[Cli]:
+    require_server("redis")
+    prefix = f"cli{uuid.uuid4().hex[:10]}"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")]),
+        "SHOP_BROKER": BROKER,
+        "SHOP_BACKEND": BACKEND,
+        "SHOP_STORE": REDIS_URL,
+        "SHOP_PREFIX": prefix,
+        "SHOP_QUEUE": prefix,
+    }
+    store = store_from_url(REDIS_URL, key_prefix=prefix)
+    try:
+        yield Cli(prefix, store, env)
+    finally:
+        wipe(store)
+
+
+class Backend:
+    """The shop app's result backend, reached from this process (an app on the same broker and backend)."""
+
+    def __init__(self, prefix: str) -> None:
+        from shop import make_app
+
+        self.app = make_app(broker=BROKER, backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix)
+        self.stored: list[str] = []
+
+    def succeed(self, task_id: str, value: Any) -> None:
+        self.app.backend.store_result(task_id, value, "SUCCESS")
+        self.stored.append(task_id)
+
+    def close(self) -> None:
+        for task_id in self.stored:
+            self.app.backend.forget(task_id)
+        self.app.close()
+
+
+@pytest.fixture
+def backend(cli: Cli) -> Iterator[Backend]:
+    instance = Backend(cli.prefix)
+    try:
+        yield instance
+    finally:
+        instance.close()
+
+
+def key() -> str:
+    return f"k-{uuid.uuid4().hex[:16]}"
+
+
+# ---- show ----------------------------------------------------------------------------------------
+
+
+def test_show_prints_a_completed_record_for_people_and_as_json(cli: Cli) -> None:
+    k = key()
+    task_id = cli.completed("shop.charge", k, {"order": "42", "charged": 100})
+    human, as_json = cli.parallel(("show", "--task", "shop.charge", k), ("show", "--task", "shop.charge", k, "--json"))
+    assert human.returncode == 0, human.stderr
+    # One "field  value" line per field that has a value (the unscoped record's scope is empty).
+    lines = {name: value.strip() for name, _, value in (line.partition(" ") for line in human.stdout.splitlines())}
+    assert lines["key"] == k and lines["task_name"] == "shop.charge"
+    assert lines["state"] == "COMPLETED" and lines["task_id"] == task_id
+    assert "'charged': 100" in lines["result"]
+
+    view = cli.loads(as_json)
+    assert view["state"] == "COMPLETED" and view["task_id"] == task_id and view["key"] == k
+    assert view["result"] == {"order": "42", "charged": 100}
+    assert view["error"] is None
+
+
+def test_show_of_a_failed_record_shows_its_error(cli: Cli) -> None:
+    k = key()
+    cli.failed("shop.declined", k, "card declined for order 3")
+    view = cli.json("show", "--task", "shop.declined", k)
+    assert view["state"] == "FAILED" and "result" not in view
+    assert view["error"]["type"] == "PermanentError" and view["error"]["message"] == "card declined for order 3"
+
+
+def test_show_and_forget_with_a_scope_reach_only_the_scoped_record(cli: Cli) -> None:
+    k = key()
+    identity = Identity("eu", "shop.charge", k)
+    assert cli.store.claim(identity, FP, "t-eu", pending_seconds=LONG, ttl_seconds=LONG).decision.value == "NEW"
+    view = cli.json("show", "--task", "shop.charge", "--scope", "eu", k)
+    assert (view["scope"], view["task_id"], view["state"]) == ("eu", "t-eu", "PENDING")
+    unscoped = cli("show", "--task", "shop.charge", k)
+    assert unscoped.returncode == 1 and "no record" in unscoped.stderr
+    assert cli("forget", "--task", "shop.charge", "--scope", "eu", k).returncode == 0
+    assert cli.store.get(identity) is None
+
+
+def test_show_of_a_missing_key_exits_1_naming_it(cli: Cli) -> None:
+    human, as_json = cli.parallel(
+        ("show", "--task", "shop.charge", "no-such-key"), ("show", "--task", "shop.charge", "no-such-key", "--json")
+    )
+    assert human.returncode == 1
+    assert "no record for key 'no-such-key' of task 'shop.charge'" in human.stderr
+    assert as_json.returncode == 1
+    assert json.loads(as_json.stdout) == {"error": "no record for key 'no-such-key' of task 'shop.charge'"}
+
+
+def test_show_of_an_unknown_task_exits_2_naming_the_idempotent_tasks(cli: Cli) -> None:
+    done = cli("show", "--task", "no.such.task", "k1")
+    assert done.returncode == 2
+    assert "'no.such.task' is not a task of app 'shop'" in done.stderr
+    idempotent = done.stderr.partition("idempotent tasks:")[2]
+    assert "shop.charge" in idempotent and "shop.slow" in idempotent
+    assert "shop.add" not in idempotent and "celery_idem.reconcile" not in idempotent  # plain tasks
+
+
+def test_show_of_an_invalid_key_exits_nonzero_stating_the_rule(cli: Cli) -> None:
+    done = cli("show", "--task", "shop.charge", "has space")
+    assert done.returncode != 0
+    assert "1-255 printable characters without whitespace" in done.stderr
+    assert "position 3" in done.stderr
+
+
+# ---- forget -------------------------------------------------------------------------------------
+
+
+def test_forget_removes_the_record_and_forgetting_again_exits_1(cli: Cli) -> None:
+    k, other = key(), key()
+    cli.running("shop.slow", k)
+    cli.pending("shop.slow", other)
+    # When an operator forgets a record that is IN_PROGRESS
+    done = cli("forget", "--task", "shop.slow", k)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"forgot shop.slow {k}"
+    # Then it is gone (show says so), and nothing else was touched
+    assert cli.store.get(Identity("", "shop.slow", k)) is None
+    assert cli("show", "--task", "shop.slow", k).returncode == 1
+    assert cli.store.get(Identity("", "shop.slow", other)) is not None
+    # And forgetting it again is an error: there is nothing to forget
+    again = cli("forget", "--task", "shop.slow", k, "--json")
+    assert again.returncode == 1
+    assert json.loads(again.stdout) == {"error": f"no record for key {k!r} of task 'shop.slow'"}
+
+
+# ---- list, stats ----------------------------------------------------------------------------------
+
+
+def test_list_by_state_is_case_insensitive_and_filters_by_task_and_limit(cli: Cli) -> None:
+    charges = {cli.pending("shop.charge", k): k for k in (key(), key(), key())}
+    cli.pending("shop.slow", key())
+    done = {cli.completed("shop.charge", k, {"n": i}): k for i, k in enumerate((key(), key()))}
+
+    answers = cli.parallel(
+        ("list", "--state", "PENDING", "--task", "shop.charge", "--json"),
+        ("list", "--state", "pending", "--json"),
+        ("list", "--state", "Pending", "--task", "shop.charge", "--limit", "2", "--json"),
+        ("list", "--state", "completed"),
+    )
+    pending, every_pending, limited = (cli.loads(answer) for answer in answers[:3])
+    completed = answers[3]
+    assert {(r["task_id"], r["key"]) for r in pending} == set(charges.items())
+    assert {(r["state"], r["task_name"]) for r in pending} == {("PENDING", "shop.charge")}
+
+    assert len(every_pending) == 4 and {r["task_name"] for r in every_pending} == {"shop.charge", "shop.slow"}
+
+    assert len(limited) == 2 and {r["key"] for r in limited} <= set(charges.values())
+
+    assert completed.returncode == 0, completed.stderr
+    lines = completed.stdout.strip().splitlines()
+    assert len(lines) == 2
+    assert {line.split()[2] for line in lines} == set(done.values())  # task  scope  key  task_id  attempt
+    assert {line.split()[3] for line in lines} == set(done)
+
+
+# Regression: Redis used to cut at `limit` in SCAN order before sorting.
+def test_list_with_limit_shows_the_newest_records(cli: Cli) -> None:
+    # Given 40 PENDING records claimed one after another (distinct updated_at, oldest first)
+    keys = []
+    for _ in range(40):
+        keys.append(key())
+        cli.pending("shop.charge", keys[-1])
+    # When an operator asks for the 4 newest
+    newest = cli.json("list", "--state", "PENDING", "--limit", "4")
+    # Then they are the last 4 claimed, newest first (1 chance in 91,390 to pass by luck of SCAN order)
+    assert [r["key"] for r in newest] == keys[:-5:-1]
+
+
+def test_list_of_an_empty_state(cli: Cli) -> None:
+    cli.pending("shop.charge", key())
+    human, as_json = cli.parallel(("list", "--state", "FAILED"), ("list", "--state", "in_progress", "--json"))
+    assert human.returncode == 0 and human.stdout.strip() == "no records"
+    assert cli.loads(as_json) == []
+
+
+def test_list_of_an_unknown_state_exits_2(cli: Cli) -> None:
+    done = cli("list", "--state", "DONE")
+    assert done.returncode == 2
+    assert "'DONE' is not one of" in done.stderr
+    assert "pending" in done.stderr.lower() and "completed" in done.stderr.lower()
+
+
+def test_stats_counts_the_records_of_each_state(cli: Cli) -> None:
+    for _ in range(3):
+        cli.pending("shop.charge", key())
+    cli.running("shop.slow", key())
+    for i in range(2):
+        cli.completed("shop.charge", key(), i)
+    cli.failed("shop.declined", key(), "declined")
+    stats = cli.json("stats")
+    assert stats["records"] == {"PENDING": 3, "IN_PROGRESS": 1, "COMPLETED": 2, "FAILED": 1}
+    assert cli.prefix in stats["store"]
+
+
+# ---- reconcile ------------------------------------------------------------------------------------
+
+
+def stale_record(cli: Cli, backend: Backend, task: str = "shop.charge") -> tuple[str, str]:
+    """An IN_PROGRESS record whose lease ran out a minute ago and whose task SUCCEEDED in the result
+    backend (its worker died between storing the result and completing the record)."""
+    k = key()
+    # A store whose clock runs 2 minutes behind writes a lease that, on the server's clock, expired long
+    # ago: no sleeping past a lease.
+    past = store_from_url(REDIS_URL, key_prefix=cli.prefix, clock=FakeClock(time.time() - 120))
+    try:
+        task_id = cli.running(task, k, store=past, lease_seconds=1)
+    finally:
+        past.close()
+    backend.succeed(task_id, {"ok": 1})
+    return k, task_id
+
+
+def test_reconcile_dry_run_reports_and_changes_nothing(cli: Cli, backend: Backend) -> None:
+    k, task_id = stale_record(cli, backend)
+    before = cli.store.get(Identity("", "shop.charge", k))
+    report = cli.json("reconcile", "--dry-run")
+    assert set(report) == {"scanned", "completed", "failed", "released", "requeued", "left", "seconds", "dry_run"}
+    assert report["dry_run"] is True
+    assert (report["scanned"], report["completed"], report["released"], report["left"]) == (1, 1, 0, 0)
+    after = cli.store.get(Identity("", "shop.charge", k))
+    assert after is not None and after.state is State.IN_PROGRESS and after == before
+
+
+def test_reconcile_completes_a_stale_record_whose_task_succeeded(cli: Cli, backend: Backend) -> None:
+    k, task_id = stale_record(cli, backend)
+    report = cli.json("reconcile")
+    assert report["dry_run"] is False
+    assert (report["scanned"], report["completed"], report["failed"], report["released"]) == (1, 1, 0, 0)
+    view = cli.json("show", "--task", "shop.charge", k)
+    assert view["state"] == "COMPLETED" and view["task_id"] == task_id and view["result"] == {"ok": 1}

@@ -1,0 +1,421 @@
+"""The ledger (DESIGN §4, §6) against real PostgreSQL and SQLite: exactly one business effect per identity.
+
+Every execution runs through a real idempotent task (eager app, memory store), so the handler sets the
+request's key, scope and fingerprint exactly as a worker does. Racers each get their OWN app and store:
+each acquires RUN and reaches the ledger, as two workers do after a lost lease. That is the case the
+ledger exists for; the store cannot stop it, only the database can.
+
+Side effects are counted outside the library: rows of a business table with no unique constraint (a
+second insert WOULD be a second row), and the calls of the effect function.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from celery import Celery
+from celery.result import allow_join_result
+from conftest import POSTGRES_URL, require_server
+
+from celery_idem import ConfigurationError, Idempotency, IdempotentTask, PayloadMismatchError
+from celery_idem.ledger import Ledger
+from celery_idem.records import Identity
+
+TASK = "ledger.pay"
+EFFECT_SECONDS = 0.2  # how long a racing effect holds its transaction open after its business insert
+
+
+class CardDeclined(Exception):
+    """A business failure raised inside the transaction."""
+
+
+def payments_table(metadata: sa.MetaData, name: str) -> sa.Table:
+    # No unique constraint on order_id: only the ledger stands between a second execution and a second row.
+    return sa.Table(
+        name,
+        metadata,
+        sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+        sa.Column("order_id", sa.Integer, nullable=False),
+        sa.Column("amount", sa.Integer, nullable=False),
+        sa.Column("task_id", sa.String(64), nullable=False),
+    )
+
+
+def shop_app(
+    ledger: Ledger,
+    payments: sa.Table,
+    calls: list[str],
+    *,
+    effect_seconds: float = 0.0,
+    fail: bool = False,
+    times: dict[str, list[float]] | None = None,
+    holding: Callable[[], None] | None = None,
+) -> Celery:
+    """One worker's view: an eager app with its own memory store and the idempotent task ``ledger.pay``.
+
+    ``times`` collects when bodies reach the ledger ("entered") and when an effect ends ("effect_done");
+    ``holding`` is called inside the transaction, right after the business insert.
+    """
+    times = times if times is not None else {"entered": [], "effect_done": []}
+    app = Celery("ledger-shop", set_as_current=False)
+    app.conf.task_always_eager = True
+    app.conf.task_eager_propagates = True
+    Idempotency(app)  # memory:// store, this app's alone
+
+    @app.task(base=IdempotentTask, bind=True, shared=False, name=TASK)
+    def pay(self: Any, order_id: int, amount: int) -> dict[str, Any]:
+        def effect(session: Any) -> dict[str, Any]:
+            calls.append(self.request.id)
+            session.execute(sa.insert(payments).values(order_id=order_id, amount=amount, task_id=self.request.id))
+            if holding is not None:
+                holding()
+            if effect_seconds:
+                time.sleep(effect_seconds)
+            times["effect_done"].append(time.time())
+            if fail:
+                raise CardDeclined(f"card declined for order {order_id}")
+            return {"order": order_id, "paid": amount, "task_id": self.request.id}
+
+        times["entered"].append(time.time())
+        return ledger.run_once(self, effect)
+
+    return app
+
+
+def pay(app: Celery, order_id: int, amount: int, key: str, scope: str | None = None) -> tuple[str, Any]:
+    """Run one call through the task; (its task id, what it returned)."""
+    result = app.tasks[TASK].apply_async((order_id, amount), idempotency_key=key, idempotency_scope=scope)
+    # Celery's eager apply() flags "inside a task" in a process-wide global, which racing threads see:
+    # the call has already run, so get() cannot block.
+    return result.id, result.get(disable_sync_subtasks=False)
+
+
+@dataclass
+class Db:
+    url: str
+    engine: sa.Engine
+    ledger: Ledger
+    payments: sa.Table
+
+    def payment_rows(self) -> list[Any]:
+        with self.engine.connect() as connection:
+            return list(connection.execute(sa.select(self.payments).order_by(self.payments.c.id)))
+
+    def ledger_rows(self) -> list[Any]:
+        with self.engine.connect() as connection:
+            return list(connection.execute(sa.select(self.ledger.table)))
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Db]:
+    if request.param == "postgresql":
+        require_server("postgresql")
+        url = POSTGRES_URL
+    else:
+        url = f"sqlite:///{tmp_path}/ledger.db"
+    engine = sa.create_engine(url)
+    suffix = uuid.uuid4().hex[:12]
+    ledger = Ledger(engine, table_name=f"ledger_{suffix}")
+    payments = payments_table(sa.MetaData(), f"payments_{suffix}")
+    try:
+        ledger.create_schema()
+        payments.create(engine)
+        yield Db(url, engine, ledger, payments)
+    finally:
+        payments.drop(engine, checkfirst=True)
+        ledger.table.drop(engine, checkfirst=True)
+        engine.dispose()
+
+
+@pytest.fixture
+def key() -> str:
+    return f"pay-{uuid.uuid4().hex}"
+
+
+# ---- once ---------------------------------------------------------------------------------------
+
+
+def test_first_execution_commits_effect_and_ledger_row_and_a_later_one_returns_it_without_running(
+    db: Db, key: str
+) -> None:
+    calls: list[str] = []
+    # When the call runs for the first time
+    first_id, first = pay(shop_app(db.ledger, db.payments, calls), 1, 100, key)
+    # Then the effect and the ledger row are committed, and the task returns fn's value
+    assert first == {"order": 1, "paid": 100, "task_id": first_id}
+    assert calls == [first_id]
+    assert [(r.order_id, r.amount, r.task_id) for r in db.payment_rows()] == [(1, 100, first_id)]
+    [row] = db.ledger_rows()
+    assert (row.scope, row.task_name, row.key, row.task_id, row.outcome) == ("", TASK, key, first_id, "COMPLETED")
+
+    # When the same call runs again on a worker whose store knows nothing of it (a lost lease, a dead worker)
+    second_id, second = pay(shop_app(db.ledger, db.payments, calls), 1, 100, key)
+    # Then fn is not called again and the committed outcome comes back, with the first task's id in it
+    assert second_id != first_id
+    assert second == first
+    assert calls == [first_id]
+    assert len(db.payment_rows()) == 1
+    assert len(db.ledger_rows()) == 1
+
+
+def test_lookup_is_none_before_and_the_committed_entry_after(db: Db, key: str) -> None:
+    identity = Identity("", TASK, key)
+    assert db.ledger.lookup(identity) is None
+    app = shop_app(db.ledger, db.payments, [])
+    task_id, value = pay(app, 2, 250, key)
+    entry = db.ledger.lookup(identity)
+    assert entry is not None
+    assert entry.identity == identity
+    assert entry.task_id == task_id
+    assert entry.value() == value == {"order": 2, "paid": 250, "task_id": task_id}
+    assert entry.content_type == "application/json"
+    # The ledger holds the fingerprint of the call, the same one the store recorded.
+    record = Idempotency.of(app).get(TASK, key)
+    assert record is not None and entry.fingerprint == record.fingerprint
+    # Another key, another task name or a scope is another identity.
+    assert db.ledger.lookup(Identity("", TASK, key + "x")) is None
+    assert db.ledger.lookup(Identity("", "ledger.other", key)) is None
+    assert db.ledger.lookup(Identity("eu", TASK, key)) is None
+
+
+def test_same_key_in_two_scopes_is_two_identities_each_run_once(db: Db, key: str) -> None:
+    calls: list[str] = []
+    eu_id, eu = pay(shop_app(db.ledger, db.payments, calls), 3, 30, key, scope="eu")
+    us_id, us = pay(shop_app(db.ledger, db.payments, calls), 3, 30, key, scope="us")
+    _, eu_again = pay(shop_app(db.ledger, db.payments, calls), 3, 30, key, scope="eu")
+    assert calls == [eu_id, us_id]
+    assert eu["task_id"] == eu_id and us["task_id"] == us_id and eu_again == eu
+    assert len(db.payment_rows()) == 2
+    assert {(r.scope, r.key) for r in db.ledger_rows()} == {("eu", key), ("us", key)}
+    assert db.ledger.lookup(Identity("", TASK, key)) is None
+
+
+# ---- races --------------------------------------------------------------------------------------
+
+
+def _race_threads(
+    ledger: Ledger, payments: sa.Table, key: str, n: int, go: Any = None, times: dict[str, list[float]] | None = None
+) -> tuple[list[str], list[Any]]:
+    """n threads, each with its own app and store, run the same call together; (fn calls, answers)."""
+    calls: list[str] = []
+    apps = [shop_app(ledger, payments, calls, effect_seconds=EFFECT_SECONDS, times=times) for _ in range(n)]
+    barrier = threading.Barrier(n)
+    answers: list[Any] = [None] * n
+
+    def racer(i: int) -> None:
+        try:
+            barrier.wait(timeout=30)
+            if go is not None:
+                go.wait(timeout=60)
+            answers[i] = pay(apps[i], 7, 700, key)[1]
+        except BaseException as exc:  # noqa: BLE001 - reported to the test as an answer
+            answers[i] = exc
+
+    threads = [threading.Thread(target=racer, args=(i,)) for i in range(n)]
+    # Concurrent eager apply() calls save and restore that global out of order and can leave it set:
+    # restore it for the tests that run after this one.
+    with allow_join_result():
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    return calls, answers
+
+
+@pytest.mark.slow
+def test_eight_threads_racing_past_the_store_make_one_effect_and_all_get_the_committed_outcome(
+    db: Db, key: str
+) -> None:
+    # Given 8 workers that each believe they own the call (each its own store), released together
+    # When each runs the body, whose effect holds its transaction open for a while
+    times: dict[str, list[float]] = {"entered": [], "effect_done": []}
+    calls, answers = _race_threads(db.ledger, db.payments, key, 8, times=times)
+    # (a real race: all 8 reached the ledger while the winner's transaction was still open)
+    assert len(times["entered"]) == 8 and max(times["entered"]) < min(times["effect_done"])
+    # Then exactly one effect committed, fn ran once, and all 8 answer the winner's outcome
+    assert [a for a in answers if isinstance(a, BaseException)] == []
+    [winner] = calls
+    assert [(r.order_id, r.task_id) for r in db.payment_rows()] == [(7, winner)]
+    assert answers == [{"order": 7, "paid": 700, "task_id": winner}] * 8
+    entry = db.ledger.lookup(Identity("", TASK, key))
+    assert entry is not None and entry.task_id == winner and entry.value() == answers[0]
+
+
+def _race_process(url: str, ledger_name: str, payments_name: str, key: str, threads: int, ready: Any, go: Any,
+                  out: Any) -> None:  # fmt: skip
+    engine = sa.create_engine(url)
+    try:
+        ledger = Ledger(engine, table_name=ledger_name)
+        payments = payments_table(sa.MetaData(), payments_name)
+        ready.put(True)
+        times: dict[str, list[float]] = {"entered": [], "effect_done": []}
+        calls, answers = _race_threads(ledger, payments, key, threads, go, times)
+        out.put((calls, [repr(a) if isinstance(a, BaseException) else a for a in answers], times))
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.slow
+def test_two_processes_of_four_threads_racing_make_one_effect_and_all_get_the_committed_outcome(
+    db: Db, key: str
+) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    ready, go, out = ctx.Queue(), ctx.Event(), ctx.Queue()
+    args = (db.url, db.ledger.table.name, db.payments.name, key, 4, ready, go, out)
+    processes = [ctx.Process(target=_race_process, args=args) for _ in range(2)]
+    for p in processes:
+        p.start()
+    try:
+        # Both processes are up (imports done, engines built) before any racer is let go.
+        for _ in processes:
+            ready.get(timeout=60)
+        go.set()
+        reports = [out.get(timeout=60) for _ in processes]
+    finally:
+        for p in processes:
+            p.join(timeout=60)
+    assert [p.exitcode for p in processes] == [0, 0]
+    calls = [c for process_calls, _, _ in reports for c in process_calls]
+    answers = [a for _, process_answers, _ in reports for a in process_answers]
+    entered = [t for _, _, times in reports for t in times["entered"]]
+    effect_done = [t for _, _, times in reports for t in times["effect_done"]]
+    # A real race: all 8 racers of both processes reached the ledger while the winner's transaction was open.
+    assert len(entered) == 8 and max(entered) < min(effect_done)
+    [winner] = calls
+    assert [(r.order_id, r.task_id) for r in db.payment_rows()] == [(7, winner)]
+    assert answers == [{"order": 7, "paid": 700, "task_id": winner}] * 8
+    assert len(db.ledger_rows()) == 1
+
+
+# ---- failure, mismatch --------------------------------------------------------------------------
+
+
+def test_fn_raising_rolls_back_effect_and_ledger_row_and_a_later_execution_runs(db: Db, key: str) -> None:
+    calls: list[str] = []
+    failing = shop_app(db.ledger, db.payments, calls, fail=True)
+    # When fn inserts its row and then raises
+    with pytest.raises(CardDeclined, match="card declined for order 4"):
+        pay(failing, 4, 40, key)
+    # Then the exception propagated and nothing was committed: no business row, no ledger row
+    assert len(calls) == 1
+    assert db.payment_rows() == []
+    assert db.ledger_rows() == []
+    assert db.ledger.lookup(Identity("", TASK, key)) is None
+    # And a later execution of the same call runs fn and commits
+    task_id, value = pay(shop_app(db.ledger, db.payments, calls), 4, 40, key)
+    assert len(calls) == 2 and calls[1] == task_id
+    assert value == {"order": 4, "paid": 40, "task_id": task_id}
+    assert [r.task_id for r in db.payment_rows()] == [task_id]
+    assert [r.task_id for r in db.ledger_rows()] == [task_id]
+
+
+@pytest.mark.slow
+def test_a_racer_waiting_on_an_attempt_that_rolls_back_runs_and_commits(db: Db, key: str) -> None:
+    calls: list[str] = []
+    inside = threading.Event()
+    # Given attempt A inside its transaction (ledger row and business row written, not committed),
+    # holding it a while and then failing
+    failing = shop_app(db.ledger, db.payments, calls, effect_seconds=0.3, fail=True, holding=inside.set)
+    second = shop_app(db.ledger, db.payments, calls)
+    outcomes: dict[str, Any] = {}
+
+    def attempt_a() -> None:
+        try:
+            pay(failing, 8, 80, key)
+        except CardDeclined as exc:
+            outcomes["a"] = exc
+
+    with allow_join_result():
+        a = threading.Thread(target=attempt_a)
+        a.start()
+        assert inside.wait(timeout=10)
+        # When attempt B reaches the ledger while A holds the identity
+        started = time.monotonic()
+        b_id, b_value = pay(second, 8, 80, key)
+        waited = time.monotonic() - started
+        a.join(timeout=10)
+    assert waited >= 0.2  # B queued behind A's open transaction (A holds it 0.3 s after its insert)
+    # Then A's effect is rolled back and B, which did not give up, ran fn and committed its own outcome
+    assert isinstance(outcomes.get("a"), CardDeclined)
+    assert len(calls) == 2 and calls[1] == b_id
+    assert b_value == {"order": 8, "paid": 80, "task_id": b_id}
+    assert [r.task_id for r in db.payment_rows()] == [b_id]
+    assert [r.task_id for r in db.ledger_rows()] == [b_id]
+
+
+def test_keyless_calls_are_keyed_by_their_fingerprint_in_the_ledger(db: Db) -> None:
+    calls: list[str] = []
+    # Two workers run the same key-less call (a redelivery to a worker whose store lost it)
+    first = shop_app(db.ledger, db.payments, calls).tasks[TASK].apply_async((9, 90))
+    second = shop_app(db.ledger, db.payments, calls).tasks[TASK].apply_async((9, 90))
+    assert second.get() == first.get() == {"order": 9, "paid": 90, "task_id": first.id}
+    assert calls == [first.id] and len(db.payment_rows()) == 1
+    entry = db.ledger.lookup(Identity("", TASK, first.idempotency_key))
+    assert entry is not None and entry.task_id == first.id and entry.fingerprint == first.idempotency_key
+
+
+def test_committed_row_for_other_arguments_raises_payload_mismatch_without_running(db: Db, key: str) -> None:
+    calls: list[str] = []
+    first_id, _ = pay(shop_app(db.ledger, db.payments, calls), 5, 500, key)
+    # When the same key reaches the ledger with another amount (a store that lost the record)
+    with pytest.raises(PayloadMismatchError, match="other arguments") as raised:
+        pay(shop_app(db.ledger, db.payments, calls), 5, 999, key)
+    # Then it is refused, naming the committed task, and nothing else ran or was written
+    assert raised.value.key == key and raised.value.task_name == TASK and raised.value.task_id == first_id
+    assert calls == [first_id]
+    assert [(r.amount, r.task_id) for r in db.payment_rows()] == [(500, first_id)]
+    assert len(db.ledger_rows()) == 1
+
+
+# ---- misuse --------------------------------------------------------------------------------------
+
+
+def test_run_once_in_a_plain_task_raises_configuration_error(db: Db) -> None:
+    app = Celery("ledger-plain", set_as_current=False)
+    app.conf.task_always_eager = True
+    app.conf.task_eager_propagates = True
+    calls: list[str] = []
+
+    @app.task(bind=True, shared=False, name="ledger.plain")
+    def plain(self: Any, order_id: int) -> Any:
+        return db.ledger.run_once(self, lambda session: calls.append(order_id))
+
+    with pytest.raises(ConfigurationError, match="must be called from the body of an idempotent task") as raised:
+        plain.delay(1).get()
+    assert "ledger.plain" in str(raised.value) and "IdempotentTask" in str(raised.value)
+    assert calls == []
+    assert db.ledger_rows() == []
+
+
+def test_run_once_without_an_identity_on_the_request_raises_configuration_error(db: Db, key: str) -> None:
+    calls: list[str] = []
+    app = shop_app(db.ledger, db.payments, calls)
+    # A bare object whose request carries no identity
+    bare = SimpleNamespace(name="ledger.bare", request=SimpleNamespace(id="t-1"))
+    with pytest.raises(ConfigurationError, match="idempotent task"):
+        db.ledger.run_once(bare, lambda session: calls.append("bare"))
+    # An idempotent task called as a plain function (no handler ran, so no identity)
+    with pytest.raises(ConfigurationError, match="not running under celery-idem"):
+        app.tasks[TASK](1, 10)
+    # A call that bypasses celery-idem (idempotency=False) has no identity either
+    with pytest.raises(ConfigurationError, match="must be called from the body of an idempotent task"):
+        app.tasks[TASK].apply_async((1, 10), idempotency_key=key, idempotency=False).get()
+    assert calls == []
+    assert db.payment_rows() == [] and db.ledger_rows() == []
+
+
+def test_unsupported_dialect_is_refused() -> None:
+    # SQLAlchemy's mock engine carries a real MySQL dialect without needing a MySQL driver installed.
+    engine = sa.create_mock_engine("mysql+pymysql://x/y", lambda *args, **kwargs: None)
+    with pytest.raises(ConfigurationError, match="PostgreSQL and SQLite") as raised:
+        Ledger(engine)  # type: ignore[arg-type]
+    assert "mysql" in str(raised.value)
