@@ -42,6 +42,7 @@ def make_app(*, workdir: Path, broker: str | None, backend: str | None, store: s
         app.conf.broker_transport_options = {
             "data_folder_in": str(queue),
             "data_folder_out": str(queue),
+            "control_folder": str(workdir / "control"),  # broadcasts (inspect); default: ./control
             "polling_interval": 0.05,
         }
     Idempotency(
