@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import sys
 from typing import Any
 
 import click
@@ -74,7 +75,18 @@ def _human(record: IdempotencyRecord) -> str:
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 
 
-@click.group(name="idem", help="Inspect and repair celery-idem records.")
+class _Group(click.Group):
+    """Turns celery-idem's own errors (a store that is down, a bad setting) into one clear line."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except IdempotencyError as exc:
+            as_json = "--json" in sys.argv[1:]
+            _fail(str(exc), as_json, 2 if isinstance(exc, ValueError) else 1)
+
+
+@click.group(name="idem", cls=_Group, help="Inspect and repair celery-idem records.")
 def idem() -> None:
     """The ``idem`` command group."""
 
@@ -87,11 +99,7 @@ def idem() -> None:
 @click.pass_context
 def show(ctx: click.Context, key: str, task: str, scope: str | None, as_json: bool) -> None:
     name = _task_name(ctx, task)
-    try:
-        record = _extension(ctx).get(name, key, scope)
-    except IdempotencyError as exc:
-        _fail(str(exc), as_json, 2 if isinstance(exc, ValueError) else 1)
-        return
+    record = _extension(ctx).get(name, key, scope)
     if record is None:
         _fail(f"no record for key {key!r} of task {name!r}" + (f" in scope {scope!r}" if scope else ""), as_json)
         return
@@ -106,11 +114,7 @@ def show(ctx: click.Context, key: str, task: str, scope: str | None, as_json: bo
 @click.pass_context
 def forget(ctx: click.Context, key: str, task: str, scope: str | None, as_json: bool) -> None:
     name = _task_name(ctx, task)
-    try:
-        removed = _extension(ctx).forget(name, key, scope)
-    except IdempotencyError as exc:
-        _fail(str(exc), as_json, 2 if isinstance(exc, ValueError) else 1)
-        return
+    removed = _extension(ctx).forget(name, key, scope)
     if not removed:
         _fail(f"no record for key {key!r} of task {name!r}", as_json)
         return

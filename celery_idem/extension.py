@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 import logging
 import threading
@@ -105,8 +106,22 @@ class Idempotency:
     @functools.cached_property
     def settings(self) -> IdempotencySettings:
         """Resolved on first use, so ``app.conf`` may still change after tasks are defined."""
+        known = IdempotencySettings.model_fields
+        misspelt = sorted(
+            key for key in self.app.conf.keys() if key.startswith("idempotency_") and key[12:] not in known
+        )
+        if misspelt:
+            guesses = {
+                k: [name for name in known if name.startswith(k[12:])][:1]
+                or difflib.get_close_matches(k[12:], known, n=1, cutoff=0.5)
+                for k in misspelt
+            }
+            hints = ", ".join(
+                f"{k}" + (f" (did you mean idempotency_{g[0]}?)" if g else "") for k, g in guesses.items()
+            )
+            raise ConfigurationError(f"unknown celery-idem setting in app.conf: {hints}")
         values: dict[str, Any] = {}
-        for name in IdempotencySettings.model_fields:
+        for name in known:
             conf_value = self.app.conf.get(f"idempotency_{name}")
             if conf_value is not None:
                 values[name] = conf_value
@@ -142,14 +157,22 @@ class Idempotency:
         """The task's effective policy: its ``idempotency`` option over the app-wide defaults."""
         policy = self._policies.get(task.name)
         if policy is None:
-            option = getattr(task, "idempotency", None)
-            if option is not None and not isinstance(option, (dict, IdempotencyPolicy)):
-                raise ConfigurationError(
-                    f"the idempotency option of task {task.name!r} must be a dict or IdempotencyPolicy; "
-                    f"got {type(option).__name__}"
-                )
+            # A task class's policy refines its base classes' (a task option refines its base=).
+            merged: dict[str, Any] = {}
+            for klass in reversed(task.__class__.__mro__):  # __class__: Celery may hand us a Proxy
+                option = klass.__dict__.get("idempotency")
+                if option is None:
+                    continue
+                if not isinstance(option, (dict, IdempotencyPolicy)):
+                    raise ConfigurationError(
+                        f"the idempotency option of task {task.name!r} must be a dict or IdempotencyPolicy; "
+                        f"got {type(option).__name__}"
+                    )
+                merged.update(option if isinstance(option, dict) else {
+                    name: getattr(option, name) for name in option.model_fields_set
+                })  # fmt: skip
             try:
-                policy = self.settings.policy(option)
+                policy = self.settings.policy(merged)
             except ValidationError as exc:
                 raise _invalid(f"idempotency policy of task {task.name!r}", exc) from None
             self._policies[task.name] = policy

@@ -179,6 +179,9 @@ class Handler:
         if key is None and scope is None:
             key, scope = self._running_identity(fp)
         identity = self.identify(key, scope, fp)
+        # A caller that chose the task id (a frozen signature, a chain step, a group member) waits
+        # on that id: a duplicate of it is published anyway, and the worker replays into it.
+        awaited_id = bool(options.get("task_id"))
         task_id = options.get("task_id") or str(uuid.uuid4())
         options["task_id"] = task_id
         options["headers"] = {**headers, KEY_HEADER: identity.key, **({SCOPE_HEADER: scope} if scope else {})}
@@ -223,8 +226,9 @@ class Handler:
                 task_name=self.task.name,
                 task_id=record.task_id,
             )
-        if any(options.get(name) for name in _CONTINUATIONS):
-            # Published anyway: the worker replays the outcome into the chain instead of running the body.
+        if awaited_id or any(options.get(name) for name in _CONTINUATIONS):
+            # Published anyway: the worker replays the outcome into the chain (or under the id the
+            # caller waits on) instead of running the body.
             return self._result(send(args, kwargs, options), identity, deduplicated=True)
         from .result import IdempotentResult
 
@@ -313,10 +317,13 @@ class Handler:
                     ttl_seconds=policy.ttl_seconds,
                     call=self._call(args, kwargs),
                 )
-            except StoreUnavailableError:
-                if not self._proceed_unprotected("acquire", identity, task_id):
-                    raise
-                return self._run_function(*args, **kwargs)
+            except StoreUnavailableError as exc:
+                if self._proceed_unprotected("acquire", identity, task_id):
+                    return self._run_function(*args, **kwargs)
+                if isinstance(exc, self._autoretry_for):
+                    # Fail closed, but keep the message: the user asked for retries on this error.
+                    raise task.retry(exc=exc, **(getattr(task, "retry_kwargs", None) or {})) from exc
+                raise
             record = taken.record
             assert record is not None
             self._log(taken.decision, identity, task_id, record)

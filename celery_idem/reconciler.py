@@ -55,6 +55,7 @@ class ReconcileReport(BaseModel):
     released: int = 0
     requeued: int = 0
     left: int = 0
+    purged: int = 0  # records past their TTL whose space was freed (SQL store)
     seconds: float = 0.0
     dry_run: bool = False
 
@@ -78,7 +79,8 @@ class Reconciler:
             holders = self._live_task_ids([record.task_id for record in undecided])
             for record in undecided:
                 self._settle_on_liveness(record, holders)
-        report = ReconcileReport(**self.counts, seconds=time.monotonic() - started, dry_run=self.dry_run)
+        purged = 0 if self.dry_run else self.store.purge_expired(limit=limit or DEFAULT_LIMIT)
+        report = ReconcileReport(**self.counts, purged=purged, seconds=time.monotonic() - started, dry_run=self.dry_run)
         logger.info("reconciled: %s", report.model_dump_json())
         if not self.dry_run:
             for name in ("completed", "failed", "released"):

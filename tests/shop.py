@@ -18,7 +18,7 @@ import redis
 import sqlalchemy as sa
 from celery import Celery
 
-from celery_idem import Idempotency, IdempotentTask, PermanentError, idempotent_task
+from celery_idem import Idempotency, IdempotentTask, PermanentError, StoreUnavailableError, idempotent_task
 from celery_idem.ledger import Ledger
 
 COUNTER_URL = os.environ.get("SHOP_COUNTER", "redis://127.0.0.1:6379/12")
@@ -83,6 +83,11 @@ def make_app(
         effect(self)
         time.sleep(seconds)
         return f"slept {seconds}"
+
+    @task(name="shop.patient", autoretry_for=(StoreUnavailableError,), max_retries=2, default_retry_delay=0.1)
+    def patient(self: Any, order_id: int) -> int:
+        effect(self)
+        return order_id
 
     @task(name="shop.declined")
     def declined(self: Any, order_id: int) -> None:

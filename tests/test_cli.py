@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -338,3 +339,19 @@ def test_reconcile_completes_a_stale_record_whose_task_succeeded(cli: Cli, backe
     assert (report["scanned"], report["completed"], report["failed"], report["released"]) == (1, 1, 0, 0)
     view = cli.json("show", "--task", "shop.charge", k)
     assert view["state"] == "COMPLETED" and view["task_id"] == task_id and view["result"] == {"ok": 1}
+
+
+def test_a_store_that_is_down_is_one_clear_line_not_a_traceback(cli: Cli) -> None:
+    # Given the CLI pointed at a Redis port nobody listens on
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        down = f"redis://127.0.0.1:{s.getsockname()[1]}/0"
+    env = {**cli.env, "SHOP_STORE": down, "SHOP_SETTINGS": json.dumps({"store_timeout_seconds": 0.5})}
+    for args in (("stats",), ("list", "--state", "PENDING"), ("reconcile", "--dry-run")):
+        human = subprocess.run([sys.executable, "-m", "celery", "-A", "shop", "idem", *args], cwd=TESTS, env=env,
+                               capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert human.returncode == 1 and "Traceback" not in human.stderr, human.stderr
+        assert "check that the store is up" in human.stderr
+        as_json = subprocess.run([sys.executable, "-m", "celery", "-A", "shop", "idem", *args, "--json"],
+                                 cwd=TESTS, env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert as_json.returncode == 1 and "check that the store is up" in json.loads(as_json.stdout)["error"]

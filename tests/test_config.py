@@ -379,3 +379,11 @@ def test_construction_does_no_network_io_and_first_use_fails_closed(monkeypatch:
         charge.apply_async((42, 100), idempotency_key="order-42")
     assert connects, "the first use should have tried the store"
     assert idem.metrics()["store_errors"] == 1
+
+
+def test_a_misspelt_app_conf_setting_is_refused_with_a_suggestion() -> None:
+    app = Celery("typo", set_as_current=False)
+    app.conf.task_always_eager = True
+    app.conf.idempotency_ttl = 600  # meant idempotency_ttl_seconds
+    with pytest.raises(ConfigurationError, match=r"idempotency_ttl \(did you mean idempotency_ttl_seconds\?\)"):
+        Idempotency(app).settings  # noqa: B018

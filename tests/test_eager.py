@@ -974,3 +974,14 @@ def test_a_given_memory_store_holds_the_records(app: Celery, calls: list[Any]) -
 
     assert len(store) == 1
     assert idem.get(ping, "p-1") is not None
+
+
+def test_a_task_policy_refines_its_base_class_policy(app: Celery, idem: Idempotency) -> None:
+    class Payments(IdempotentTask):
+        idempotency = {"ttl_seconds": 7200, "permanent": (KeyError,)}
+
+    @app.task(shared=False, base=Payments, idempotency={"lease_seconds": 5})
+    def refund(order_id: int) -> None: ...
+
+    policy = idem.policy_for(refund)
+    assert (policy.ttl_seconds, policy.lease_seconds, policy.permanent) == (7200, 5, (KeyError,))

@@ -182,3 +182,16 @@ def test_store_down_at_publish_raises_within_the_timeout_or_proceeds(workers, pr
     assert result.get(timeout=GET)["charged"] == 20
     assert int(counter.get(effects_key(prefix, "shop.charge", key))) == 1
     assert Idempotency.of(lenient).metrics()["store_errors"] == 1
+
+
+def test_store_down_at_the_worker_is_retried_when_the_task_asks_for_it(workers, prefix, counter, closed_store) -> None:
+    # Given a task with autoretry_for=(StoreUnavailableError,) and a worker whose store is down
+    app = _producer(BROKERS["redis"], prefix)
+    worker = workers(BROKERS["redis"], closed_store, prefix, store_timeout_seconds=0.5)
+    key = f"k-{uuid.uuid4().hex}"
+    result = app.tasks["shop.patient"].apply_async((3,), idempotency_key=key)
+    # Then the message is retried (max_retries=2), never run unprotected, and fails closed in the end
+    with pytest.raises(StoreUnavailableError):
+        result.get(timeout=GET)
+    assert worker.output().count("Retry in") == 2
+    assert int(counter.get(effects_key(prefix, "shop.patient", key)) or 0) == 0

@@ -3,11 +3,13 @@ Sentinel, each started by these tests from the machine's redis-server."""
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import shutil
 import socket
 import subprocess
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ from typing import Any
 import pytest
 from conftest import IN_CI, REDIS_URL, require_server, wipe
 
+from celery_idem import StoreUnavailableError
 from celery_idem.records import Decision, Identity, State
 from celery_idem.stores import store_from_url
 
@@ -221,3 +224,38 @@ def test_sentinel_url_finds_the_master_and_runs_every_transition(sentinel: str, 
     record = store.get(Identity("", "shop.charge", "via-sentinel"))
     assert record is not None and record.state is State.COMPLETED
     wipe(store)
+
+
+# ---- a full Redis ---------------------------------------------------------------------------------
+
+
+def test_a_full_redis_is_store_unavailable_not_a_raw_error(tmp_path: Path, prefix: str) -> None:
+    # Given a Redis with no memory left and no eviction
+    binary = _need_redis_server()
+    port = _free_port()
+    node = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--maxmemory", "2mb", "--maxmemory-policy", "noeviction", "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        import redis
+
+        client = redis.Redis(port=port)
+        _wait(client.ping, "redis")
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            for n in range(10_000):
+                client.set(f"filler:{n}", "x" * 10_000)
+        store = store_from_url(f"redis://127.0.0.1:{port}/0", key_prefix=prefix)
+        identity = Identity("", "shop.charge", "full")
+        taken = store.acquire(identity, FP, "t1", lease_seconds=60, ttl_seconds=60)
+        # When a script's first write must add data (renew's HSET; a script that already wrote, like
+        # claim after its DEL, may finish past the limit by Redis's rules), Then Redis refuses it,
+        # and the store says StoreUnavailableError, so on_store_error applies
+        with pytest.raises(StoreUnavailableError, match="maxmemory"):
+            for _ in range(20):
+                store.renew(identity, taken.record.owner, lease_seconds=60)
+                with contextlib.suppress(redis.exceptions.OutOfMemoryError):
+                    client.set(f"more:{uuid.uuid4()}", "x" * 10_000)
+        store.close()
+    finally:
+        node.terminate()
+        node.wait(timeout=10)

@@ -484,3 +484,17 @@ def test_count_by_state_counts_live_records(store: Store, clock) -> None:
     assert store.count_by_state() == {State.PENDING: 1, State.IN_PROGRESS: 0, State.COMPLETED: 1, State.FAILED: 0}
     clock.advance(6)  # the completed record's ttl ran out
     assert store.count_by_state()[State.COMPLETED] == 0
+
+
+def test_purge_expired_frees_records_past_their_ttl_and_nothing_else(store: Store, clock) -> None:
+    settle(store, State.COMPLETED)  # ttl TTL_S from now
+    live = Identity("", "shop.charge", "live")
+    store.claim(live, FP, "t2", pending_seconds=PENDING_S, ttl_seconds=TTL_S * 10)
+    clock.advance(TTL_S + 1)
+    purged = store.purge_expired(limit=10)
+    # Redis expires keys itself; the other stores delete what is past its TTL.
+    assert purged == (0 if type(store).__name__ == "RedisStore" else 1)
+    assert store.get(ID) is None and store.get(live) is not None
+    assert store.purge_expired(limit=10) == 0
+    with pytest.raises(ValueError, match="limit must be at least 1"):
+        store.purge_expired(limit=0)

@@ -214,6 +214,20 @@ class Store(ABC):
         with self._guard("expired_leases"):
             return self._expired_leases(limit)
 
+    def purge_expired(self, *, limit: int = 1000) -> int:
+        """Delete up to ``limit`` records past their TTL; how many went.
+
+        Records past their TTL are already absent to every operation; this only frees their space.
+        Redis expires keys itself (0); the SQL store deletes rows; the reconciler calls this.
+        """
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1; got {limit!r}")
+        with self._guard("purge_expired"):
+            return self._purge_expired(limit)
+
+    def _purge_expired(self, limit: int) -> int:
+        return 0
+
     def records(
         self, *, state: State | None = None, task_name: str | None = None, limit: int = 100
     ) -> list[IdempotencyRecord]:

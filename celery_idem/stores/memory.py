@@ -213,6 +213,14 @@ class MemoryStore(Store):
                         bisect.insort(due, (record.lease_expires_at, str(record.identity), record))
             return [r for _, _, r in due[:limit]]
 
+    def _purge_expired(self, limit: int) -> int:
+        with self._lock:
+            now = self.clock()
+            gone = [identity for identity, r in self._by_identity.items() if r.expires_at <= now][:limit]
+            for identity in gone:
+                del self._by_identity[identity]
+            return len(gone)
+
     def _records(self, state: State | None, task_name: str | None, limit: int) -> list[IdempotencyRecord]:
         with self._lock:
             now = self.clock()

@@ -108,6 +108,7 @@ class RedisStore(Store):
         redis.exceptions.ReadOnlyError,
         redis.exceptions.ClusterDownError,
         redis.exceptions.TryAgainError,
+        redis.exceptions.OutOfMemoryError,  # a full Redis under noeviction: the store cannot take writes
         OSError,
     )
 

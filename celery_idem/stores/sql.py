@@ -389,6 +389,16 @@ class SQLStore(Store):
         params = {"p_ns": self.key_prefix, "p_now": self.clock(), "p_limit": limit}
         return [self._record(row) for row in self._run(self._due_sql, params, _all)]
 
+    def _purge_expired(self, limit: int) -> int:
+        c = self.table.c
+        pk = sa.tuple_(c.namespace, c.scope, c.task_name, c.key)
+        expired = (
+            sa.select(c.namespace, c.scope, c.task_name, c.key)
+            .where(c.namespace == self.key_prefix, c.expires_at <= self.clock())
+            .limit(limit)
+        )
+        return self._run(sa.delete(self.table).where(pk.in_(expired)), {}, _rowcount)
+
     def _records(self, state: State | None, task_name: str | None, limit: int) -> list[IdempotencyRecord]:
         c = self.table.c
         query = sa.select(self.table).where(c.namespace == self.key_prefix, c.expires_at > self.clock())
