@@ -1,0 +1,174 @@
+"""MkDocs hooks for the celery-idem site (``hooks: [docs/hooks.py]`` in mkdocs.yml).
+
+What this file does to each page's Markdown before MkDocs renders it:
+
+1. **Configuration reference.** ``<!-- config-reference: IdempotencyPolicy -->`` and
+   ``<!-- config-reference: IdempotencySettings -->`` are replaced by tables generated from the
+   pydantic models in ``celery_idem.config`` (field, type, default, constraints, description), so
+   the reference cannot drift from the code. An unknown model name fails the build.
+
+2. **Benchmark results.** ``<!-- benchmarks-readme -->`` is replaced by ``benchmarks/README.md``
+   from its ``## Results`` heading on (the whole file if there is no such heading), headings moved
+   one level down and relative links turned into plain text, so the page always shows the
+   numbers the repository holds.
+
+3. **Runnable code blocks.** The convention, shared with ``docs/run_snippets.py``:
+
+   - a fenced block whose info string is ``python title="run: NAME.py"`` is a complete script;
+     ``docs/run_snippets.py`` writes it to ``NAME.py`` in an empty directory and runs
+     ``python NAME.py`` in a fresh subprocess;
+   - ``python title="run-pytest: test_NAME.py"`` is a complete pytest module, run with
+     ``python -m pytest test_NAME.py``;
+   - every other block is illustration only (it may need servers, or be a fragment).
+
+   Runnable blocks must be self-contained and need no server: eager mode or the in-memory broker
+   and store. On the page the title is shown as ``NAME.py · runs as is`` (or
+   ``· runs with pytest``). The titles are plain ``python`` fences, so ``ruff format`` formats
+   these blocks like every other Python block in the docs.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from mkdocs.exceptions import PluginError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CONFIG_MARKER = re.compile(r"<!--\s*config-reference:\s*(?P<model>\w+)\s*-->")
+BENCHMARKS_MARKER = "<!-- benchmarks-readme -->"
+# Only on the opening line of a fenced python block; the same regex is in docs/run_snippets.py.
+RUNNABLE_TITLE = re.compile(
+    r'^(?P<head>[ \t]*(?:`{3,}|~{3,})python\b[^\n]*?)title="(?P<kind>run|run-pytest): (?P<name>[^"]+)"',
+    flags=re.MULTILINE,
+)
+RUNNABLE_LABEL = {"run": "runs as is", "run-pytest": "runs with pytest"}
+
+# Fields typed ``Any`` in the models (pydantic cannot validate these unions of foreign classes).
+# Shown with their real meaning; a name here that is not a field of the model fails the build.
+TYPE_OVERRIDES = {
+    "IdempotencySettings": {
+        "store": "str | Store | None",
+        "ledger": "Ledger | None",
+    },
+}
+
+
+# ---- 1. configuration reference ---------------------------------------------------------------
+
+
+def _type_name(annotation: Any) -> str:
+    """A short, readable spelling of a field annotation."""
+    if annotation is type(None):
+        return "None"
+    if annotation is Any:
+        return "Any"
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin is typing.Literal:
+        return " | ".join(f'"{a}"' if isinstance(a, str) else repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    if origin is not None:
+        name = getattr(origin, "__name__", str(origin))
+        if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+            return f"tuple[{_type_name(args[0])}, ...]"
+        return f"{name}[{', '.join(_type_name(a) for a in args)}]"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _default(value: Any) -> str:
+    if isinstance(value, str):
+        return f'`"{value}"`'
+    return f"`{value!r}`"
+
+
+def _constraints(field: Any) -> str:
+    spelled = []
+    for item in field.metadata:
+        for attribute, symbol in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="), ("min_length", "min length")):
+            value = getattr(item, attribute, None)
+            if value is not None:
+                spelled.append(f"{symbol} {value}")
+    return ", ".join(spelled)
+
+
+def _cell(text: str) -> str:
+    # Python-Markdown does not split cells at a pipe inside a code span; elsewhere it must be escaped.
+    return text.replace("|", "\\|")
+
+
+def config_table(model_name: str) -> str:
+    """The Markdown reference table of one model of ``celery_idem.config``."""
+    from celery_idem import config
+
+    model = getattr(config, model_name, None)
+    if model is None or not hasattr(model, "model_fields"):
+        raise PluginError(f"config-reference: celery_idem.config has no pydantic model {model_name!r}")
+    overrides = TYPE_OVERRIDES.get(model_name, {})
+    unknown = set(overrides) - set(model.model_fields)
+    if unknown:
+        raise PluginError(f"hooks.TYPE_OVERRIDES names {sorted(unknown)}, not fields of {model_name}")
+
+    fields = model.model_fields
+    if model_name == "IdempotencySettings":
+        # The policy fields are documented in the policy table; here only the app-wide ones.
+        fields = {name: f for name, f in fields.items() if name not in config.POLICY_FIELDS}
+    lines = [
+        "| field | type | default | constraint | description |",
+        "|---|---|---|---|---|",
+    ]
+    for name, field in fields.items():
+        kind = overrides.get(name) or _type_name(field.annotation)
+        lines.append(
+            f"| `{name}` | `{kind}` | {_default(field.default)} | {_cell(_constraints(field))} "
+            f"| {_cell(field.description or '')} |"
+        )
+    return "\n".join(lines)
+
+
+# ---- 2. benchmark results ------------------------------------------------------------------------
+
+_LINK = re.compile(r"(?<!!)\[(?P<text>[^\]]+)\]\((?P<target>[^)\s]+)\)")
+
+
+def benchmarks_results() -> str:
+    path = ROOT / "benchmarks" / "README.md"
+    if not path.exists():
+        return "*benchmarks/README.md is not in this checkout.*"
+    text = path.read_text("utf-8")
+    start = re.search(r"^## Results\s*$", text, flags=re.MULTILINE)
+    if start is not None:
+        text = text[start.start() :]
+    else:
+        text = re.sub(r"\A# .*\n", "", text)  # the file's own title: the page has one
+    text = re.sub(r"^(#{1,5}) ", r"#\1 ", text, flags=re.MULTILINE)
+
+    def unlink(match: re.Match[str]) -> str:
+        target = match["target"]
+        if target.startswith(("http://", "https://", "#", "mailto:")):
+            return match[0]
+        return match["text"]  # a path inside the repository: not a page of this site
+
+    return _LINK.sub(unlink, text)
+
+
+# ---- 3. runnable blocks --------------------------------------------------------------------------
+
+
+def _runnable_title(match: re.Match[str]) -> str:
+    return f'{match["head"]}title="{match["name"]} · {RUNNABLE_LABEL[match["kind"]]}"'
+
+
+# ---- the hook --------------------------------------------------------------------------------------
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
+    markdown = CONFIG_MARKER.sub(lambda m: config_table(m["model"]), markdown)
+    if BENCHMARKS_MARKER in markdown:
+        markdown = markdown.replace(BENCHMARKS_MARKER, benchmarks_results())
+    return RUNNABLE_TITLE.sub(_runnable_title, markdown)
