@@ -246,11 +246,11 @@ def test_a_full_redis_is_store_unavailable_not_a_raw_error(tmp_path: Path, prefi
                 client.set(f"filler:{n}", "x" * 10_000)
         store = store_from_url(f"redis://127.0.0.1:{port}/0", key_prefix=prefix)
         identity = Identity("", "shop.charge", "full")
-        taken = store.acquire(identity, FP, "t1", lease_seconds=60, ttl_seconds=60)
-        # When a script's first write must add data (renew's HSET; a script that already wrote, like
-        # claim after its DEL, may finish past the limit by Redis's rules), Then Redis refuses it,
-        # and the store says StoreUnavailableError, so on_store_error applies
+        # When a script's first write must add data (a new record's HSET, a renewal; by Redis's rules
+        # a script that already wrote may finish past the limit), Then Redis refuses it, and the
+        # store says StoreUnavailableError, so on_store_error applies
         with pytest.raises(StoreUnavailableError, match="maxmemory"):
+            taken = store.acquire(identity, FP, "t1", lease_seconds=60, ttl_seconds=60)
             for _ in range(20):
                 store.renew(identity, taken.record.owner, lease_seconds=60)
                 with contextlib.suppress(redis.exceptions.OutOfMemoryError):

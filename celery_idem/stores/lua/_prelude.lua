@@ -23,13 +23,14 @@ local function fmt(x)
 end
 
 local function load(key, now)
-  -- Returns the live record as a table plus its flat HGETALL form, or nil.
+  -- Returns the live record as a table plus its flat HGETALL form (or nil), and whether the key
+  -- exists at all (a record past its expiry may still be stored under an injected clock).
   local flat = redis.call('HGETALL', key)
-  if #flat == 0 then return nil, flat end
+  if #flat == 0 then return nil, flat, false end
   local rec = {}
   for i = 1, #flat, 2 do rec[flat[i]] = flat[i + 1] end
-  if tonumber(rec.expires) <= now then return nil, {} end
-  return rec, flat
+  if tonumber(rec.expires) <= now then return nil, {}, true end
+  return rec, flat, true
 end
 
 local function settled(rec)
@@ -40,9 +41,9 @@ local function expire_at(key, expires, now)
   redis.call('PEXPIRE', key, math.max(1, math.ceil((expires - now) * 1000)))
 end
 
-local function write_fresh(key, index, fields, lease, expires, now)
+local function write_fresh(key, index, fields, lease, expires, now, existed)
   -- Replace the record whole (no field of an older record survives) and index its lease.
-  redis.call('DEL', key)
+  if existed then redis.call('DEL', key) end
   redis.call('HSET', key, unpack(fields))
   expire_at(key, expires, now)
   redis.call('ZADD', index, lease, key)

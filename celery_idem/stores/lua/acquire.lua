@@ -8,7 +8,7 @@
 -- The same task id is the same attempt chain (a Celery retry): it runs even with other arguments,
 -- and the record keeps the fingerprint of the caller's call.
 local now = now_of(ARGV[1])
-local rec, flat = load(KEYS[1], now)
+local rec, flat, existed = load(KEYS[1], now)
 local fp, attempt, created, call = ARGV[2], 1, now, ARGV[10]
 if rec then
   if rec.fp ~= ARGV[2] and rec.task_id ~= ARGV[3] then return {'MISMATCH', flat} end
@@ -28,5 +28,5 @@ if call ~= '' then
   table.insert(fields, 'call')
   table.insert(fields, call)
 end
-write_fresh(KEYS[1], KEYS[2], fields, lease, expires, now)
+write_fresh(KEYS[1], KEYS[2], fields, lease, expires, now, existed)
 return {'RUN', fmt(now), fp, tostring(attempt), fmt(created)}

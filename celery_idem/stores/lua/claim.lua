@@ -6,7 +6,7 @@
 -- Returns {decision, flat record} for DUPLICATE, REPLAY or MISMATCH (untouched), and {'NEW', now}
 -- when the PENDING record was written (the caller knows every other field of it).
 local now = now_of(ARGV[1])
-local rec, flat = load(KEYS[1], now)
+local rec, flat, existed = load(KEYS[1], now)
 if rec then
   if rec.fp ~= ARGV[2] then return {'MISMATCH', flat} end
   if settled(rec) then return {'REPLAY', flat} end
@@ -23,5 +23,5 @@ if ARGV[10] ~= '' then
   table.insert(fields, 'call')
   table.insert(fields, ARGV[10])
 end
-write_fresh(KEYS[1], KEYS[2], fields, lease, expires, now)
+write_fresh(KEYS[1], KEYS[2], fields, lease, expires, now, existed)
 return {'NEW', fmt(now)}
