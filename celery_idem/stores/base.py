@@ -28,16 +28,26 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, NamedTuple
 
 from ..errors import ResultTooLargeError, StoreUnavailableError
 from ..records import Decision, ErrorInfo, IdempotencyRecord, Identity, State, Transition
 
-__all__ = ["Clock", "Fence", "Store", "new_token"]
+__all__ = ["Clock", "Fence", "Settlement", "Store", "new_token"]
 
 Clock = Callable[[], float]
 Fence = Literal["owner", "task_id"]
 UNSETTLED = (State.PENDING, State.IN_PROGRESS)
+
+
+class Settlement(NamedTuple):
+    """What complete or fail writes: the final state and its result or error."""
+
+    state: State
+    result: bytes | None = None
+    content_type: str | None = None
+    content_encoding: str | None = None
+    error: ErrorInfo | None = None
 
 
 def new_token() -> str:
@@ -158,12 +168,14 @@ class Store(ABC):
                 task_name=identity.task_name,
             )
         with self._guard("complete", identity):
-            return self._settle(identity, fence, token, State.COMPLETED, result, content_type, content_encoding, None)
+            return self._settle(
+                identity, fence, token, Settlement(State.COMPLETED, result, content_type, content_encoding)
+            )
 
     def fail(self, identity: Identity, token: str, error: ErrorInfo, *, fence: Fence = "owner") -> Transition:
         """Store a final failure: OK, or LOST if ``token`` no longer owns the record."""
         with self._guard("fail", identity):
-            return self._settle(identity, fence, token, State.FAILED, None, None, None, error)
+            return self._settle(identity, fence, token, Settlement(State.FAILED, error=error))
 
     def release(
         self,
@@ -272,17 +284,7 @@ class Store(ABC):
     ) -> Transition: ...  # fmt: skip
 
     @abstractmethod
-    def _settle(
-        self,
-        identity: Identity,
-        fence: Fence,
-        token: str,
-        state: State,
-        result: bytes | None,
-        content_type: str | None,
-        content_encoding: str | None,
-        error: ErrorInfo | None,
-    ) -> Transition: ...
+    def _settle(self, identity: Identity, fence: Fence, token: str, outcome: Settlement) -> Transition: ...
 
     @abstractmethod
     def _release(

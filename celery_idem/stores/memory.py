@@ -10,8 +10,8 @@ from __future__ import annotations
 import bisect
 import threading
 
-from ..records import Decision, ErrorInfo, IdempotencyRecord, Identity, State, Transition
-from .base import LOST, OK, UNSETTLED, Clock, Fence, Store
+from ..records import Decision, IdempotencyRecord, Identity, State, Transition
+from .base import LOST, OK, UNSETTLED, Clock, Fence, Settlement, Store
 
 __all__ = ["MemoryStore"]
 
@@ -129,17 +129,7 @@ class MemoryStore(Store):
             return None
         return record
 
-    def _settle(
-        self,
-        identity: Identity,
-        fence: Fence,
-        token: str,
-        state: State,
-        result: bytes | None,
-        content_type: str | None,
-        content_encoding: str | None,
-        error: ErrorInfo | None,
-    ) -> Transition:
+    def _settle(self, identity: Identity, fence: Fence, token: str, outcome: Settlement) -> Transition:
         with self._lock:
             now = self.clock()
             record = self._owned(identity, fence, token, now)
@@ -149,11 +139,11 @@ class MemoryStore(Store):
                 identity,
                 now,
                 record,
-                state=state,
-                result=result,
-                content_type=content_type,
-                content_encoding=content_encoding,
-                error=error,
+                state=outcome.state,
+                result=outcome.result,
+                content_type=outcome.content_type,
+                content_encoding=outcome.content_encoding,
+                error=outcome.error,
                 lease_expires_at=None,
                 expires_at=now + record.ttl_seconds,
             )

@@ -16,7 +16,7 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 from ..errors import ConfigurationError
 from ..records import Decision, ErrorInfo, IdempotencyRecord, Identity, State, Transition
-from .base import LOST, OK, Clock, Fence, Store
+from .base import LOST, OK, Clock, Fence, Settlement, Store
 
 try:
     import redis
@@ -217,29 +217,13 @@ class RedisStore(Store):
         answer = self._scripts[script](keys=self.keys_for(identity), args=args)
         return OK if answer == b"OK" else LOST
 
-    def _settle(
-        self,
-        identity: Identity,
-        fence: Fence,
-        token: str,
-        state: State,
-        result: bytes | None,
-        content_type: str | None,
-        content_encoding: str | None,
-        error: ErrorInfo | None,
-    ) -> Transition:
+    def _settle(self, identity: Identity, fence: Fence, token: str, outcome: Settlement) -> Transition:
+        state, result, content_type, content_encoding, error = outcome
         error_json = error.model_dump_json() if error else ""
         return self._fenced(
-            "settle",
-            identity,
-            fence,
-            token,
-            state.value,
-            result or b"",
-            content_type or "",
-            content_encoding or "",
+            "settle", identity, fence, token, state.value, result or b"", content_type or "", content_encoding or "",
             error_json,
-        )
+        )  # fmt: skip
 
     def _release(
         self, identity: Identity, fence: Fence, token: str, lease: float | None, new_owner: str, expired_only: bool

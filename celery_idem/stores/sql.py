@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from ..errors import ConfigurationError
 from ..records import Decision, ErrorInfo, IdempotencyRecord, Identity, State, Transition
-from .base import LOST, OK, UNSETTLED, Clock, Fence, Store, classify
+from .base import LOST, OK, UNSETTLED, Clock, Fence, Settlement, Store, classify
 
 try:
     import sqlalchemy as sa
@@ -344,17 +344,8 @@ class SQLStore(Store):
 
     # ---- fenced writes --------------------------------------------------------------------------
 
-    def _settle(
-        self,
-        identity: Identity,
-        fence: Fence,
-        token: str,
-        state: State,
-        result: bytes | None,
-        content_type: str | None,
-        content_encoding: str | None,
-        error: ErrorInfo | None,
-    ) -> Transition:
+    def _settle(self, identity: Identity, fence: Fence, token: str, outcome: Settlement) -> Transition:
+        state, result, content_type, content_encoding, error = outcome
         params = self._params(
             identity, self.clock(), token=token, state=state.value, result=result, content_type=content_type,
             content_encoding=content_encoding, error=error.model_dump_json() if error else None,
