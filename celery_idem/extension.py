@@ -214,10 +214,3 @@ class Idempotency:
         """Counters since this process started: claims, duplicates, replays, mismatches, ..."""
         with self._lock:
             return dict(self._counters)
-
-
-def is_idempotent(task: Any) -> bool:
-    """True for tasks whose calls celery-idem protects."""
-    from .task import IdempotentTask
-
-    return isinstance(task, IdempotentTask)
