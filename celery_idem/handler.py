@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from .config import IdempotencyPolicy
     from .extension import Idempotency
 
-__all__ = ["BYPASS_HEADER", "KEY_HEADER", "SCOPE_HEADER", "Handler", "classify_failure"]
+__all__ = ["BYPASS_HEADER", "KEY_HEADER", "SCOPE_HEADER", "Handler", "classify_failure", "request_header"]
 
 KEY_HEADER, SCOPE_HEADER, BYPASS_HEADER = "idempotency_key", "idempotency_scope", "idempotency"
 _CONTINUATIONS = ("link", "link_error", "chain", "chord", "group_id")
@@ -71,6 +71,12 @@ _TRANSIENT_NAMES = frozenset({"ConnectionError", "TimeoutError", "Timeout"})
 
 logger = logging.getLogger("celery_idem.handler")
 FailureClass = Literal["retryable", "permanent"]
+
+
+def request_header(request: Any, name: str) -> Any:
+    """A message header as a task request holds it: in ``headers`` (eager mode, and on workers),
+    or as an attribute (workers merge message headers into the request)."""
+    return (request.headers or {}).get(name, getattr(request, name, None))
 
 
 def classify_failure(
@@ -291,15 +297,10 @@ class Handler:
     def run(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         """Acquire and run the body once per identity, or replay/wait/refuse."""
         task, request = self.task, self.task.request
-        headers = request.headers or {}
-
-        def header(name: str) -> Any:
-            return headers.get(name, getattr(request, name, None))
-
-        if header(BYPASS_HEADER) is False:
+        if request_header(request, BYPASS_HEADER) is False:
             return self._run_function(*args, **kwargs)
         fp = self.fingerprint(args, kwargs)
-        identity = self.identify(header(KEY_HEADER), header(SCOPE_HEADER), fp)
+        identity = self.identify(request_header(request, KEY_HEADER), request_header(request, SCOPE_HEADER), fp)
         request.idempotency_key = identity.key
         request.idempotency_scope = identity.scope or None
         request.idempotency_fingerprint = fp

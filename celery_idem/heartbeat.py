@@ -30,14 +30,14 @@ class Lease:
     owner: str
     seconds: float
     due: float = field(default=0.0)
-    lost: bool = False
 
     def __post_init__(self) -> None:
         self.due = time.monotonic() + self.seconds / 3
 
 
 class Heartbeat:
-    """Renews the registered leases; marks a lease ``lost`` when its renewal comes back LOST."""
+    """Renews the registered leases; a lease whose renewal comes back LOST is dropped (the attempt's
+    next write is refused by its token, which is where the loss is reported)."""
 
     def __init__(self) -> None:
         self._leases: set[Lease] = set()
@@ -83,6 +83,5 @@ class Heartbeat:
             logger.warning("heartbeat for %s failed: %s", lease.identity, exc)
             return
         if not answer.ok:
-            lease.lost = True
             self.remove(lease)
             logger.warning("lease of %s was lost: another attempt took over", lease.identity)

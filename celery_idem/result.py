@@ -114,7 +114,15 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
 
     @property
     def state(self) -> str:
-        record = self._settled_record_or_none()
+        # The backend first, as Celery would ask it; the store only where the backend has nothing
+        # (no backend, ignore_result, expired), so polling ready() costs no extra store round trip.
+        record = self._record
+        if record is None and self._backend_keeps_results():
+            backend_state = str(super().state)
+            if backend_state != states.PENDING:
+                return backend_state
+        if record is None:
+            record = self._settled_record_or_none()
         if record is not None:
             return str(states.SUCCESS if record.error is None else states.FAILURE)
         return str(super().state)

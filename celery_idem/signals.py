@@ -21,7 +21,7 @@ from celery import signals
 from celery.exceptions import TimeLimitExceeded, WorkerLostError
 
 from .errors import IdempotencyError
-from .handler import KEY_HEADER, SCOPE_HEADER
+from .handler import KEY_HEADER, SCOPE_HEADER, request_header
 
 if TYPE_CHECKING:
     from .extension import Idempotency
@@ -72,13 +72,9 @@ class _Hooks:
 
     @staticmethod
     def _request_headers(request: Any) -> dict[str, Any]:
-        """The idempotency headers of a task Context (worker: attributes; eager: .headers)."""
-        headers = dict(getattr(request, "headers", None) or {})
-        for name in (KEY_HEADER, SCOPE_HEADER):
-            value = getattr(request, name, None)
-            if value is not None:
-                headers.setdefault(name, value)
-        return headers
+        """The idempotency headers a task Context holds."""
+        found = {name: request_header(request, name) for name in (KEY_HEADER, SCOPE_HEADER)}
+        return {name: value for name, value in found.items() if value is not None}
 
     def _release(self, task: Any, task_id: str, args: Any, kwargs: Any, headers: Any, why: str) -> None:
         with self.lock:

@@ -448,7 +448,8 @@ def test_non_positive_durations_are_refused_before_touching_the_store(store: Sto
 
 def test_a_kept_call_survives_acquire_and_is_dropped_by_nothing_but_a_new_call(store: Store) -> None:
     call = b'{"args":[42,100],"kwargs":{}}'
-    assert store.claim(ID, FP, "task-1", pending_seconds=PENDING_S, ttl_seconds=TTL_S, call=call).ok is False
+    claimed = store.claim(ID, FP, "task-1", pending_seconds=PENDING_S, ttl_seconds=TTL_S, call=call)
+    assert claimed.decision is Decision.NEW
     assert store.get(ID).call == call
     store.acquire(ID, FP, "task-1", lease_seconds=LEASE_S, ttl_seconds=TTL_S)  # no call given: the claim's stays
     assert store.get(ID).call == call

@@ -313,7 +313,7 @@ class Store(ABC):
     def _ping(self) -> None: ...
 
 
-def classify(record: IdempotencyRecord, fingerprint: str, *, now: float, claiming: bool, task_id: str) -> Decision:
+def classify(record: IdempotencyRecord, fingerprint: str, *, claiming: bool, task_id: str) -> Decision:
     """What claim (``claiming``) or acquire decides about a live record it may not take.
 
     Used by stores that take-or-read in one statement and then name the outcome from the row.

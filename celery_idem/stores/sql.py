@@ -319,7 +319,7 @@ class SQLStore(Store):
                 return Transition(Decision.NEW if claiming else Decision.RUN, record)
             held = self._get(identity)
             if held is not None:
-                decision = classify(held, fingerprint, now=now, claiming=claiming, task_id=task_id)
+                decision = classify(held, fingerprint, claiming=claiming, task_id=task_id)
                 if decision is not (Decision.DUPLICATE if claiming else Decision.BUSY) or not self._takeable(held):
                     return Transition(decision, held)
             # It was freed (deleted, expired, lease ran out) between the upsert and the read: take again.
