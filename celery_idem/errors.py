@@ -11,7 +11,7 @@
     ├── LockLostError              another attempt took over this one's lease
     ├── ReplayedFailureError       a stored failure whose class cannot be rebuilt
     └── SerializationError         arguments or a result the serializer cannot encode
-        └── ResultTooLargeError    a result over max_result_bytes
+        └── ResultTooLargeError    a result over max_result_bytes   (both also kombu's EncodeError)
 
     RetryableError, PermanentError  markers users raise (or subclass) to classify failures
 
@@ -24,6 +24,8 @@ reason.
 from __future__ import annotations
 
 from typing import Any
+
+from kombu.exceptions import EncodeError
 
 __all__ = [
     "ConfigurationError",
@@ -97,8 +99,12 @@ class ReplayedFailureError(IdempotencyError):
     """A stored failure is replayed but its exception class cannot be rebuilt."""
 
 
-class SerializationError(IdempotencyError, TypeError):
-    """Arguments or a result cannot be encoded by the task's serializer."""
+class SerializationError(IdempotencyError, TypeError, EncodeError):
+    """Arguments or a result cannot be encoded by the task's serializer.
+
+    Also a :class:`kombu.exceptions.EncodeError`, which plain Celery raises for the same call, so
+    ``except EncodeError`` written for plain Celery still catches it.
+    """
 
 
 class ResultTooLargeError(SerializationError):

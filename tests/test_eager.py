@@ -713,6 +713,21 @@ def test_unserializable_argument_is_refused_at_publish_and_nothing_is_claimed(
     assert len(idem.store) == 0
 
 
+def test_unserializable_argument_is_the_encode_error_plain_celery_raises(app: Celery, idem: Idempotency) -> None:
+    # Given code written for plain Celery, which catches kombu's EncodeError around apply_async
+    from kombu.exceptions import EncodeError
+
+    @app.task(shared=False, base=IdempotentTask)
+    def store_blob(blob: Any) -> None: ...
+
+    # When an argument cannot be encoded, Then that same except clause catches our error
+    with pytest.raises(EncodeError) as excinfo:
+        store_blob.apply_async((object(),), idempotency_key="blob-1")
+    assert isinstance(excinfo.value, SerializationError)
+    assert "cannot" in str(excinfo.value)
+    assert len(idem.store) == 0
+
+
 def test_unserializable_result_raises_and_leaves_nothing_in_progress(
     app: Celery, idem: Idempotency, calls: list[Any]
 ) -> None:
