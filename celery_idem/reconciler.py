@@ -23,7 +23,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from celery import states
+from celery import Task, states
 from celery.backends.base import DisabledBackend
 from kombu.utils import json as kombu_json
 from pydantic import BaseModel, ConfigDict
@@ -217,7 +217,9 @@ def reconcile_task(self: Any, limit: int | None = None, dry_run: bool = False) -
 def install(idem: Idempotency) -> None:
     """Register ``celery_idem.reconcile`` on the app, and its beat entry once the app is configured."""
     app = idem.app
-    app.task(name=TASK_NAME, bind=True, shared=False, ignore_result=False)(reconcile_task)
+    # A plain Task whatever the app's task_cls: under task_cls=IdempotentTask the reconciler would
+    # otherwise be deduplicated by its (empty) arguments and beat's next runs handed the first one.
+    app.task(name=TASK_NAME, base=Task, bind=True, shared=False, ignore_result=False)(reconcile_task)
 
     def add_beat_entry(**_: Any) -> None:
         if app.__dict__.get("_celery_idempotency") is not idem:
