@@ -79,10 +79,12 @@ class Idempotency:
             previous.disconnect()
         setattr(app, _ATTRIBUTE, self)
         from .reconciler import install
+        from .replacement import install as install_replacement_callbacks
         from .signals import connect
 
         self._receivers = connect(self)
         install(self)
+        install_replacement_callbacks(self)
         if settings:
             self.settings  # noqa: B018 - explicit settings are validated at construction
 

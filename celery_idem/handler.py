@@ -19,6 +19,7 @@ Worker (``run``): acquire, then
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import inspect
 import logging
@@ -27,7 +28,10 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from celery.exceptions import Retry, SoftTimeLimitExceeded, TimeLimitExceeded, WorkerLostError
+from celery import Task as CeleryTask
+from celery import group, states
+from celery.backends.base import DisabledBackend
+from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded, TimeLimitExceeded, WorkerLostError
 from kombu.exceptions import OperationalError as KombuOperationalError
 from kombu.utils import json as kombu_json
 
@@ -45,16 +49,34 @@ from .errors import (
 )
 from .fingerprint import fingerprint, validate_key, validate_scope
 from .outcome import encode_result, replay
-from .records import Decision, ErrorInfo, IdempotencyRecord, Identity
+from .records import Decision, ErrorInfo, IdempotencyRecord, Identity, State, Transition
 from .stores.base import Fence
 
 if TYPE_CHECKING:
     from .config import IdempotencyPolicy
     from .extension import Idempotency
+    from .heartbeat import Lease
 
-__all__ = ["BYPASS_HEADER", "KEY_HEADER", "SCOPE_HEADER", "Handler", "classify_failure", "request_header"]
+__all__ = [
+    "BODY_MAY_HAVE_RUN",
+    "BYPASS_HEADER",
+    "KEY_HEADER",
+    "OUTAGE_HEADER",
+    "REPLACED_FAILED_TASK",
+    "REPLACED_TASK",
+    "SCOPE_HEADER",
+    "Handler",
+    "classify_failure",
+    "request_header",
+]
 
 KEY_HEADER, SCOPE_HEADER, BYPASS_HEADER = "idempotency_key", "idempotency_scope", "idempotency"
+OUTAGE_HEADER = "idempotency_store_waits"  # how often this message went back for a store outage
+_OUTAGE_FIRST_DELAY, _OUTAGE_MAX_DELAY = 0.5, 30.0  # seconds: the outage backoff doubles up to this
+# The callbacks self.replace() links to the replacement (registered by celery_idem.replacement).
+REPLACED_TASK, REPLACED_FAILED_TASK = "celery_idem.replaced", "celery_idem.replaced_failed"
+# A task FAILURE with one of these says "the body may have run": never evidence to free the key.
+BODY_MAY_HAVE_RUN: tuple[type[BaseException], ...] = (StoreUnavailableError, LockLostError)
 _CONTINUATIONS = ("link", "link_error", "chain", "chord", "group_id")
 # Failures that are transient by nature, whatever default_failure says.
 _TRANSIENT: tuple[type[BaseException], ...] = (
@@ -84,11 +106,16 @@ def classify_failure(
 ) -> FailureClass:
     """``"permanent"`` (stored and replayed) or ``"retryable"`` (released) for an exception.
 
-    The policy's and the marker's permanent classes win; then the retryable ones (the markers,
-    Celery's Retry, the task's autoretry_for, the policy's list, connection and timeout errors,
-    time limits, a lost worker); anything else follows ``policy.default_failure``.
+    Celery's control flow first: ``Reject`` without requeue and ``Ignore`` end the call on purpose,
+    and a result that cannot be stored comes after the effect: all three are final (``Reject``
+    with requeue is a retry). Then the policy's and the marker's permanent classes; then the
+    retryable ones (the markers, Celery's Retry, the task's autoretry_for, the policy's list,
+    connection and timeout errors, time limits, a lost worker); anything else follows
+    ``policy.default_failure``.
     """
-    if isinstance(exc, (PermanentError, *policy.permanent)):
+    if isinstance(exc, Reject):
+        return "retryable" if exc.requeue else "permanent"
+    if isinstance(exc, (Ignore, SerializationError, PermanentError, *policy.permanent)):
         return "permanent"
     if isinstance(exc, (*_TRANSIENT, *autoretry_for, *policy.retryable)):
         return "retryable"
@@ -307,6 +334,7 @@ class Handler:
         task_id = request.id
         policy, store = self.policy, self.idem.store
         deadline: float | None = None
+        copy_of_running = False  # this message carries the id of an attempt that is running now
         pause = 0.02
         while True:
             try:
@@ -318,29 +346,34 @@ class Handler:
                     ttl_seconds=policy.ttl_seconds,
                     call=self._call(args, kwargs),
                 )
-            except StoreUnavailableError as exc:
+            except StoreUnavailableError:
                 if self._proceed_unprotected("acquire", identity, task_id):
                     return self._run_function(*args, **kwargs)
-                if isinstance(exc, self._autoretry_for):
-                    # Fail closed, but keep the message: the user asked for retries on this error.
-                    raise task.retry(exc=exc, **(getattr(task, "retry_kwargs", None) or {})) from exc
-                raise
+                raise self._keep_message(args, kwargs) from None
             record = taken.record
             assert record is not None
             self._log(taken.decision, identity, task_id, record)
             if taken.decision is Decision.RUN:
                 return self._run_owned(record, args, kwargs)
             if taken.decision is Decision.REPLAY:
+                if copy_of_running:
+                    raise self._quiet(identity, task_id, "the running attempt settled")
                 self.idem.count("replays")
                 return replay(record)
             if taken.decision is Decision.MISMATCH:
                 self.idem.count("mismatches")
                 raise self._mismatch(identity, record)
             # BUSY: another attempt holds a live lease.
+            copy_of_running = copy_of_running or record.task_id == task_id
             if deadline is None:
                 self.idem.count("busy_waits")
-                deadline = time.monotonic() + (policy.busy_wait_seconds if policy.on_busy == "wait" else 0)
+                waits = policy.on_busy == "wait" or copy_of_running
+                deadline = time.monotonic() + (policy.busy_wait_seconds if waits else 0)
+            if copy_of_running and not self._still_running(identity, task_id):
+                raise self._quiet(identity, task_id, "the running attempt settled")
             if time.monotonic() >= deadline:
+                if copy_of_running:
+                    raise self._quiet(identity, task_id, "the running attempt still runs; it owns the outcome")
                 raise task.retry(
                     countdown=policy.lease_seconds,
                     exc=DuplicateTaskError(
@@ -354,44 +387,182 @@ class Handler:
             time.sleep(pause)
             pause = min(pause * 2, 1.0)
 
+    def _still_running(self, identity: Identity, task_id: str) -> bool:
+        """True while the record is the running attempt of ``task_id`` (a copy of it waits; if that
+        attempt's lease runs out, the copy's next acquire takes over, as a redelivery should)."""
+        try:
+            record = self.idem.store.get(identity)
+        except StoreUnavailableError:
+            return True
+        return record is not None and record.state is State.IN_PROGRESS and record.task_id == task_id
+
+    def _quiet(self, identity: Identity, task_id: str, why: str) -> Ignore:
+        """A copy of a running task id ends without writing that id's state or result."""
+        logger.info("copy of running task %s (%s) acknowledged quietly: %s", task_id, identity, why)
+        return Ignore(f"copy of running task {task_id}: {why}")
+
+    def _keep_message(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Retry:
+        """Fail closed, never lost: the store is down, so the message goes back to the broker with a
+        growing countdown until the store answers. Neither bounded by nor counted in the task's own
+        max_retries (the task did not fail), so Celery's retries count is kept as it is."""
+        task, request = self.task, self.task.request
+        waits = int(request_header(request, OUTAGE_HEADER) or 0)
+        countdown = min(_OUTAGE_FIRST_DELAY * 2**waits, _OUTAGE_MAX_DELAY)
+        options = task.signature_from_request(request, args, kwargs, countdown=countdown).options
+        options["headers"] = {**(options.get("headers") or {}), OUTAGE_HEADER: waits + 1}
+        logger.error(
+            "store unavailable: task %s (%s) not run, back to the broker in %gs (on_store_error='raise')",
+            task.name,
+            request.id,
+            countdown,
+        )
+        # Celery's own apply_async: a re-publish of this message is never claimed again.
+        CeleryTask.apply_async(task, args, kwargs, **{**options, "retries": request.retries})
+        return Retry(exc=StoreUnavailableError(f"the idempotency store is unavailable; retry in {countdown:g}s"),
+                     when=countdown)  # fmt: skip
+
     def _run_owned(self, record: IdempotencyRecord, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         identity, owner, policy, store = record.identity, record.owner, self.policy, self.idem.store
+        request = self.task.request
         # The caller's call, which a retry with changed arguments still answers for (the ledger checks it).
-        self.task.request.idempotency_fingerprint = record.fingerprint
+        request.idempotency_fingerprint = record.fingerprint
+        request.idempotency_owner = owner
         lease = self.idem.heartbeat.add(store, identity, owner, policy.lease_seconds)
         try:
             try:
                 value = self._run_function(*args, **kwargs)
-            except Retry as exc:
-                # A retry is queued under this task id: keep the identity for it, past its countdown.
-                when = exc.when if isinstance(exc.when, (int, float)) else _delay_seconds({"eta": exc.when})
-                self._give_back(identity, owner, pending_seconds=policy.pending_timeout_seconds + (when or 0))
-                raise
             except BaseException as exc:
-                self._settle_failure(identity, owner, exc)
+                self._settle_exception(record, exc, lease)
                 raise
-            try:
-                payload, content_type, encoding = encode_result(value, self.serializer)
-                answer = store.complete(identity, owner, payload, content_type=content_type, content_encoding=encoding)
-            except SerializationError:
-                self._give_back(identity, owner)  # nothing stays IN_PROGRESS
-                raise
-            except StoreUnavailableError:
-                if not self._proceed_unprotected("complete", identity, record.task_id):
-                    raise
-                return value
-            if not answer.ok:
-                self.idem.count("lost_locks")
-                raise LockLostError(
-                    f"task {self.task.name!r} ({record.task_id}) lost its lease on idempotency key "
-                    f"{identity.key!r} to another attempt; its outcome was not stored",
-                    key=identity.key,
-                    task_name=self.task.name,
-                    task_id=record.task_id,
-                )
+            self._settle_value(record, value)
             return value
         finally:
             self.idem.heartbeat.remove(lease)
+
+    def _settle_exception(self, record: IdempotencyRecord, exc: BaseException, lease: Lease) -> None:
+        """What an attempt that ended by raising leaves behind (DESIGN §3, "Not failures"):
+
+        Retry                 -> PENDING past its countdown (the retry message is this attempt chain)
+        Ignore from replace() -> kept IN_PROGRESS for the replacement, whose callbacks settle it
+        Reject(requeue=True)  -> PENDING when the message really goes back (acks_late), else freed
+        anything else         -> stored (permanent: Reject, Ignore, PermanentError...) or freed
+        """
+        identity, owner, policy = record.identity, record.owner, self.policy
+        if isinstance(exc, Retry):
+            when = exc.when if isinstance(exc.when, (int, float)) else _delay_seconds({"eta": exc.when})
+            self._give_back(identity, owner, pending_seconds=policy.pending_timeout_seconds + (when or 0))
+        elif isinstance(exc, Ignore) and getattr(self.task.request, "idempotency_replaced", False):
+            self.idem.heartbeat.remove(lease)  # no renewal may shorten the lease set here
+            self._await_replacement(identity, owner)
+        elif isinstance(exc, Reject) and exc.requeue:
+            requeued = bool(self.task.acks_late)  # an early-acked message is gone: Celery drops it
+            self._give_back(identity, owner, pending_seconds=policy.pending_timeout_seconds if requeued else None)
+        else:
+            self._settle_failure(identity, owner, exc)
+
+    def _settle_value(self, record: IdempotencyRecord, value: Any) -> None:
+        """The body returned: the effect happened. Store the value (an unstorable one is stored as a
+        permanent failure about it); a store outage is retried while the lease lasts, then left as
+        evidence for the reconciler."""
+        written = self._store_value(record.identity, record.owner, record.task_id, value)
+        if written is None:
+            self._leave_evidence(value)
+        elif not written:
+            raise LockLostError(
+                f"task {self.task.name!r} ({record.task_id}) lost its lease on idempotency key "
+                f"{record.key!r} to another attempt; its outcome was not stored",
+                key=record.key,
+                task_name=self.task.name,
+                task_id=record.task_id,
+            )
+
+    def _store_value(self, identity: Identity, owner: str, task_id: str, value: Any) -> bool | None:
+        """Complete with ``value``, as :meth:`_write` answers.
+
+        Raises:
+            SerializationError: ``value`` cannot be encoded, or is over max_result_bytes; the record
+                is FAILED with this error (the effect happened: the key is never freed).
+        """
+        store = self.idem.store
+        try:
+            payload, content_type, encoding = encode_result(value, self.serializer)
+            return self._write(identity, task_id, lambda: store.complete(
+                identity, owner, payload, content_type=content_type, content_encoding=encoding
+            ))  # fmt: skip
+        except SerializationError as exc:
+            error = ErrorInfo.from_exception(exc)
+            self._write(identity, task_id, lambda: store.fail(identity, owner, error))
+            raise
+
+    def _write(self, identity: Identity, task_id: str, write: Callable[[], Transition]) -> bool | None:
+        """Settle the record through ``write``: True (written), False (LOST: another attempt owns it),
+        None (the store did not answer while the lease lasted; the heartbeat keeps it meanwhile)."""
+        deadline = time.monotonic() + self.policy.lease_seconds
+        pause = 0.05
+        while True:
+            try:
+                answer = write()
+            except StoreUnavailableError as exc:
+                self.idem.count("store_errors")
+                if time.monotonic() + pause >= deadline:
+                    logger.error("could not settle %s (task %s) while its lease lasted: %s", identity, task_id, exc)
+                    return None
+                logger.warning("settling %s (task %s) failed, retrying in %gs: %s", identity, task_id, pause, exc)
+                time.sleep(pause)
+                pause = min(pause * 2, 1.0)
+                continue
+            if not answer.ok:
+                self.idem.count("lost_locks")
+                logger.warning("outcome of %s (task %s) was LOST: another attempt owns the record", identity, task_id)
+            return answer.ok
+
+    def _leave_evidence(self, value: Any) -> None:
+        """The record could not be settled: the task returns its value, so the result backend holds
+        SUCCESS, which the reconciler settles COMPLETED from. An ignore_result task writes it there
+        anyway in this one case (no other evidence would survive the outage)."""
+        task, request = self.task, self.task.request
+        if task.ignore_result or getattr(request, "ignore_result", False):
+            if not isinstance(task.backend, DisabledBackend):
+                task.backend.store_result(request.id, value, states.SUCCESS, request=request)
+
+    def _await_replacement(self, identity: Identity, owner: str) -> None:
+        """A replaced attempt: its record stays IN_PROGRESS under its token (claims are handed its id,
+        whose result is the replacement's), for as long as a published message may wait and run.
+        The callbacks linked by :meth:`replacing` settle it; failing those, the reconciler does,
+        from the result backend under the same id."""
+        seconds = self.policy.pending_timeout_seconds + self.policy.lease_seconds
+        try:
+            self.idem.store.renew(identity, owner, lease_seconds=seconds)
+        except StoreUnavailableError as exc:
+            self.idem.count("store_errors")
+            logger.warning("could not extend %s for its replacement: %s", identity, exc)
+
+    def replacing(self, sig: Any) -> Any:
+        """``self.replace(sig)`` is about to publish ``sig`` under this task id: link the callbacks
+        that settle this attempt's record with the replacement's outcome (fenced by its token)."""
+        request = self.task.request
+        owner = getattr(request, "idempotency_owner", None)
+        if owner is None or request.is_eager:
+            return sig  # eager: the replacement runs inline and the body returns its value
+        if isinstance(sig, group):
+            # As Celery's replace does: a group becomes a chord, whose body carries the links.
+            sig |= self.task.app.tasks["celery.accumulate"].s(index=0)
+        fence = {"scope": request.idempotency_scope or "", "task_name": self.task.name,
+                 "key": request.idempotency_key, "owner": owner}  # fmt: skip
+        sig.link(self.task.app.signature(REPLACED_TASK, kwargs=fence))
+        sig.link_error(self.task.app.signature(REPLACED_FAILED_TASK, kwargs=fence))
+        request.idempotency_replaced = True
+        return sig
+
+    def settle_replaced(
+        self, identity: Identity, owner: str, value: Any = None, exc: BaseException | None = None
+    ) -> None:
+        """The replacement of a replaced attempt ended: its outcome is the record's."""
+        if exc is not None:
+            self._settle_failure(identity, owner, exc)
+            return
+        with contextlib.suppress(SerializationError):  # stored as the record's permanent failure
+            self._store_value(identity, owner, "(replacement)", value)
 
     def classify(self, exc: BaseException) -> FailureClass:
         """``"permanent"`` (stored and replayed) or ``"retryable"`` (released) for an exception."""
@@ -402,15 +573,7 @@ class Handler:
         if not isinstance(exc, Exception) or self.classify(exc) == "retryable":
             self._give_back(identity, owner)
             return
-        try:
-            answer = self.idem.store.fail(identity, owner, ErrorInfo.from_exception(exc))
-        except IdempotencyError as store_exc:
-            logger.warning("could not store the failure of %s: %s", identity, store_exc)
-            self.idem.count("store_errors")
-            return
-        if not answer.ok:
-            self.idem.count("lost_locks")
-            logger.warning("failure of %s was not stored: another attempt owns the record", identity)
+        self._write(identity, "-", lambda: self.idem.store.fail(identity, owner, ErrorInfo.from_exception(exc)))
 
     # ---- shared --------------------------------------------------------------------------------
 

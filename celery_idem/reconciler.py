@@ -5,7 +5,8 @@ with all records). Each is settled against the truth, in order, and only on posi
 
 1. the ledger: a committed outcome for the identity -> COMPLETED with it;
 2. the result backend, for the record's task id: SUCCESS -> COMPLETED; FAILURE -> FAILED if the
-   task's policy classes the error permanent, else released;
+   task's policy classes the error permanent, else released; but a FAILURE that says "the body
+   may have run" (StoreUnavailableError, LockLostError) is no evidence: left, and counted;
 3. worker liveness (one ``inspect().query_task`` broadcast for all undecided records): a live
    worker holds the task id (active, reserved or scheduled) -> left alone; workers answered and
    none holds it -> provably dead: released, or re-published under the same key and task id
@@ -28,7 +29,7 @@ from celery.backends.base import DisabledBackend
 from kombu.utils import json as kombu_json
 from pydantic import BaseModel, ConfigDict
 
-from .handler import KEY_HEADER, SCOPE_HEADER, classify_failure
+from .handler import BODY_MAY_HAVE_RUN, KEY_HEADER, SCOPE_HEADER, classify_failure
 from .outcome import encode_result
 from .records import Decision, ErrorInfo, IdempotencyRecord
 
@@ -120,6 +121,11 @@ class Reconciler:
             return True
         if status == states.FAILURE:
             error = meta.get("result")
+            if isinstance(error, BODY_MAY_HAVE_RUN):
+                # The store failed around the body (or another attempt took the lease): the body may
+                # have run, so this is no evidence for a release. Left for the ledger or an operator.
+                self._leave(record, f"result backend: {type(error).__name__}, the body may have run")
+                return True
             if isinstance(error, BaseException) and self._permanent(record, error):
                 info = ErrorInfo.from_exception(error)
                 self._write(record, "failed", "result backend: permanent failure",

@@ -57,6 +57,26 @@ class _Hooks:
             while len(self.headers) > _REMEMBERED:
                 self.headers.popitem(last=False)
 
+    def worker_ready(self, sender: Any = None, **_: Any) -> None:
+        """Say at start when the store does not answer (in a thread: start is never held up)."""
+        if getattr(sender, "app", None) is not self.idem.app:
+            return
+        threading.Thread(target=self._check_store, name="celery-idem-store-check", daemon=True).start()
+
+    def _check_store(self) -> None:
+        try:
+            store = self.idem.store
+            store.ping()
+        except IdempotencyError as exc:
+            logger.error(
+                "celery-idem store does not answer at worker start: %s; tasks wait with the broker "
+                "until it does (on_store_error=%r)",
+                exc,
+                self.idem.settings.on_store_error,
+            )
+            return
+        logger.info("celery-idem store %r answers", store)
+
     def failed(self, sender: Any = None, task_id: str | None = None, exception: Any = None, **kw: Any) -> None:
         if task_id is None or not isinstance(exception, _HARD_KILLS) or not self._ours(sender):
             return
@@ -99,6 +119,7 @@ def connect(idem: Idempotency) -> list[tuple[Any, Any]]:
         (signals.task_received, hooks.received),
         (signals.task_failure, hooks.failed),
         (signals.task_revoked, hooks.revoked),
+        (signals.worker_ready, hooks.worker_ready),
     ]
     for signal, receiver in receivers:
         signal.connect(receiver, weak=False)

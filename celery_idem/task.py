@@ -61,5 +61,9 @@ class IdempotentTask(Task):  # type: ignore[misc]
             return super().__call__(*args, **kwargs)
         return self.idempotency_handler.run(args, kwargs)
 
+    def replace(self, sig: Any) -> Any:
+        # The replacement inherits this task id; the handler links what settles this record with it.
+        return super().replace(self.idempotency_handler.replacing(sig))
+
     def AsyncResult(self, task_id: str, **kwargs: Any) -> IdempotentResult:  # noqa: N802 - Celery's name
         return IdempotentResult(task_id, backend=self.backend, task_name=self.name, app=self.app, **kwargs)

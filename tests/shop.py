@@ -17,6 +17,7 @@ from typing import Any
 import redis
 import sqlalchemy as sa
 from celery import Celery
+from celery.exceptions import Ignore, Reject
 
 from celery_idem import Idempotency, IdempotentTask, PermanentError, StoreUnavailableError, idempotent_task
 from celery_idem.ledger import Ledger
@@ -138,6 +139,38 @@ def make_app(
     def unencodable(self: Any, tag: str) -> Any:
         effect(self)
         return object()
+
+    @app.task(shared=False, name="shop.replacement")
+    def replacement(order_id: int) -> dict[str, Any]:
+        counter.incr(effects_key(prefix, "shop.replacement", str(order_id)))
+        return {"replaced": order_id}
+
+    @task(name="shop.replaced")
+    def replaced(self: Any, order_id: int) -> Any:
+        effect(self)
+        raise self.replace(replacement.si(order_id))
+
+    @task(name="shop.rejecting", acks_late=True)
+    def rejecting(self: Any, requeue: bool) -> dict[str, Any]:
+        n = effect(self)
+        if n == 1:
+            raise Reject("not now", requeue=requeue)
+        return {"attempts": n}
+
+    @task(name="shop.ignoring")
+    def ignoring(self: Any, order_id: int) -> None:
+        effect(self)
+        raise Ignore()
+
+    @task(name="shop.slow_busy_retry", idempotency={"lease_seconds": 1, "on_busy": "retry"}, max_retries=1)
+    def slow_busy_retry(self: Any, seconds: float) -> str:
+        effect(self)
+        time.sleep(seconds)
+        return f"slept {seconds}"
+
+    @app.task(shared=False, name="shop.noted")
+    def noted(task_id: str, tag: str) -> None:
+        counter.incr(effects_key(prefix, "shop.noted", tag))
 
     def pay(self: Any, order_id: int, amount: int, hold_before_commit: float = 0, hold_after_commit: float = 0) -> Any:
         """A payment recorded in the business database with the ledger, in one transaction."""

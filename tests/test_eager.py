@@ -728,7 +728,7 @@ def test_unserializable_argument_is_the_encode_error_plain_celery_raises(app: Ce
     assert len(idem.store) == 0
 
 
-def test_unserializable_result_raises_and_leaves_nothing_in_progress(
+def test_unserializable_result_raises_and_settles_a_permanent_failure(
     app: Celery, idem: Idempotency, calls: list[Any]
 ) -> None:
     @app.task(shared=False, base=IdempotentTask)
@@ -739,14 +739,17 @@ def test_unserializable_result_raises_and_leaves_nothing_in_progress(
     with pytest.raises(SerializationError):
         make_handle.apply_async((42,), idempotency_key="order-42")
 
-    assert idem.get(make_handle, "order-42") is None
-    # And the key is free: the next call runs instead of waiting on a stuck record
+    record = idem.get(make_handle, "order-42")
+    assert record is not None and record.state is State.FAILED and record.error.type == "SerializationError"
+    # The body returned (its effect happened): the next call is told the failure, never run again
+    again = make_handle.apply_async((42,), idempotency_key="order-42")
+    assert again.deduplicated
     with pytest.raises(SerializationError):
-        make_handle.apply_async((42,), idempotency_key="order-42")
-    assert calls == [42, 42]
+        again.get()
+    assert calls == [42]
 
 
-def test_result_over_max_result_bytes_raises_and_leaves_nothing_in_progress(calls: list[Any]) -> None:
+def test_result_over_max_result_bytes_raises_and_settles_a_permanent_failure(calls: list[Any]) -> None:
     app = make_app()
     idem = Idempotency(app, max_result_bytes=100)
 
@@ -760,7 +763,8 @@ def test_result_over_max_result_bytes_raises_and_leaves_nothing_in_progress(call
 
     assert isinstance(excinfo.value, SerializationError)
     assert "max_result_bytes" in str(excinfo.value)
-    assert idem.get(report, "order-42") is None
+    record = idem.get(report, "order-42")
+    assert record is not None and record.state is State.FAILED and record.error.type == "ResultTooLargeError"
     assert calls == [42]
 
 

@@ -8,9 +8,11 @@ broker redelivers the acks_late message to the next worker).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -148,14 +150,72 @@ def closed_store() -> str:
     return f"redis://127.0.0.1:{port}/0"
 
 
-def test_store_down_at_the_worker_fails_closed_by_default(workers, prefix, counter, closed_store) -> None:
-    app = _producer(BROKERS["redis"], prefix)  # the producer's store is up; the worker's is not
-    workers(BROKERS["redis"], closed_store, prefix, store_timeout_seconds=0.5)
+class _StoreComesBack:
+    """A TCP port that refuses connections until ``open()``, then forwards them to the real Redis:
+    a store that is down at first and comes back."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.server: socket.socket | None = None
+
+    def open(self) -> None:
+        self.server = socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        assert self.server is not None
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", 6379))
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, target: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                target.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (source, target):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+
+def test_store_down_at_the_worker_keeps_the_message_until_the_store_answers(workers, prefix, counter) -> None:
+    # Given a worker whose store (the same Redis database as the producer's, behind a port that is
+    # closed for now) does not answer
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    comes_back = _StoreComesBack(port)
+    app = _producer(BROKERS["redis"], prefix)
+    worker = workers(BROKERS["redis"], f"redis://127.0.0.1:{port}/{REDIS_URL.rsplit('/', 1)[1]}", prefix,
+                     store_timeout_seconds=0.5)  # fmt: skip
+    wait_for(lambda: "store does not answer at worker start" in worker.output(), "the start-up store check")
     key = f"k-{uuid.uuid4().hex}"
-    result = app.tasks["shop.charge"].apply_async((1, 10), idempotency_key=key)
-    with pytest.raises(StoreUnavailableError, match="on_store_error='proceed'"):
-        result.get(timeout=GET)
-    assert int(counter.get(effects_key(prefix, "shop.charge", key)) or 0) == 0
+    try:
+        # When a task arrives (on_store_error="raise", the default)
+        result = app.tasks["shop.charge"].apply_async((1, 10), idempotency_key=key)
+        # Then it is not run and not consumed as a failure: it goes back to the broker, again and again
+        wait_for(lambda: worker.output().count("back to the broker") >= 3, "three store-outage retries")
+        assert int(counter.get(effects_key(prefix, "shop.charge", key)) or 0) == 0
+        assert result.state == "RETRY"
+        # And once the store answers, it runs exactly once
+        comes_back.open()
+        assert result.get(timeout=GET + 30)["charged"] == 10
+    finally:
+        comes_back.close()
+    assert int(counter.get(effects_key(prefix, "shop.charge", key))) == 1
+    assert Idempotency.of(app).get("shop.charge", key).state is State.COMPLETED
 
 
 def test_store_down_at_the_worker_proceeds_when_configured(workers, prefix, counter, closed_store) -> None:
@@ -184,14 +244,17 @@ def test_store_down_at_publish_raises_within_the_timeout_or_proceeds(workers, pr
     assert Idempotency.of(lenient).metrics()["store_errors"] == 1
 
 
-def test_store_down_at_the_worker_is_retried_when_the_task_asks_for_it(workers, prefix, counter, closed_store) -> None:
-    # Given a task with autoretry_for=(StoreUnavailableError,) and a worker whose store is down
+def test_store_down_at_the_worker_is_retried_past_the_tasks_own_max_retries(
+    workers, prefix, counter, closed_store
+) -> None:
+    # Given a task with max_retries=2 (and autoretry_for=(StoreUnavailableError,)) and a worker whose
+    # store is down
     app = _producer(BROKERS["redis"], prefix)
     worker = workers(BROKERS["redis"], closed_store, prefix, store_timeout_seconds=0.5)
     key = f"k-{uuid.uuid4().hex}"
     result = app.tasks["shop.patient"].apply_async((3,), idempotency_key=key)
-    # Then the message is retried (max_retries=2), never run unprotected, and fails closed in the end
-    with pytest.raises(StoreUnavailableError):
-        result.get(timeout=GET)
-    assert worker.output().count("Retry in") == 2
+    # Then the message keeps going back to the broker past the task's own max_retries (the task did
+    # not fail: the store is down), never run unprotected, never consumed as a failure
+    wait_for(lambda: worker.output().count("back to the broker") >= 4, "four store-outage retries", 60)
+    assert result.state == "RETRY"
     assert int(counter.get(effects_key(prefix, "shop.patient", key)) or 0) == 0

@@ -22,7 +22,15 @@ from conftest import POSTGRES_URL, REDIS_URL, require_server, wipe
 from shop import COUNTER_URL, effects_key, make_app, payments_table
 from workers import BACKEND, Worker, wait_for
 
-from celery_idem import Idempotency, IdempotentTask, ReconcileReport, State, store_from_url
+from celery_idem import (
+    Idempotency,
+    IdempotentTask,
+    LockLostError,
+    ReconcileReport,
+    State,
+    StoreUnavailableError,
+    store_from_url,
+)
 from celery_idem.outcome import replay
 from celery_idem.reconciler import BEAT_ENTRY, TASK_NAME
 from celery_idem.records import Identity
@@ -197,6 +205,22 @@ def test_failure_in_the_backend_is_failed_when_permanent_and_released_when_retry
     assert record is not None and record.state is State.FAILED and record.error.type == "KeyError"
     assert idem.store.get(freed) is None
     assert idem.metrics()["reconciled_failed"] == 1 and idem.metrics()["reconciled_released"] == 1
+
+
+def test_a_failure_that_says_the_body_may_have_run_is_no_evidence_for_release(prefix: str) -> None:
+    # A FAILURE(StoreUnavailableError) or FAILURE(LockLostError) in the backend: the body may have
+    # run (its outcome could not be written), so releasing would let the key run twice.
+    app = _quiet_app(prefix)
+    idem = Idempotency.of(app)
+    outage, lost = str(uuid.uuid4()), str(uuid.uuid4())
+    kept = [_stale(idem.store, "outage", outage), _stale(idem.store, "lost", lost)]
+    app.backend.store_result(outage, StoreUnavailableError("store down while completing"), "FAILURE")
+    app.backend.store_result(lost, LockLostError("lease lost"), "FAILURE")
+    before = [idem.store.get(identity) for identity in kept]
+    time.sleep(0.3)
+    report = idem.reconcile()
+    assert (report.scanned, report.left, report.released, report.failed) == (2, 2, 0, 0)
+    assert [idem.store.get(identity) for identity in kept] == before
 
 
 # ---- leaving alone what is alive or unknown --------------------------------------------------------------

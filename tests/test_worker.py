@@ -18,6 +18,7 @@ import pytest
 import redis
 from celery import chain, signals
 from celery.contrib.testing.worker import start_worker
+from celery.exceptions import Ignore, Reject
 from conftest import IN_CI, REDIS_URL, require_server
 from shop import COUNTER_URL, effects_key, make_app
 
@@ -30,6 +31,7 @@ from celery_idem import (
     ResultTooLargeError,
     SerializationError,
     State,
+    StoreUnavailableError,
 )
 
 RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
@@ -330,19 +332,122 @@ def test_unserializable_arguments_are_refused_at_publish(shop: Shop, key: str, p
     assert shop.idem.get("shop.charge", key) is None
 
 
-def test_unserializable_result_fails_clearly_and_releases_the_key(shop: Shop, key: str) -> None:
+def test_unserializable_result_settles_a_permanent_failure_and_never_frees_the_key(shop: Shop, key: str) -> None:
+    # The body returned (its effect happened) but its value cannot be stored.
     result = shop.task("unencodable").apply_async(("a",), idempotency_key=key)
     with pytest.raises(SerializationError, match="result cannot be encoded"):
         result.get(timeout=GET)
-    assert shop.idem.get("shop.unencodable", key) is None
+    record = shop.idem.get("shop.unencodable", key)
+    assert record is not None and record.state is State.FAILED and record.error.type == "SerializationError"
+    # A duplicate is told the failure; the body never runs again.
+    again = shop.task("unencodable").apply_async(("a",), idempotency_key=key)
+    assert again.deduplicated and again.id == result.id
+    with pytest.raises(SerializationError, match="result cannot be encoded"):
+        again.get(timeout=GET)
+    assert shop.effects("unencodable", key) == 1
 
 
-def test_result_over_max_result_bytes_fails_clearly_and_releases_the_key(shop: Shop, key: str) -> None:
+def test_result_over_max_result_bytes_settles_a_permanent_failure_and_never_frees_the_key(shop: Shop, key: str) -> None:
     result = shop.task("result_of_size").apply_async((1_100_000,), idempotency_key=key)
     with pytest.raises(ResultTooLargeError, match="over max_result_bytes=1048576"):
         result.get(timeout=GET)
-    assert shop.idem.get("shop.result_of_size", key) is None
+    record = shop.idem.get("shop.result_of_size", key)
+    assert record is not None and record.state is State.FAILED and record.error.type == "ResultTooLargeError"
+    again = shop.task("result_of_size").apply_async((1_100_000,), idempotency_key=key)
+    assert again.deduplicated
+    with pytest.raises(ResultTooLargeError, match="over max_result_bytes=1048576"):
+        again.get(timeout=GET)
     assert shop.effects("result_of_size", key) == 1
+
+
+# ---- replace, Reject, Ignore: control flow, not failures (DESIGN §3) ------------------------------------
+
+
+def test_a_replaced_task_runs_once_and_its_duplicates_get_the_replacements_result(shop: Shop, key: str) -> None:
+    replaced = shop.task("replaced")
+    order = int(uuid.uuid4().int % 10**9)
+    first = replaced.apply_async((order,), idempotency_key=key)
+    assert first.get(timeout=GET) == {"replaced": order}
+    # The record follows the replacement: COMPLETED with its value (settled by the linked callback).
+    _until(lambda: getattr(shop.idem.get("shop.replaced", key), "state", None) is State.COMPLETED)
+    again = replaced.apply_async((order,), idempotency_key=key)
+    assert again.deduplicated and again.id == first.id and again.get(timeout=GET) == {"replaced": order}
+    # A copy sent by name under another task id is answered too, without running anything.
+    by_name = shop.app.send_task("shop.replaced", (order,), headers={"idempotency_key": key})
+    assert by_name.get(timeout=GET) == {"replaced": order}
+    assert shop.effects("replaced", key) == 1
+    assert int(shop.counter.get(effects_key(shop.prefix, "shop.replacement", str(order))) or 0) == 1
+
+
+def test_a_duplicate_while_the_replacement_is_queued_is_handed_the_original_id(shop: Shop, key: str) -> None:
+    # Given a replaced task whose replacement has not run yet (the record must not look free)
+    seen: list[Any] = []
+
+    def replaced_attempt_ended(sender: Any = None, task_id: Any = None, state: Any = None, **_: Any) -> None:
+        if getattr(sender, "name", None) == "shop.replaced" and state == "IGNORED":
+            seen.append(shop.idem.get("shop.replaced", key))
+
+    signals.task_postrun.connect(replaced_attempt_ended, weak=False)
+    shop.task("replaced").__trace__ = None  # its tracer is rebuilt with this receiver
+    try:
+        first = shop.task("replaced").apply_async((11,), idempotency_key=key)
+        first.get(timeout=GET)
+        _until(lambda: seen)  # the replacement may finish before the replaced attempt's postrun
+    finally:
+        signals.task_postrun.disconnect(replaced_attempt_ended)
+    assert len(seen) == 1 and seen[0] is not None
+    assert seen[0].state in (State.IN_PROGRESS, State.COMPLETED) and seen[0].task_id == first.id
+
+
+def test_reject_with_requeue_returns_the_record_to_pending_for_the_redelivery(shop: Shop, key: str) -> None:
+    seen: list[Any] = []
+
+    def rejected(sender: Any = None, state: Any = None, **_: Any) -> None:
+        if getattr(sender, "name", None) == "shop.rejecting" and state == "REJECTED":
+            seen.append(shop.idem.get("shop.rejecting", key))
+
+    signals.task_postrun.connect(rejected, weak=False)
+    shop.task("rejecting").__trace__ = None  # its tracer is rebuilt with this receiver
+    try:
+        result = shop.task("rejecting").apply_async((True,), idempotency_key=key)
+        assert result.get(timeout=GET) == {"attempts": 2}  # the redelivered message ran, under its id
+        _until(lambda: seen)
+    finally:
+        signals.task_postrun.disconnect(rejected)
+    assert len(seen) == 1 and seen[0] is not None and seen[0].state is State.PENDING
+    assert seen[0].task_id == result.id
+    again = shop.task("rejecting").apply_async((True,), idempotency_key=key)
+    assert again.deduplicated and again.get(timeout=GET) == {"attempts": 2}
+    assert shop.effects("rejecting", key) == 2
+
+
+def test_reject_without_requeue_is_final_and_told_to_every_duplicate(shop: Shop, key: str) -> None:
+    result = shop.task("rejecting").apply_async((False,), idempotency_key=key)
+    with pytest.raises(Reject):
+        result.get(timeout=GET)
+    record = shop.idem.get("shop.rejecting", key)
+    assert record is not None and record.state is State.FAILED and record.error.type == "Reject"
+    again = shop.task("rejecting").apply_async((False,), idempotency_key=key)
+    assert again.deduplicated and again.id == result.id
+    with pytest.raises(Reject):
+        again.get(timeout=GET)
+    assert shop.effects("rejecting", key) == 1
+
+
+def test_ignore_ends_the_call_and_its_duplicates_are_ignored_without_running(shop: Shop, key: str) -> None:
+    first = shop.task("ignoring").apply_async((4,), idempotency_key=key)
+    _until(lambda: getattr(shop.idem.get("shop.ignoring", key), "state", None) is State.FAILED)
+    assert shop.idem.get("shop.ignoring", key).error.type == "Ignore"
+    again = shop.task("ignoring").apply_async((4,), idempotency_key=key)
+    assert again.deduplicated and again.id == first.id
+    with pytest.raises(Ignore):
+        again.get(timeout=GET)
+    # A copy by name under another id is ignored the same way on the worker: nothing runs, nothing stored.
+    copy = shop.app.send_task("shop.ignoring", (4,), headers={"idempotency_key": key})
+    _until(lambda: shop.idem.metrics()["replays"] >= 1)
+    time.sleep(0.2)
+    assert shop.app.backend.get_task_meta(copy.id)["status"] == "PENDING"
+    assert shop.effects("ignoring", key) == 1
 
 
 # ---- a second message while the first attempt runs ---------------------------------------------------
@@ -386,3 +491,80 @@ def _until(predicate: Any, seconds: float = GET) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.02)
+
+
+# ---- one answer per task id: a copy of a running task id --------------------------------------------
+
+
+def test_a_copy_of_a_running_task_id_never_writes_that_ids_state(shop: Shop, key: str) -> None:
+    # Given a running attempt whose policy retries BUSY messages (max_retries=1, lease 1 s)
+    ended: list[tuple[str, str]] = []
+
+    def postrun(sender: Any = None, task_id: Any = None, state: Any = None, **_: Any) -> None:
+        if getattr(sender, "name", None) == "shop.slow_busy_retry":
+            ended.append((task_id, state))
+
+    signals.task_postrun.connect(postrun, weak=False)
+    busy = shop.task("slow_busy_retry")
+    busy.__trace__ = None  # its tracer is rebuilt with this receiver
+    try:
+        first = busy.apply_async((4,), idempotency_key=key, link_error=shop.task("noted").s(tag=key))
+        _until(lambda: shop.effects("slow_busy_retry", key) == 1)
+        # When the broker hands a worker a copy of the same message (same task id) while it runs
+        shop.app.send_task("shop.slow_busy_retry", (4,), task_id=first.id, headers={"idempotency_key": key})
+        # Then the copy never retries nor fails that id: the attempt ends SUCCESS with its value
+        assert first.get(timeout=GET) == "slept 4"
+        _until(lambda: len(ended) == 2)
+    finally:
+        signals.task_postrun.disconnect(postrun)
+    assert sorted(state for _, state in ended) == ["IGNORED", "SUCCESS"]
+    assert shop.app.backend.get_task_meta(first.id)["status"] == "SUCCESS"
+    assert int(shop.counter.get(effects_key(shop.prefix, "shop.noted", key)) or 0) == 0
+    assert shop.effects("slow_busy_retry", key) == 1
+
+
+# ---- the store fails while the outcome is written ---------------------------------------------------
+
+
+@pytest.fixture
+def flaky_complete(shop: Shop, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The worker's store refuses its next ``fails`` complete calls, as a restarting store does."""
+    store = shop.idem.store
+    real = store.complete
+    state = {"fails": 0}
+
+    def complete(*args: Any, **kwargs: Any) -> Any:
+        if state["fails"] > 0:
+            state["fails"] -= 1
+            raise StoreUnavailableError("store restarting (test)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store, "complete", complete)
+    return state
+
+
+def test_an_outage_while_completing_is_retried_and_the_body_runs_once(shop: Shop, key: str, flaky_complete) -> None:
+    flaky_complete["fails"] = 3
+    charge = shop.task("charge")
+    first = charge.apply_async((31, 310), idempotency_key=key)
+    assert first.get(timeout=GET)["charged"] == 310
+    record = shop.idem.get("shop.charge", key)
+    assert record is not None and record.state is State.COMPLETED
+    again = charge.apply_async((31, 310), idempotency_key=key)
+    assert again.deduplicated and again.get(timeout=GET)["charged"] == 310
+    assert shop.effects("charge", key) == 1
+
+
+def test_an_outage_past_the_lease_leaves_the_value_in_the_backend_for_the_reconciler(
+    shop: Shop, key: str, flaky_complete
+) -> None:
+    # Given a store that refuses every complete for longer than the lease (slow: lease 3 s)
+    flaky_complete["fails"] = 10**6
+    result = shop.task("slow").apply_async((0,), idempotency_key=key)
+    # Then the task still ends SUCCESS with its value (evidence the reconciler settles from), never
+    # FAILURE(StoreUnavailableError), which would read as "may run again"
+    assert result.get(timeout=GET) == "slept 0"
+    assert shop.app.backend.get_task_meta(result.id)["status"] == "SUCCESS"
+    record = shop.idem.get("shop.slow", key)
+    assert record is not None and record.state is State.IN_PROGRESS
+    assert shop.effects("slow", key) == 1
