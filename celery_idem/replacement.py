@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from celery import Task
+
 from .handler import REPLACED_FAILED_TASK, REPLACED_TASK
 from .records import Identity
 
@@ -45,5 +47,7 @@ def install(idem: Idempotency) -> None:
         if isinstance(exc, BaseException):  # else the reconciler settles it from the result backend
             settle(task_name, scope, key, owner, exc=exc)
 
-    app.task(name=REPLACED_TASK, shared=False, ignore_result=True)(replaced)
-    app.task(name=REPLACED_FAILED_TASK, shared=False, ignore_result=True)(replaced_failed)
+    # Plain Tasks whatever the app's task_cls: an idempotent callback would be deduplicated by its
+    # arguments (two replacements returning the same value for one key's retries, say).
+    app.task(name=REPLACED_TASK, base=Task, shared=False, ignore_result=True)(replaced)
+    app.task(name=REPLACED_FAILED_TASK, base=Task, shared=False, ignore_result=True)(replaced_failed)

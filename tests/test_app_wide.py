@@ -37,6 +37,14 @@ def test_the_reconciler_task_runs_every_time_beat_sends_it_under_an_idempotent_t
     assert not isinstance(app.tasks[TASK_NAME], IdempotentTask)
 
 
+def test_celery_idems_own_tasks_are_plain_tasks_under_an_idempotent_task_cls() -> None:
+    app = make_app()
+    Idempotency(app)
+    ours = [name for name in app.tasks if name.startswith("celery_idem.")]
+    assert len(ours) >= 3  # the reconciler and the two callbacks replace() links
+    assert [name for name in ours if isinstance(app.tasks[name], IdempotentTask)] == []
+
+
 def test_a_task_opts_out_of_an_app_wide_task_cls_with_base_task() -> None:
     app = make_app()
     Idempotency(app)
