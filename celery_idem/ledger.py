@@ -50,6 +50,11 @@ logger = logging.getLogger("celery_idem.ledger")
 # when that row is known to be committed.
 _USED = "idempotency_ledger_nonce"
 _COMMITTED = "committed"
+# committed_at, in epoch seconds, from the database's clock (never the worker's).
+_DB_NOW: dict[str, sa.ColumnElement[float]] = {
+    "postgresql": sa.literal_column("EXTRACT(EPOCH FROM clock_timestamp())"),
+    "sqlite": sa.literal_column("((julianday('now') - 2440587.5) * 86400.0)"),
+}
 
 
 def ledger_table(metadata: sa.MetaData, name: str = "celery_idem_ledger") -> sa.Table:
@@ -240,7 +245,7 @@ class Ledger:
         serializer = task.serializer or task.app.conf.task_serializer or "json"
         row = {"namespace": self.namespace, "scope": identity.scope, "task_name": identity.task_name,
                "key": identity.key, "task_id": request.id or "", "fingerprint": fingerprint, "nonce": uuid.uuid4().hex,
-               "outcome": State.COMPLETED.value, "committed_at": time.time()}  # fmt: skip
+               "outcome": State.COMPLETED.value, "committed_at": _DB_NOW[self.engine.dialect.name]}  # fmt: skip
         if session is None:
             committed, value = self._record_and_commit(identity, row, fn, serializer)
             setattr(request, _USED, _COMMITTED)
