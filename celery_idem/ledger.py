@@ -50,6 +50,8 @@ logger = logging.getLogger("celery_idem.ledger")
 # when that row is known to be committed.
 _USED = "idempotency_ledger_nonce"
 _COMMITTED = "committed"
+# A row's outcome until run_once stores fn's result with it; committed so only if fn ended the transaction.
+_UNSETTLED = State.IN_PROGRESS.value
 # committed_at, in epoch seconds, from the database's clock (never the worker's).
 _DB_NOW: dict[str, sa.ColumnElement[float]] = {
     "postgresql": sa.literal_column("EXTRACT(EPOCH FROM clock_timestamp())"),
@@ -82,13 +84,16 @@ def ledger_table(metadata: sa.MetaData, name: str = "celery_idem_ledger") -> sa.
 class LedgerEntry:
     """A committed outcome as the ledger holds it."""
 
-    __slots__ = ("content_encoding", "content_type", "fingerprint", "identity", "nonce", "result", "task_id")
+    __slots__ = (
+        "content_encoding", "content_type", "fingerprint", "identity", "nonce", "outcome", "result", "task_id"
+    )  # fmt: skip
 
     def __init__(self, row: Any) -> None:
         self.identity = Identity(row.scope, row.task_name, row.key)
         self.nonce: str | None = row.nonce  # the run_once call that wrote it (None: written before nonces)
         self.task_id: str = row.task_id
         self.fingerprint: str = row.fingerprint
+        self.outcome: str = row.outcome  # COMPLETED, or IN_PROGRESS: committed before run_once stored the result
         self.result: bytes | None = bytes(row.result) if row.result is not None else None
         self.content_type: str | None = row.content_type
         self.content_encoding: str | None = row.content_encoding
@@ -245,7 +250,7 @@ class Ledger:
         serializer = task.serializer or task.app.conf.task_serializer or "json"
         row = {"namespace": self.namespace, "scope": identity.scope, "task_name": identity.task_name,
                "key": identity.key, "task_id": request.id or "", "fingerprint": fingerprint, "nonce": uuid.uuid4().hex,
-               "outcome": State.COMPLETED.value, "committed_at": _DB_NOW[self.engine.dialect.name]}  # fmt: skip
+               "outcome": _UNSETTLED, "committed_at": _DB_NOW[self.engine.dialect.name]}  # fmt: skip
         if session is None:
             committed, value = self._record_and_commit(identity, row, fn, serializer)
             setattr(request, _USED, _COMMITTED)
@@ -260,6 +265,12 @@ class Ledger:
                 key=identity.key,
                 task_name=identity.task_name,
                 task_id=committed.task_id,
+            )
+        if committed.outcome != State.COMPLETED.value:
+            raise ConfigurationError(
+                f"the ledger row of {identity} (task {committed.task_id}) was committed without an outcome: "
+                "that attempt's fn ended the ledger's transaction (a commit on its connection) before run_once "
+                "stored the outcome, so its effect may be partial; check it, then delete the row to run the call again"
             )
         return committed.value()  # type: ignore[no-any-return]
 
@@ -328,17 +339,23 @@ class Ledger:
             return self._committed(connection, identity), None  # type: ignore[return-value]
         try:
             value = _call(connection, fn)
+        except BaseException as exc:
             if not savepoint.is_active:
-                raise ConfigurationError("fn ended the ledger's transaction; it must leave it open")
+                raise _ended(identity) from exc
+            savepoint.rollback()
+            raise
+        if not savepoint.is_active:
+            raise _ended(identity)
+        try:
             payload, content_type, encoding = encode_result(value, serializer)
             connection.execute(
                 sa.update(self.table)
                 .where(self._where(identity), self.table.c.nonce == row["nonce"])
-                .values(result=payload, content_type=content_type, content_encoding=encoding)
-            )
+                .values(outcome=State.COMPLETED.value, result=payload, content_type=content_type,
+                        content_encoding=encoding)
+            )  # fmt: skip
         except BaseException:
-            if savepoint.is_active:
-                savepoint.rollback()
+            savepoint.rollback()
             raise
         savepoint.commit()
         return None, value
@@ -395,6 +412,13 @@ class Ledger:
             value = _call(connection, fn)
             connection.commit()
         return value
+
+
+def _ended(identity: Identity) -> ConfigurationError:
+    return ConfigurationError(
+        f"fn ended the ledger's transaction of {identity} (a commit or rollback on its connection, not its "
+        "session): the row may be committed without an outcome; fn must leave the transaction to run_once"
+    )
 
 
 def _bypassed(request: Any) -> bool:

@@ -26,7 +26,7 @@ from celery import Celery
 from celery.result import allow_join_result
 from conftest import POSTGRES_URL, require_server
 
-from celery_idem import ConfigurationError, Idempotency, IdempotentTask, PayloadMismatchError
+from celery_idem import ConfigurationError, Idempotency, IdempotentTask, MemoryStore, PayloadMismatchError, State
 from celery_idem.ledger import Ledger
 from celery_idem.records import Identity
 
@@ -561,6 +561,49 @@ def test_a_commit_inside_fn_commits_neither_the_ledger_row_nor_the_effect_on_its
     _, again = pay(committing_app(db, calls, fail=False), 14, 140, key)
     assert again == value and len(calls) == 2
     assert [r.task_id for r in db.payment_rows()] == [task_id]
+
+
+def test_fn_that_commits_the_connection_itself_is_refused_and_its_row_never_answers_none(db: Db, key: str) -> None:
+    calls: list[str] = []
+
+    def body(self: Any, order_id: int, amount: int) -> Any:
+        def effect(session: Any) -> str:
+            calls.append(self.request.id)
+            session.execute(sa.insert(db.payments).values(order_id=order_id, amount=amount, task_id=self.request.id))
+            session.connection().commit()  # past the session: this does end the ledger's transaction
+            return "paid"
+
+        return db.ledger.run_once(self, effect)
+
+    # When fn commits the connection under its session, which a savepoint cannot contain
+    with pytest.raises(ConfigurationError, match="fn ended the ledger's transaction"):
+        pay(body_app(body), 21, 210, key)
+    # Then the row it committed early is marked as having no outcome, and a later execution says so
+    # loudly instead of returning None as the call's result
+    [row] = db.ledger_rows()
+    assert row.outcome == "IN_PROGRESS" and row.result is None
+    with pytest.raises(ConfigurationError, match="committed without an outcome"):
+        pay(body_app(body), 21, 210, key)
+    assert len(calls) == 1
+
+
+def test_the_reconciler_never_completes_a_record_from_a_ledger_row_without_an_outcome(db: Db, key: str) -> None:
+    now = [1_700_000_000.0]
+    app = Celery("ledger-reconcile", broker="memory://", set_as_current=False)
+    idem = Idempotency(app, store=MemoryStore(clock=lambda: now[0]), ledger=db.ledger, inspect_timeout_seconds=0.1)
+    identity = Identity("", TASK, key)
+    # Given a stale attempt, and a ledger row its fn committed early (no outcome stored with it)
+    idem.store.acquire(identity, "fp-1", "task-1", lease_seconds=30, ttl_seconds=3600)
+    with db.engine.begin() as connection:
+        connection.execute(db.ledger.table.insert().values(
+            namespace=db.ledger.namespace, scope="", task_name=TASK, key=key, task_id="task-1", fingerprint="fp-1",
+            nonce="n-1", outcome="IN_PROGRESS", committed_at=0.0))  # fmt: skip
+    now[0] += 31
+    # When the reconciler runs, Then it does not complete the record with a made-up null result
+    report = idem.reconcile()
+    assert report.completed == 0
+    record = idem.get(TASK, key)
+    assert record is not None and record.state is not State.COMPLETED
 
 
 def test_a_second_run_once_in_one_attempt_is_refused_not_handed_the_first_outcome(db: Db, key: str) -> None:
