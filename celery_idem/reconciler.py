@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .handler import BODY_MAY_HAVE_RUN, KEY_HEADER, SCOPE_HEADER, classify_failure
 from .outcome import encode_result
-from .records import Decision, ErrorInfo, IdempotencyRecord
+from .records import Decision, ErrorInfo, IdempotencyRecord, State
 
 if TYPE_CHECKING:
     from .config import IdempotencyPolicy
@@ -102,7 +102,7 @@ class Reconciler:
         ledger = self.idem.settings.ledger
         if ledger is not None:
             entry = ledger.lookup(record.identity)
-            if entry is not None and entry.fingerprint == record.fingerprint:
+            if entry is not None and entry.outcome == State.COMPLETED and entry.fingerprint == record.fingerprint:
                 payload = entry.result or b"null"
                 self._complete(
                     record, payload, entry.content_type or "application/json", entry.content_encoding, "ledger"
