@@ -157,7 +157,7 @@ class Reconciler:
             return
         if holders is None:
             grace = self.idem.settings.stale_grace_seconds
-            overdue = self.store.clock() - (record.lease_expires_at or 0)
+            overdue = self.store.now() - (record.lease_expires_at or 0)
             if overdue < grace:
                 self._leave(record, f"no worker answered; {overdue:.0f}s past its lease, grace {grace:g}s")
                 return

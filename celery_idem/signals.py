@@ -7,7 +7,9 @@ the handler acquires with the key from the ``idempotency_key`` header: no hook i
 After a hard kill (SIGKILL, the hard time limit, a terminating revoke) the task's own code never
 runs again: the worker's parent process sends ``task_failure`` (WorkerLostError, TimeLimitExceeded)
 or ``task_revoked``. These hooks release the record then, fenced by the task id (the parent has no
-owner token): a record that another task id holds by now is left alone.
+owner token). The store frees only what that delivery may still hold: a PENDING claim, or an
+IN_PROGRESS record past its lease. A live attempt under the same task id (a copy of the task
+running elsewhere, or the task itself) is left: its lease frees the key if it is really dead.
 """
 
 from __future__ import annotations

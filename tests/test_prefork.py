@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import threading
@@ -32,6 +33,7 @@ from celery_idem import Idempotency, State, StoreUnavailableError
 pytestmark = pytest.mark.slow
 TESTS = Path(__file__).parent
 GET = 30
+SECONDS = 5  # a body killed mid-run, short enough to run again in full after its lease
 
 
 @pytest.fixture
@@ -70,22 +72,40 @@ def _started(counter: redis.Redis, prefix: str, task: str, key: str, times: int 
 # ---- hard kills -----------------------------------------------------------------------------------
 
 
-def test_child_killed_mid_task_is_settled_by_the_parent_signal_hook(workers, prefix, counter) -> None:
+def _hook_leaves_the_live_lease_then_the_next_call_runs(
+    app: Any, worker: Worker, counter, prefix, key, task_id
+) -> None:
+    """The parent's hook (fenced by the task id) may not free an attempt whose lease is live: the
+    record stays until the lease runs out (no heartbeat renews it now), then the next call runs."""
+    idem = Idempotency.of(app)
+    wait_for(lambda: f"of task {task_id}: record" in worker.output(), "the parent signal hook", 15)
+    held = idem.get("shop.slow", key)
+    assert held is not None and held.state is State.IN_PROGRESS and held.task_id == task_id
+    assert re.search(rf"of task {task_id}: record .* left", worker.output()), "the hook freed a live attempt"
+    wait_for(lambda: idem.store.now() > held.lease_expires_at, "the dead attempt's lease to run out", 15)
+    again = app.tasks["shop.slow"].apply_async((SECONDS,), idempotency_key=key)
+    assert not again.deduplicated and again.get(timeout=GET) == f"slept {SECONDS}"
+    assert int(counter.get(effects_key(prefix, "shop.slow", key))) == 2
+
+
+def test_child_killed_mid_task_keeps_its_lease_until_it_runs_out_then_the_key_runs_again(
+    workers, prefix, counter
+) -> None:
     # Given a prefork worker running an acks_late task
     app = _producer(BROKERS["redis"], prefix)
-    workers(BROKERS["redis"], REDIS_URL, prefix)
+    worker = workers(BROKERS["redis"], REDIS_URL, prefix)
     key = f"k-{uuid.uuid4().hex}"
-    result = app.tasks["shop.slow"].apply_async((30,), idempotency_key=key)
+    result = app.tasks["shop.slow"].apply_async((SECONDS,), idempotency_key=key)
     wait_for(_started(counter, prefix, "shop.slow", key), "task start")
     idem = Idempotency.of(app)
     assert idem.get("shop.slow", key).state is State.IN_PROGRESS
     # When its child process is SIGKILLed
     os.kill(int(counter.get(effects_key(prefix, "shop.slow", key) + ":pid")), signal.SIGKILL)
-    # Then the parent reports WorkerLostError and its hook releases the record at once
+    # Then the parent reports WorkerLostError; its hook leaves the live lease, and once the lease
+    # has run out the next call runs
     with pytest.raises(WorkerLostError):
         result.get(timeout=GET)
-    wait_for(lambda: idem.get("shop.slow", key) is None, "release by the signal hook", 10)
-    assert int(counter.get(effects_key(prefix, "shop.slow", key))) == 1
+    _hook_leaves_the_live_lease_then_the_next_call_runs(app, worker, counter, prefix, key, result.id)
 
 
 def test_whole_worker_killed_leaves_the_lease_to_guard_the_redelivered_message(workers, prefix, counter) -> None:
@@ -113,30 +133,55 @@ def test_whole_worker_killed_leaves_the_lease_to_guard_the_redelivered_message(w
     assert record is not None and record.state is State.COMPLETED and record.attempt == 2
 
 
-def test_hard_time_limit_is_settled_by_the_parent_signal_hook(workers, prefix, counter) -> None:
+def test_hard_time_limit_frees_the_key_through_the_attempts_own_release(workers, prefix, counter) -> None:
+    # The hard time limit ends the child with SIGTERM first: the attempt sees SystemExit and gives
+    # its record back under its own owner token. The parent's hook (fenced by the task id) comes
+    # while that lease may still be live, so it may only leave the record alone.
     app = _producer(BROKERS["redis"], prefix)
     idem = Idempotency.of(app)
-    workers(BROKERS["redis"], REDIS_URL, prefix)
+    worker = workers(BROKERS["redis"], REDIS_URL, prefix)
     key = f"k-{uuid.uuid4().hex}"
     result = app.tasks["shop.slow"].apply_async((30,), idempotency_key=key, time_limit=1)
     with pytest.raises(TimeLimitExceeded):
         result.get(timeout=GET)
     wait_for(lambda: idem.get("shop.slow", key) is None, "release after the hard time limit", 10)
     assert int(counter.get(effects_key(prefix, "shop.slow", key))) == 1
+    wait_for(lambda: f"of task {result.id}: record" in worker.output(), "the parent signal hook", 15)
 
 
-def test_revoke_with_terminate_is_settled_by_the_parent_signal_hook(workers, prefix, counter) -> None:
+def test_revoke_with_terminate_keeps_the_lease_until_it_runs_out_then_the_key_runs_again(
+    workers, prefix, counter
+) -> None:
     app = _producer(BROKERS["redis"], prefix)
-    idem = Idempotency.of(app)
-    workers(BROKERS["redis"], REDIS_URL, prefix)
+    worker = workers(BROKERS["redis"], REDIS_URL, prefix)
     key = f"k-{uuid.uuid4().hex}"
-    result = app.tasks["shop.slow"].apply_async((30,), idempotency_key=key)
+    result = app.tasks["shop.slow"].apply_async((SECONDS,), idempotency_key=key)
     wait_for(_started(counter, prefix, "shop.slow", key), "task start")
     app.control.revoke(result.id, terminate=True, signal="SIGKILL")
-    wait_for(lambda: idem.get("shop.slow", key) is None, "release after revoke", 15)
-    # the key is free for a new attempt, which runs
-    again = app.tasks["shop.slow"].apply_async((0,), idempotency_key=key)
-    assert not again.deduplicated and again.get(timeout=GET) == "slept 0"
+    _hook_leaves_the_live_lease_then_the_next_call_runs(app, worker, counter, prefix, key, result.id)
+
+
+def test_a_revoked_copy_of_a_running_task_never_frees_the_running_attempts_record(workers, prefix, counter) -> None:
+    # Given task T running with a live lease
+    app = _producer(BROKERS["redis"], prefix)
+    worker = workers(BROKERS["redis"], REDIS_URL, prefix)
+    key = f"k-{uuid.uuid4().hex}"
+    result = app.tasks["shop.slow"].apply_async((4,), idempotency_key=key)
+    wait_for(_started(counter, prefix, "shop.slow", key), "task start")
+    # When T is revoked without terminate (T itself keeps running) and a copy of T arrives (a
+    # redelivery, a BUSY retry): the worker drops the copy as revoked and the parent hook fires
+    assert app.control.revoke(result.id, reply=True, timeout=5)
+    app.send_task("shop.slow", (4,), task_id=result.id, headers={"idempotency_key": key}, queue=prefix)
+    wait_for(lambda: f"revoke of task {result.id}: record" in worker.output(), "the revoke hook", 15)
+    # Then T's record is untouched, and T completes normally, once
+    idem = Idempotency.of(app)
+    wait_for(lambda: getattr(idem.get("shop.slow", key), "state", None) is not State.IN_PROGRESS, "T's end", GET)
+    record = idem.get("shop.slow", key)
+    assert record is not None and record.state is State.COMPLETED and record.task_id == result.id
+    assert int(counter.get(effects_key(prefix, "shop.slow", key))) == 1
+    again = app.tasks["shop.slow"].apply_async((4,), idempotency_key=key)
+    assert again.deduplicated and again.id == result.id
+    assert int(counter.get(effects_key(prefix, "shop.slow", key))) == 1
 
 
 # ---- the store is down on the worker ------------------------------------------------------------

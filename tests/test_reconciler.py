@@ -250,6 +250,19 @@ def test_unknown_liveness_is_left_until_the_grace_period_has_passed(prefix: str)
     assert impatient.store.get(identity) is None
 
 
+def test_the_grace_period_is_timed_by_the_store_server_not_the_reconcilers_clock(prefix: str) -> None:
+    # Given a stale record with no evidence either way, well inside the grace period
+    idem = Idempotency.of(_quiet_app(prefix, stale_grace_seconds=3600))
+    identity = _stale(idem.store, "skewed", str(uuid.uuid4()))
+    time.sleep(0.3)
+    # When the reconciler's own clock runs two hours ahead (the clock its store would read)
+    idem.store.clock = lambda: time.time() + 7200
+    report = idem.reconcile()
+    # Then the grace period has not passed: the record is left
+    assert (report.scanned, report.left, report.released) == (1, 1, 0)
+    assert idem.store.get(identity) is not None
+
+
 @pytest.mark.slow
 def test_a_task_active_on_a_live_worker_is_left_alone_even_past_its_lease(workers, prefix, counter) -> None:
     # Given a task running on a live worker (its heartbeat keeps the lease; a reconciler whose

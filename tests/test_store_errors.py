@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,6 +24,7 @@ from celery_idem import (
 )
 from celery_idem.records import Decision, Identity
 from celery_idem.stores import MemoryStore, Store, store_from_url
+from celery_idem.stores.sql import SQLStore
 
 ID = Identity("", "shop.charge", "order-1")
 TIMEOUT = 0.5
@@ -176,3 +178,49 @@ def test_result_over_max_result_bytes_is_refused_and_the_attempt_can_still_relea
     again = store.acquire(ID, "f" * 64, "t", lease_seconds=60, ttl_seconds=60)
     assert again.record is not None
     assert store.complete(ID, again.record.owner, b"x" * 1024).ok
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_a_store_built_from_a_plain_engine_honours_its_timeout_on_a_held_lock(kind: str, tmp_path: Any) -> None:
+    # Given a store built from the user's own plain engine, with a short timeout
+    import sqlite3
+
+    import sqlalchemy as sa
+    from conftest import POSTGRES_URL, require_server
+
+    require_server(kind)
+    url = POSTGRES_URL if kind == "postgresql" else f"sqlite:///{tmp_path}/plain.db"
+    engine = sa.create_engine(url)
+    store = SQLStore(engine, key_prefix=f"lock{uuid.uuid4().hex[:8]}", timeout_seconds=0.3)
+    identity = Identity("", "shop.charge", "locked")
+    store.claim(identity, "f" * 64, "t1", pending_seconds=60, ttl_seconds=600)
+    answers: list[BaseException | None] = []
+
+    def acquire() -> None:
+        try:
+            store.acquire(identity, "f" * 64, "t1", lease_seconds=30, ttl_seconds=600)
+            answers.append(None)
+        except BaseException as exc:  # noqa: BLE001 - reported to the test thread
+            answers.append(exc)
+
+    # When another connection holds the row's lock (SQLite: the database's write lock)
+    holder: Any
+    if kind == "postgresql":
+        holder = engine.connect()
+        holder.execute(sa.update(store.table).where(store.table.c.namespace == store.key_prefix).values(attempt=7))
+    else:
+        holder = sqlite3.connect(f"{tmp_path}/plain.db", isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")
+    try:
+        caller = threading.Thread(target=acquire, daemon=True)
+        caller.start()
+        caller.join(timeout=3)  # ten times the timeout: the call must have returned by then
+        # Then the store call answers StoreUnavailableError instead of waiting for the lock
+        assert answers and isinstance(answers[0], StoreUnavailableError), answers
+    finally:
+        holder.rollback()
+        holder.close()
+        caller.join(timeout=30)
+        store.forget(identity)
+        store.close()
+        engine.dispose()

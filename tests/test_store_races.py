@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -124,3 +125,41 @@ def test_thirty_two_threads_race_one_identity_in_memory(op: str) -> None:
     for worker in workers:
         worker.join()
     _judge([out.get_nowait() for _ in range(out.qsize())], op, executions.value, THREADS * PROCESSES)
+
+
+def test_a_purge_never_deletes_a_row_revived_while_it_waited_for_the_lock(prefix: str, tmp_path: Any) -> None:
+    # Given an expired PostgreSQL row
+    import sqlalchemy as sa
+    from conftest import FakeClock
+
+    clock = FakeClock()
+    store = make_store("postgresql", tmp_path, prefix, clock=clock, timeout_seconds=30)
+    identity = Identity("", "race.task", "revived")
+    try:
+        store.claim(identity, FP, "t1", pending_seconds=10, ttl_seconds=10)
+        clock.advance(60)
+        table, engine = store.table, store.engine  # type: ignore[attr-defined]
+        # When a claim revives it in a transaction that still holds the row lock
+        with engine.connect() as reviver:
+            reviver.execute(
+                sa.update(table)
+                .where(table.c.namespace == prefix, table.c.key == "revived")
+                .values(expires_at=clock() + 600, lease_expires_at=clock() + 60)
+            )
+            pid = reviver.exec_driver_sql("select pg_backend_pid()").scalar()
+            purged: list[int] = []
+            purge = threading.Thread(target=lambda: purged.append(store.purge_expired()))
+            purge.start()
+            # ... and the purge, which read the row as expired, is waiting on that lock
+            with engine.connect() as watcher:
+                blocked = sa.text("select count(*) from pg_stat_activity where :pid = any(pg_blocking_pids(pid))")
+                deadline = time.monotonic() + 20
+                while not watcher.execute(blocked, {"pid": pid}).scalar() and time.monotonic() < deadline:
+                    time.sleep(0.02)
+            reviver.commit()
+        purge.join(timeout=30)
+        # Then the purge re-checks the expiry on the revived row and keeps it
+        assert purged == [0]
+        assert store.get(identity) is not None
+    finally:
+        wipe(store)

@@ -5,7 +5,10 @@ Time moves through the injected fake clock; no test here sleeps.
 
 from __future__ import annotations
 
+import time
+
 import pytest
+from conftest import make_store, wipe
 
 from celery_idem.records import Decision, ErrorInfo, Identity, State, Transition
 from celery_idem.stores import Store
@@ -247,11 +250,13 @@ def test_complete_after_settled_or_absent_is_lost(store: Store) -> None:
     assert record is not None and record.result == RESULT
 
 
-def test_complete_by_task_id_fence_settles_only_that_task(store: Store) -> None:
-    # The parent-process signal hook has no owner token, only the failed task's id.
-    running(store, task_id="task-1")
-    assert store.complete(ID, "task-other", RESULT, fence="task_id").decision is Decision.LOST
-    assert store.complete(ID, "task-1", RESULT, fence="task_id").ok
+def test_complete_and_fail_are_fenced_by_the_owner_token_alone(store: Store) -> None:
+    # Only the attempt that acquired may store an outcome: the task id (which every copy of the
+    # task carries) is not a fence for complete or fail.
+    owner = running(store, task_id="task-1")
+    assert store.complete(ID, "task-1", RESULT).decision is Decision.LOST
+    assert store.fail(ID, "task-1", ErrorInfo(type="X", module="m", message="", args=[])).decision is Decision.LOST
+    assert store.complete(ID, owner, RESULT).ok
 
 
 def test_complete_after_lease_expiry_still_wins_when_nobody_took_over(store: Store, clock) -> None:
@@ -303,6 +308,32 @@ def test_release_expired_only_spares_a_live_lease(store: Store, clock) -> None:
     assert store.release(ID, owner, expired_only=True).decision is Decision.LOST
     clock.advance(LEASE_S + 1)
     assert store.release(ID, owner, expired_only=True).ok
+    assert store.get(ID) is None
+
+
+def test_release_by_task_id_frees_a_pending_claim_of_that_task_only(store: Store) -> None:
+    # The parent-process hooks (revoke, hard kill) have no owner token, only the task id.
+    claim(store, task_id="task-1")
+    assert store.release(ID, "task-other", fence="task_id").decision is Decision.LOST
+    assert store.release(ID, "task-1", fence="task_id").ok
+    assert store.get(ID) is None
+
+
+def test_release_by_task_id_never_frees_a_live_attempt_of_that_task(store: Store, clock) -> None:
+    # Given task-1 running with a live lease (a copy of it may be revoked or expire elsewhere)
+    owner = running(store, task_id="task-1")
+    before = snapshot(store)
+    # When a release fenced by the task id comes in, Then it is LOST and the attempt keeps its record
+    assert store.release(ID, "task-1", fence="task_id").decision is Decision.LOST
+    assert store.release(ID, "task-1", fence="task_id", pending_seconds=PENDING_S).decision is Decision.LOST
+    assert snapshot(store) == before
+    assert store.complete(ID, owner, RESULT).ok
+
+
+def test_release_by_task_id_frees_an_attempt_once_its_lease_ran_out(store: Store, clock) -> None:
+    running(store, task_id="task-1")
+    clock.advance(LEASE_S + 1)  # its process died: no heartbeat renewed it
+    assert store.release(ID, "task-1", fence="task_id").ok
     assert store.get(ID) is None
 
 
@@ -499,3 +530,77 @@ def test_purge_expired_frees_records_past_their_ttl_and_nothing_else(store: Stor
     assert store.purge_expired(limit=10) == 0
     with pytest.raises(ValueError, match="limit must be at least 1"):
         store.purge_expired(limit=0)
+
+
+# ---- the server's clock, and what each app sees ----------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "redis", "postgresql"])
+def test_a_client_clock_a_lease_ahead_never_takes_over_a_live_lease(kind: str, tmp_path, prefix: str) -> None:
+    # Given a store on its server's clock (no injected clock) and an attempt running with a live lease
+    store = make_store(kind, tmp_path, prefix)
+    ahead = make_store(kind, tmp_path, prefix)
+    try:
+        owner = running(store)
+        # When a worker whose own clock runs an hour ahead asks (the clock the store would read)
+        ahead.clock = lambda: time.time() + 3600
+        # Then every lease decision is the server's: BUSY, DUPLICATE, nothing stale, nothing freed
+        assert acquire(ahead, task_id="task-2").decision is Decision.BUSY
+        assert claim(ahead, task_id="task-3").decision is Decision.DUPLICATE
+        assert ahead.release(ID, "task-1", fence="task_id").decision is Decision.LOST
+        assert ahead.expired_leases() == []
+        assert ahead.now() == pytest.approx(time.time(), abs=60)
+        fresh = ahead.claim(Identity("", "shop.charge", "fresh"), FP, "t", pending_seconds=PENDING_S, ttl_seconds=TTL_S)
+        assert fresh.record is not None and fresh.record.lease_expires_at == pytest.approx(
+            time.time() + PENDING_S, abs=60
+        )
+        assert store.complete(ID, owner, RESULT).ok
+    finally:
+        wipe(ahead)
+        wipe(store)
+
+
+def test_each_redis_app_sees_exactly_its_own_records(tmp_path, prefix: str) -> None:
+    # Prefixes that extend one another, or hold glob characters, must not see each other's records.
+    prefixes = [prefix, f"{prefix}:billing", f"{prefix}:7", f"{prefix}*", f"{prefix}?x", f"{prefix}[ab]"]
+    stores = [make_store("redis", tmp_path, p) for p in prefixes]
+    try:
+        for n, store in enumerate(stores):
+            for k in range(n + 1):
+                claim(store, identity=Identity("", "shop.charge", f"{n}-{k}"), task_id=f"t{n}")
+        for n, store in enumerate(stores):
+            assert sorted(r.key for r in store.records()) == [f"{n}-{k}" for k in range(n + 1)], prefixes[n]
+            assert store.count_by_state()[State.PENDING] == n + 1, prefixes[n]
+    finally:
+        for n, store in enumerate(stores):
+            for k in range(n + 1):
+                store.forget(Identity("", "shop.charge", f"{n}-{k}"))
+            store.close()
+
+
+def test_a_claim_landing_right_after_the_stale_index_check_keeps_its_index_entry(
+    tmp_path, prefix: str, clock, monkeypatch
+) -> None:
+    # Given a Redis record past its TTL whose lease-index entry is still there
+    store = make_store("redis", tmp_path, prefix, clock=clock)
+    try:
+        claim(store)
+        clock.advance(PENDING_S + TTL_S + 1)
+        landed: list[Transition] = []
+
+        def claim_once() -> None:
+            if not landed:
+                landed.append(claim(store, task_id="task-2"))
+
+        # When a claim lands right after whatever read judged that entry stale (with the old
+        # two-step design: between the read of the record and the removal of its index entry)
+        judge = store._live
+        monkeypatch.setattr(store, "_live", lambda flat: (claim_once(), judge(flat))[1])
+        assert store.expired_leases() == []
+        claim_once()
+        assert landed[0].decision is Decision.NEW
+        # Then the new claim is still indexed: once its lease runs out, the reconciler finds it
+        clock.advance(PENDING_S + 1)
+        assert [r.task_id for r in store.expired_leases()] == ["task-2"]
+    finally:
+        wipe(store)

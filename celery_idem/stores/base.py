@@ -15,8 +15,12 @@ The rules every store follows (the memory store states them most plainly):
   attempt chain (a Celery retry), so it may run with changed arguments; the record keeps the
   fingerprint of the caller's call.
 - complete/fail/release/renew: only while the record is PENDING or IN_PROGRESS (renew:
-  IN_PROGRESS) and its fence field (the owner token, or the task id for the parent-process signal
-  hook, which has no token) still holds the caller's value; otherwise LOST and nothing is written.
+  IN_PROGRESS) and its owner token still holds the caller's value; otherwise LOST and nothing is
+  written.
+- release fenced by the task id (the parent-process signal hooks, which have no owner token): only
+  what that delivery may still hold, a PENDING record or an IN_PROGRESS one whose lease has run
+  out. A live IN_PROGRESS record under the same task id is a copy of the task running elsewhere
+  (or the task itself): LOST.
 - Times: ``lease_expires_at`` while unsettled; ``expires_at`` = lease + ttl while unsettled (a dead
   attempt's record is still collected), now + ttl once settled.
 """
@@ -88,6 +92,9 @@ class Store(ABC):
         self.timeout_seconds = _positive("timeout_seconds", timeout_seconds)
         self.max_result_bytes = int(max_result_bytes)
         self.clock: Clock = clock or time.time
+        # Without an injected clock a store times leases by its server's clock (Redis TIME, the
+        # database's clock), so clients whose clocks disagree still agree on every lease.
+        self._injected_clock = clock is not None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} prefix={self.key_prefix!r}>"
@@ -153,7 +160,6 @@ class Store(ABC):
         *,
         content_type: str = "application/json",
         content_encoding: str = "utf-8",
-        fence: Fence = "owner",
     ) -> Transition:
         """Store the outcome: OK, or LOST if ``token`` no longer owns the record.
 
@@ -168,14 +174,12 @@ class Store(ABC):
                 task_name=identity.task_name,
             )
         with self._guard("complete", identity):
-            return self._settle(
-                identity, fence, token, Settlement(State.COMPLETED, result, content_type, content_encoding)
-            )
+            return self._settle(identity, token, Settlement(State.COMPLETED, result, content_type, content_encoding))
 
-    def fail(self, identity: Identity, token: str, error: ErrorInfo, *, fence: Fence = "owner") -> Transition:
+    def fail(self, identity: Identity, token: str, error: ErrorInfo) -> Transition:
         """Store a final failure: OK, or LOST if ``token`` no longer owns the record."""
         with self._guard("fail", identity):
-            return self._settle(identity, fence, token, Settlement(State.FAILED, error=error))
+            return self._settle(identity, token, Settlement(State.FAILED, error=error))
 
     def release(
         self,
@@ -192,7 +196,8 @@ class Store(ABC):
             identity: The record's identity.
             token: The owner token (or task id, with ``fence="task_id"``).
             pending_seconds: Keep the record PENDING this long, under a fresh token; None deletes it.
-            fence: Which field ``token`` must match.
+            fence: Which field ``token`` must match. ``"task_id"`` (the parent-process hooks) frees
+                only a PENDING record or an IN_PROGRESS one past its lease; a live attempt is LOST.
             expired_only: Also require the lease to have expired (the reconciler's compare-and-set).
         """
         lease = None if pending_seconds is None else _positive("pending_seconds", pending_seconds)
@@ -260,6 +265,18 @@ class Store(ABC):
                 counts[record_state] += n
             return counts
 
+    def now(self) -> float:
+        """The store server's current time (POSIX seconds): the clock every lease is judged by.
+
+        The injected clock when there is one; otherwise Redis ``TIME`` or the database's clock.
+        Anything that compares a record's times (the reconciler's grace period) asks this.
+        """
+        with self._guard("now"):
+            return self._server_now()
+
+    def _server_now(self) -> float:
+        return self.clock()
+
     def ping(self) -> None:
         """Round-trip to the store; raises StoreUnavailableError if it does not answer in time."""
         with self._guard("ping"):
@@ -284,7 +301,7 @@ class Store(ABC):
     ) -> Transition: ...  # fmt: skip
 
     @abstractmethod
-    def _settle(self, identity: Identity, fence: Fence, token: str, outcome: Settlement) -> Transition: ...
+    def _settle(self, identity: Identity, token: str, outcome: Settlement) -> Transition: ...
 
     @abstractmethod
     def _release(

@@ -129,10 +129,10 @@ class MemoryStore(Store):
             return None
         return record
 
-    def _settle(self, identity: Identity, fence: Fence, token: str, outcome: Settlement) -> Transition:
+    def _settle(self, identity: Identity, token: str, outcome: Settlement) -> Transition:
         with self._lock:
             now = self.clock()
-            record = self._owned(identity, fence, token, now)
+            record = self._owned(identity, "owner", token, now)
             if record is None:
                 return LOST
             self._put(
@@ -155,7 +155,11 @@ class MemoryStore(Store):
         with self._lock:
             now = self.clock()
             record = self._owned(identity, fence, token, now)
-            if record is None or (expired_only and (record.lease_expires_at or 0) > now):
+            if record is None:
+                return LOST
+            live = (record.lease_expires_at or 0) > now
+            # By task id only what that delivery may still hold: a claim, or an attempt past its lease.
+            if live and (expired_only or (fence == "task_id" and record.state is State.IN_PROGRESS)):
                 return LOST
             if lease is None:
                 del self._by_identity[identity]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import re
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -99,7 +100,6 @@ class RedisStore(Store):
             raise ConfigurationError(f"index_shards must be between 1 and 16384; got {index_shards!r}")
         self.client = client
         self.index_shards = index_shards
-        self._injected_clock = clock is not None
         self._scripts: dict[str, Script] = {name: client.register_script(_source(name)) for name in _SCRIPTS}
 
     _unavailable = (
@@ -170,8 +170,11 @@ class RedisStore(Store):
         """The record key and its lease-index shard key (same hash tag, so same cluster slot)."""
         scope, task, key = identity
         shard = zlib.crc32(f"{scope}\0{task}\0{key}".encode()) % self.index_shards
-        tag = f"{{{self.key_prefix}:{shard}}}"
+        tag = self._tag(shard)
         return f"{tag}:r:{len(scope)}:{scope}:{len(task)}:{task}:{key}", f"{tag}:lease"
+
+    def _tag(self, shard: int) -> str:
+        return f"{{{self.key_prefix}:{shard}}}"
 
     def _now(self) -> str:
         return f"{self.clock():.6f}" if self._injected_clock else ""
@@ -217,13 +220,19 @@ class RedisStore(Store):
         answer = self._scripts[script](keys=self.keys_for(identity), args=args)
         return OK if answer == b"OK" else LOST
 
-    def _settle(self, identity: Identity, fence: Fence, token: str, outcome: Settlement) -> Transition:
+    def _settle(self, identity: Identity, token: str, outcome: Settlement) -> Transition:
         state, result, content_type, content_encoding, error = outcome
         error_json = error.model_dump_json() if error else ""
         return self._fenced(
-            "settle", identity, fence, token, state.value, result or b"", content_type or "", content_encoding or "",
+            "settle",
+            identity,
+            token,
+            state.value,
+            result or b"",
+            content_type or "",
+            content_encoding or "",
             error_json,
-        )  # fmt: skip
+        )
 
     def _release(
         self, identity: Identity, fence: Fence, token: str, lease: float | None, new_owner: str, expired_only: bool
@@ -248,33 +257,25 @@ class RedisStore(Store):
         return bool(self._scripts["forget"](keys=self.keys_for(identity), args=[self._now()]))
 
     def _expired_leases(self, limit: int) -> list[IdempotencyRecord]:
-        due: list[tuple[float, bytes, str]] = []
-        for shard in range(self.index_shards):
-            index = f"{{{self.key_prefix}:{shard}}}:lease"
-            flat = self._scripts["due"](keys=[index], args=[self._now(), limit])
-            due.extend((float(flat[i + 1]), flat[i], index) for i in range(0, len(flat), 2))
-        if not due:
-            return []
-        due = sorted(due)[:limit]
-        pipe = self.client.pipeline(transaction=False)
-        for _, key, _ in due:
-            pipe.hgetall(key)
+        # The due script reads the records and drops stale index entries in one atomic step.
         records: list[IdempotencyRecord] = []
-        leftovers = self.client.pipeline(transaction=False)
-        for (_, key, index), flat in zip(due, pipe.execute(), strict=True):
-            record = self._live(flat)
-            if record is None or record.state.settled:
-                leftovers.zrem(index, key)  # its record expired: the index entry is all that is left
-            else:
-                records.append(record)
-        if len(leftovers):
-            leftovers.execute()
-        return records
+        for shard in range(self.index_shards):
+            index = f"{self._tag(shard)}:lease"
+            records.extend(_record(flat) for flat in self._scripts["due"](keys=[index], args=[self._now(), limit]))
+        return sorted(records, key=lambda r: (r.lease_expires_at or 0.0, str(r.identity)))[:limit]
 
     def _scan(self) -> Any:
-        """Every live record, in batches (a SCAN over this prefix's record keys)."""
+        """Every live record of this prefix, in batches (a SCAN over its record keys).
+
+        The glob is only a coarse filter (another prefix may extend this one, as ``idem:billing``
+        extends ``idem``): each key is then matched exactly against ``{<prefix>:<shard>}:r:``.
+        """
+        glob = re.sub(r"([\\*?\[\]^])", r"\\\1", self.key_prefix)
+        ours = re.compile(re.escape(f"{{{self.key_prefix}:".encode()) + rb"[0-9]+\}:r:")
         batch: list[Any] = []
-        for key in self.client.scan_iter(match=f"{{{self.key_prefix}:*}}:r:*", count=1000):
+        for key in self.client.scan_iter(match=f"{{{glob}:[0-9]*}}:r:*", count=1000):
+            if not ours.match(key):
+                continue
             batch.append(key)
             if len(batch) == 500:
                 yield from self._read(batch)
@@ -302,6 +303,12 @@ class RedisStore(Store):
         for record in self._scan():
             counts[record.state] += 1
         return counts
+
+    def _server_now(self) -> float:
+        if self._injected_clock:
+            return self.clock()
+        seconds, microseconds = self.client.time()
+        return float(seconds) + float(microseconds) / 1_000_000
 
     def _ping(self) -> None:
         self.client.ping()

@@ -9,6 +9,12 @@ one transaction and one round trip.
   (DUPLICATE, REPLAY, MISMATCH, BUSY) is named from it. A duplicate writes nothing.
 - complete, fail, release, renew: ``UPDATE``/``DELETE ... WHERE owner = :token AND state IN
   (unsettled)``, judged by the row count.
+
+Time is the database's: every statement reads the server clock itself (``:p_now`` is NULL unless a
+test injected a clock), so clients whose clocks disagree still agree on every lease and expiry.
+The store runs on a private pool derived from the engine it is given, whose connections carry its
+timeouts (statement and lock timeouts on PostgreSQL, the busy timeout on SQLite); the caller's own
+sessions on that engine are untouched.
 """
 
 from __future__ import annotations
@@ -36,8 +42,51 @@ _UNSETTLED = [s.value for s in UNSETTLED]
 # Both dialects' insert() has on_conflict_do_update and .excluded; the generic Insert has neither.
 _INSERTS: dict[str, Callable[[sa.Table], Any]] = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
 _TAKE_TRIES = 5  # a held record that frees itself between our upsert and our read is taken on a retry
-_DATA = ("fingerprint", "state", "task_id", "owner", "attempt", "lease_expires_at", "created_at", "updated_at",
-         "expires_at", "ttl_seconds", "result", "content_type", "content_encoding", "error", "call")  # fmt: skip
+_DATA = ("fingerprint", "state", "task_id", "owner", "attempt", "ttl_seconds", "result", "content_type",
+         "content_encoding", "error", "call")  # fmt: skip
+_TIMES = ("lease_expires_at", "created_at", "updated_at", "expires_at")
+
+
+def _server_clock(dialect: str) -> sa.ColumnElement[float]:
+    """The database's own time as POSIX seconds (fixed for one statement on both dialects)."""
+    if dialect == "postgresql":
+        return sa.cast(sa.extract("epoch", sa.func.now()), sa.Double)
+    # SQLite: julianday('now') is one value per statement; 2440587.5 is the Julian day of the epoch.
+    return sa.cast((sa.func.julianday("now") - 2440587.5) * 86400.0, sa.Double)
+
+
+def _session_settings(dialect: str, timeout: float) -> list[str]:
+    milliseconds = int(timeout * 1000)
+    if dialect == "postgresql":
+        return [f"SET statement_timeout = {milliseconds}", f"SET lock_timeout = {milliseconds}"]
+    return [f"PRAGMA busy_timeout = {milliseconds}"]
+
+
+def _private_engine(engine: sa.Engine, timeout: float) -> sa.Engine:
+    """An engine of the store's own on the same database, every connection of it under ``timeout``.
+
+    Session settings on the caller's pool would leak into the caller's own sessions, so the store
+    opens its own connections: ``Pool.recreate()`` keeps the creator (driver, connect arguments) and
+    the pool's listeners, and a ``connect`` listener sets the timeouts once per connection.
+    An in-memory SQLite database lives in its one pool, so that engine is shared as it is.
+    """
+    if engine.dialect.name == "sqlite" and engine.url.database in (None, "", ":memory:"):
+        return engine
+    own = sa.create_engine(engine.url, pool=engine.pool.recreate())
+    settings = _session_settings(engine.dialect.name, timeout)
+
+    @sa.event.listens_for(own.pool, "connect")
+    def _timeouts(dbapi_connection: Any, _: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        for statement in settings:
+            cursor.execute(statement)
+        cursor.close()
+        if engine.dialect.name == "postgresql":
+            dbapi_connection.commit()  # SET in psycopg's implicit transaction lasts once committed
+
+    # Disposing the caller's engine closes the store's connections too.
+    sa.event.listen(engine, "engine_disposed", lambda _: own.dispose())
+    return own
 
 
 def records_table(metadata: sa.MetaData, name: str = "celery_idem_records") -> sa.Table:
@@ -75,24 +124,19 @@ def _engine_from_url(url: str, timeout: float) -> sa.Engine:
     if scheme in ("postgresql", "postgres"):
         url = f"postgresql+psycopg://{rest}"  # psycopg 3 is the driver the `sql` extra installs
     if url.startswith("postgresql"):
-        milliseconds = int(timeout * 1000)
         return sa.create_engine(
             url,
             pool_size=10,
             max_overflow=20,
             pool_timeout=timeout,
-            connect_args={
-                "connect_timeout": max(2, math.ceil(timeout)),  # libpq's minimum is 2 seconds
-                "options": f"-c statement_timeout={milliseconds} -c lock_timeout={milliseconds}",
-            },
+            connect_args={"connect_timeout": max(2, math.ceil(timeout))},  # libpq's minimum is 2 seconds
         )
     engine = sa.create_engine(url, pool_timeout=timeout, connect_args={"timeout": timeout})
 
     @sa.event.listens_for(engine, "connect")
-    def _sqlite_pragmas(dbapi_connection: Any, _: Any) -> None:
+    def _sqlite_wal(dbapi_connection: Any, _: Any) -> None:
         cursor = dbapi_connection.cursor()
         cursor.execute("PRAGMA journal_mode=WAL")  # readers do not block the writer
-        cursor.execute(f"PRAGMA busy_timeout={int(timeout * 1000)}")
         cursor.close()
 
     return engine
@@ -114,12 +158,20 @@ def _rowcount(result: sa.CursorResult[Any]) -> int:
     return result.rowcount
 
 
+def _takeable(record: IdempotencyRecord, now: float | None) -> bool:
+    """Whether a held record's lease had run out at ``now`` (the database's time of the read)."""
+    if now is None or record.lease_expires_at is None or record.lease_expires_at > now:
+        return False
+    return record.state is State.IN_PROGRESS or record.state is State.PENDING
+
+
 class SQLStore(Store):
     """Records as rows of ``celery_idem_records``; the table is created on first use.
 
     Args:
         engine: A SQLAlchemy engine on PostgreSQL or SQLite (or build one with :meth:`from_url`).
-            The store runs its statements in autocommit mode on the engine's pool.
+            The store runs its statements in autocommit mode on a private pool derived from it,
+            whose connections honour ``timeout_seconds``; ``store.engine`` is that private engine.
         table_name: The records table.
     """
 
@@ -142,35 +194,38 @@ class SQLStore(Store):
             raise ConfigurationError(f"SQLStore runs on PostgreSQL and SQLite; got the {engine.dialect.name!r} dialect")
         if len(key_prefix) > 64:
             raise ConfigurationError(f"key_prefix must be at most 64 characters for SQLStore; got {len(key_prefix)}")
-        self.engine = engine
-        self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
+        self.engine = _private_engine(engine, self.timeout_seconds)
+        self._autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
         self.metadata = sa.MetaData()
         self.table = records_table(self.metadata, table_name)
         self._schema_ready = False
         self._schema_lock = threading.Lock()
+        # The injected clock when there is one, else the database's clock, in every statement.
+        self._now = sa.func.coalesce(sa.bindparam("p_now", type_=sa.Double), _server_clock(engine.dialect.name))
         self._build_statements(_INSERTS[engine.dialect.name])
 
     def _build_statements(self, insert: Callable[[sa.Table], Any]) -> None:
-        t, c = self.table, self.table.c
+        t, c, now = self.table, self.table.c, self._now
 
         def p(name: str) -> sa.BindParameter[Any]:
             # Parameters are prefixed: SQLAlchemy reserves column names for INSERT/UPDATE values.
             return sa.bindparam(f"p_{name}")
 
-        now = p("now")
         pk = sa.and_(c.namespace == p("ns"), c.scope == p("scope"), c.task_name == p("task_name"), c.key == p("key"))
         unsettled = c.state.in_(_UNSETTLED)
         absent = c.expires_at <= now
 
         def upsert(take: sa.ColumnElement[bool], special: dict[str, Any]) -> sa.Executable:
+            times = {"lease_expires_at": now + p("lease"), "created_at": now, "updated_at": now,
+                     "expires_at": now + p("lease") + p("ttl_seconds")}  # fmt: skip
             ins = insert(t).values(
                 namespace=p("ns"), scope=p("scope"), task_name=p("task_name"), key=p("key"),
-                **{name: p(name) for name in _DATA},
+                **{name: p(name) for name in _DATA}, **times,
             )  # fmt: skip
-            changes = {name: ins.excluded[name] for name in _DATA} | special
+            changes = {name: ins.excluded[name] for name in (*_DATA, *_TIMES)} | special
             statement: sa.Executable = ins.on_conflict_do_update(
                 index_elements=[c.namespace, c.scope, c.task_name, c.key], set_=changes, where=take
-            ).returning(c.fingerprint, c.attempt, c.created_at)
+            ).returning(c.fingerprint, c.attempt, *(c[name] for name in _TIMES))
             return statement
 
         # claim takes an absent record, or one whose lease ran out under the same fingerprint.
@@ -191,20 +246,25 @@ class SQLStore(Store):
                 "call": sa.func.coalesce(p("call"), c.call),
             },
         )
-        self._get_sql = sa.select(t).where(pk, c.expires_at > now)
+        # A read carries the database's time, so a held record is judged by the same clock.
+        self._get_sql = sa.select(t, now.label("db_now")).where(pk, c.expires_at > now)
+
+        expired_lease = c.lease_expires_at <= now
 
         def owned(fence: str) -> sa.ColumnElement[bool]:
-            return sa.and_(pk, c[fence] == p("token"), unsettled, c.expires_at > now)
+            held = sa.and_(pk, c[fence] == p("token"), unsettled, c.expires_at > now)
+            if fence == "task_id":
+                # The task id frees only what that delivery may still hold: a claim, or an attempt
+                # past its lease. A live attempt under the same id is a copy running elsewhere.
+                return sa.and_(held, sa.or_(c.state == State.PENDING.value, expired_lease))
+            return held
 
-        self._settle_sql = {
-            fence: sa.update(t).where(owned(fence)).values(
-                state=p("state"), result=p("result"), content_type=p("content_type"),
-                content_encoding=p("content_encoding"), error=p("error"), lease_expires_at=None,
-                updated_at=now, expires_at=now + c.ttl_seconds,
-            )
-            for fence in ("owner", "task_id")
-        }  # fmt: skip
-        only_expired = sa.or_(sa.not_(p("expired_only")), c.lease_expires_at <= now)
+        self._settle_sql = sa.update(t).where(owned("owner")).values(
+            state=p("state"), result=p("result"), content_type=p("content_type"),
+            content_encoding=p("content_encoding"), error=p("error"), lease_expires_at=None,
+            updated_at=now, expires_at=now + c.ttl_seconds,
+        )  # fmt: skip
+        only_expired = sa.or_(sa.not_(p("expired_only")), expired_lease)
         self._delete_sql = {fence: sa.delete(t).where(owned(fence), only_expired) for fence in ("owner", "task_id")}
         self._pending_sql = {
             fence: sa.update(t).where(owned(fence), only_expired).values(
@@ -218,13 +278,20 @@ class SQLStore(Store):
             .where(owned("owner"), c.state == State.IN_PROGRESS.value)
             .values(lease_expires_at=now + p("lease"), updated_at=now, expires_at=now + p("lease") + c.ttl_seconds)
         )
-        self._forget_sql = sa.delete(t).where(pk).returning(c.expires_at)
+        self._forget_sql = sa.delete(t).where(pk).returning((c.expires_at > now).label("live"))
         self._due_sql = (
             sa.select(t)
-            .where(c.namespace == p("ns"), c.lease_expires_at <= now, unsettled, c.expires_at > now)
+            .where(c.namespace == p("ns"), expired_lease, unsettled, c.expires_at > now)
             .order_by(c.lease_expires_at)
             .limit(p("limit"))
         )
+        # The expiry is checked on the DELETE itself, not only in the subquery: under READ COMMITTED
+        # PostgreSQL re-checks the DELETE's own condition on a row it waited for, so a row that a
+        # claim or acquire revived meanwhile is kept.
+        expired = sa.and_(c.namespace == p("ns"), c.expires_at <= now)
+        doomed = sa.select(c.namespace, c.scope, c.task_name, c.key).where(expired).limit(p("limit"))
+        self._purge_sql = sa.delete(t).where(expired, sa.tuple_(c.namespace, c.scope, c.task_name, c.key).in_(doomed))
+        self._now_sql = sa.select(now)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> SQLStore:
@@ -269,10 +336,14 @@ class SQLStore(Store):
         with self._autocommit.connect() as connection:
             return fetch(connection.execute(statement, params))
 
-    def _params(self, identity: Identity, now: float, **more: Any) -> dict[str, Any]:
+    def _injected_now(self) -> float | None:
+        """The ``:p_now`` of a statement: the injected clock's time, or NULL for the database's own."""
+        return self.clock() if self._injected_clock else None
+
+    def _params(self, identity: Identity, **more: Any) -> dict[str, Any]:
         scope, task_name, key = identity
-        named = {"ns": self.key_prefix, "scope": scope, "task_name": task_name, "key": key, "now": now, **more}
-        return {f"p_{name}": value for name, value in named.items()}
+        named = {"ns": self.key_prefix, "scope": scope, "task_name": task_name, "key": key, **more}
+        return {f"p_{name}": value for name, value in named.items()} | {"p_now": self._injected_now()}
 
     def _record(self, row: Any) -> IdempotencyRecord:
         return IdempotencyRecord(
@@ -302,33 +373,28 @@ class SQLStore(Store):
         self, statement: sa.Executable, claiming: bool, identity: Identity, fingerprint: str, task_id: str,
         owner: str, lease: float, ttl: float, call: bytes | None,
     ) -> Transition:  # fmt: skip
+        values = {
+            "fingerprint": fingerprint, "state": (State.PENDING if claiming else State.IN_PROGRESS).value,
+            "task_id": task_id, "owner": owner, "attempt": 0 if claiming else 1, "ttl_seconds": ttl,
+            "result": None, "content_type": None, "content_encoding": None, "error": None, "call": call,
+        }  # fmt: skip
+        params = self._params(identity, lease=lease, **values)
         for _ in range(_TAKE_TRIES):
-            now = self.clock()
-            values = {
-                "fingerprint": fingerprint, "state": (State.PENDING if claiming else State.IN_PROGRESS).value,
-                "task_id": task_id, "owner": owner, "attempt": 0 if claiming else 1, "lease_expires_at": now + lease,
-                "created_at": now, "updated_at": now, "expires_at": now + lease + ttl, "ttl_seconds": ttl,
-                "result": None, "content_type": None, "content_encoding": None, "error": None, "call": call,
-            }  # fmt: skip
-            taken = self._run(statement, self._params(identity, now, **values), _one_or_none)
+            taken = self._run(statement, params, _one_or_none)
             if taken is not None:
-                values.update(fingerprint=taken.fingerprint, attempt=taken.attempt, created_at=taken.created_at)
+                # The row as written: the database computed its times and kept a chain's fingerprint.
                 record = IdempotencyRecord(
-                    scope=identity.scope, task_name=identity.task_name, key=identity.key, **values
-                )
+                    scope=identity.scope, task_name=identity.task_name, key=identity.key,
+                    **(values | {"state": State(values["state"])} | taken._asdict()),
+                )  # fmt: skip
                 return Transition(Decision.NEW if claiming else Decision.RUN, record)
-            held = self._get(identity)
+            held, now = self._read(identity)
             if held is not None:
                 decision = classify(held, fingerprint, claiming=claiming, task_id=task_id)
-                if decision is not (Decision.DUPLICATE if claiming else Decision.BUSY) or not self._takeable(held):
+                if decision is not (Decision.DUPLICATE if claiming else Decision.BUSY) or not _takeable(held, now):
                     return Transition(decision, held)
             # It was freed (deleted, expired, lease ran out) between the upsert and the read: take again.
         raise sa_exc.TimeoutError(f"{identity} changed hands {_TAKE_TRIES} times in a row")
-
-    def _takeable(self, record: IdempotencyRecord) -> bool:
-        if record.lease_expires_at is None or record.lease_expires_at > self.clock():
-            return False
-        return record.state is State.IN_PROGRESS or record.state is State.PENDING
 
     def _claim(
         self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float,
@@ -344,70 +410,71 @@ class SQLStore(Store):
 
     # ---- fenced writes --------------------------------------------------------------------------
 
-    def _settle(self, identity: Identity, fence: Fence, token: str, outcome: Settlement) -> Transition:
+    def _settle(self, identity: Identity, token: str, outcome: Settlement) -> Transition:
         state, result, content_type, content_encoding, error = outcome
         params = self._params(
-            identity, self.clock(), token=token, state=state.value, result=result, content_type=content_type,
+            identity, token=token, state=state.value, result=result, content_type=content_type,
             content_encoding=content_encoding, error=error.model_dump_json() if error else None,
         )  # fmt: skip
-        return OK if self._run(self._settle_sql[fence], params, _rowcount) == 1 else LOST
+        return OK if self._run(self._settle_sql, params, _rowcount) == 1 else LOST
 
     def _release(
         self, identity: Identity, fence: Fence, token: str, lease: float | None, new_owner: str, expired_only: bool
     ) -> Transition:
-        params = self._params(identity, self.clock(), token=token, expired_only=expired_only)
+        params = self._params(identity, token=token, expired_only=expired_only)
         if lease is None:
             return OK if self._run(self._delete_sql[fence], params, _rowcount) == 1 else LOST
         params.update(p_lease=lease, p_new_owner=new_owner)
         return OK if self._run(self._pending_sql[fence], params, _rowcount) == 1 else LOST
 
     def _renew(self, identity: Identity, token: str, lease: float) -> Transition:
-        params = self._params(identity, self.clock(), token=token, lease=lease)
+        params = self._params(identity, token=token, lease=lease)
         return OK if self._run(self._renew_sql, params, _rowcount) == 1 else LOST
 
     # ---- reads ------------------------------------------------------------------------------------
 
+    def _read(self, identity: Identity) -> tuple[IdempotencyRecord | None, float | None]:
+        """The live record and the database's time of the read (None, None when there is none)."""
+        row = self._run(self._get_sql, self._params(identity), _one_or_none)
+        return (None, None) if row is None else (self._record(row), row.db_now)
+
     def _get(self, identity: Identity) -> IdempotencyRecord | None:
-        row = self._run(self._get_sql, self._params(identity, self.clock()), _one_or_none)
-        return None if row is None else self._record(row)
+        return self._read(identity)[0]
 
     def _forget(self, identity: Identity) -> bool:
-        now = self.clock()
-        rows = self._run(self._forget_sql, self._params(identity, now), _all)
-        return any(row.expires_at > now for row in rows)
+        return any(row.live for row in self._run(self._forget_sql, self._params(identity), _all))
 
     def _expired_leases(self, limit: int) -> list[IdempotencyRecord]:
-        params = {"p_ns": self.key_prefix, "p_now": self.clock(), "p_limit": limit}
+        params = {"p_ns": self.key_prefix, "p_now": self._injected_now(), "p_limit": limit}
         return [self._record(row) for row in self._run(self._due_sql, params, _all)]
 
     def _purge_expired(self, limit: int) -> int:
+        params = {"p_ns": self.key_prefix, "p_now": self._injected_now(), "p_limit": limit}
+        return self._run(self._purge_sql, params, _rowcount)
+
+    def _live_rows(self) -> sa.ColumnElement[bool]:
         c = self.table.c
-        pk = sa.tuple_(c.namespace, c.scope, c.task_name, c.key)
-        expired = (
-            sa.select(c.namespace, c.scope, c.task_name, c.key)
-            .where(c.namespace == self.key_prefix, c.expires_at <= self.clock())
-            .limit(limit)
-        )
-        return self._run(sa.delete(self.table).where(pk.in_(expired)), {}, _rowcount)
+        return sa.and_(c.namespace == self.key_prefix, c.expires_at > self._now)
 
     def _records(self, state: State | None, task_name: str | None, limit: int) -> list[IdempotencyRecord]:
         c = self.table.c
-        query = sa.select(self.table).where(c.namespace == self.key_prefix, c.expires_at > self.clock())
+        query = sa.select(self.table).where(self._live_rows())
         if state is not None:
             query = query.where(c.state == state.value)
         if task_name is not None:
             query = query.where(c.task_name == task_name)
         query = query.order_by(c.updated_at.desc()).limit(limit)
-        return [self._record(row) for row in self._run(query, {}, _all)]
+        return [self._record(row) for row in self._run(query, {"p_now": self._injected_now()}, _all)]
 
     def _count_by_state(self) -> dict[State, int]:
         c = self.table.c
-        query = (
-            sa.select(c.state, sa.func.count())
-            .where(c.namespace == self.key_prefix, c.expires_at > self.clock())
-            .group_by(c.state)
-        )
-        return {State(state): int(n) for state, n in self._run(query, {}, _all)}
+        query = sa.select(c.state, sa.func.count()).where(self._live_rows()).group_by(c.state)
+        return {State(state): int(n) for state, n in self._run(query, {"p_now": self._injected_now()}, _all)}
+
+    def _server_now(self) -> float:
+        if self._injected_clock:
+            return self.clock()
+        return float(self._run(self._now_sql, {"p_now": None}, _one)[0])
 
     def _ping(self) -> None:
         with self._autocommit.connect() as connection:

@@ -1,20 +1,19 @@
--- settle: complete or fail, fenced.
+-- settle: complete or fail, fenced by the owner token.
 -- KEYS[1] record hash   KEYS[2] lease index of its shard
--- ARGV[1] now ('' = server clock)  ARGV[2] fence field ('owner' or 'task_id')  ARGV[3] token
--- ARGV[4] new state ('COMPLETED' or 'FAILED')  ARGV[5] result  ARGV[6] content type
--- ARGV[7] content encoding  ARGV[8] error JSON
--- Returns 'OK', or 'LOST' (not PENDING/IN_PROGRESS, or the fence field holds another value).
+-- ARGV[1] now ('' = server clock)  ARGV[2] owner token  ARGV[3] new state ('COMPLETED' or 'FAILED')
+-- ARGV[4] result  ARGV[5] content type  ARGV[6] content encoding  ARGV[7] error JSON
+-- Returns 'OK', or 'LOST' (not PENDING/IN_PROGRESS, or another owner holds it).
 local now = now_of(ARGV[1])
 local rec = load(KEYS[1], now)
-if not rec or settled(rec) or rec[ARGV[2]] ~= ARGV[3] then return 'LOST' end
+if not rec or settled(rec) or rec.owner ~= ARGV[2] then return 'LOST' end
 local expires = now + tonumber(rec.ttl)
 redis.call('HDEL', KEYS[1], 'lease')
-if ARGV[4] == 'COMPLETED' then
+if ARGV[3] == 'COMPLETED' then
   redis.call('HSET', KEYS[1], 'state', 'COMPLETED', 'updated', fmt(now), 'expires', fmt(expires),
-    'result', ARGV[5], 'ctype', ARGV[6], 'cenc', ARGV[7])
+    'result', ARGV[4], 'ctype', ARGV[5], 'cenc', ARGV[6])
 else
   redis.call('HSET', KEYS[1], 'state', 'FAILED', 'updated', fmt(now), 'expires', fmt(expires),
-    'error', ARGV[8])
+    'error', ARGV[7])
 end
 expire_at(KEYS[1], expires, now)
 redis.call('ZREM', KEYS[2], KEYS[1])
