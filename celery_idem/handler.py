@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from celery.exceptions import Retry, SoftTimeLimitExceeded, TimeLimitExceeded, WorkerLostError
+from celery.utils.time import maybe_iso8601, subtract_datetimes
 from kombu.exceptions import OperationalError as KombuOperationalError
 from kombu.utils import json as kombu_json
 
@@ -97,16 +98,21 @@ def classify_failure(
     return policy.default_failure
 
 
+def _seconds_until(when: datetime.datetime | str) -> float:
+    """Seconds from now until ``when``, read as Celery reads an ETA or expiry: a naive datetime is
+    UTC (the worker's Request and send_task make it aware with ``naive_as_utc``), whatever the
+    process's local zone or the app's ``timezone``."""
+    moment: datetime.datetime = maybe_iso8601(when)
+    return float(subtract_datetimes(moment, datetime.datetime.now(datetime.timezone.utc)).total_seconds())
+
+
 def _delay_seconds(options: Mapping[str, Any]) -> float:
     """How far in the future a countdown or ETA puts the message (its PENDING lease grows by it)."""
     countdown, eta = options.get("countdown"), options.get("eta")
     if countdown:
         return max(float(countdown), 0.0)
-    if isinstance(eta, str):
-        eta = datetime.datetime.fromisoformat(eta)
-    if isinstance(eta, datetime.datetime):
-        now = datetime.datetime.now(eta.tzinfo) if eta.tzinfo else datetime.datetime.now()
-        return max((eta - now).total_seconds(), 0.0)
+    if isinstance(eta, (str, datetime.datetime)):
+        return max(_seconds_until(eta), 0.0)
     return 0.0
 
 
