@@ -70,6 +70,11 @@ _TRANSIENT: tuple[type[BaseException], ...] = (
 )
 _TRANSIENT_NAMES = frozenset({"ConnectionError", "TimeoutError", "Timeout"})
 
+# How long a claim outlives the expiry of the message it waits for. A broker that drops an expired
+# message (RabbitMQ turns ``expires`` into the message TTL) sends no task_revoked, so nothing else
+# frees the key; the grace covers the publish after the claim and the worker's clock against ours.
+EXPIRY_GRACE_SECONDS = 5.0
+
 logger = logging.getLogger("celery_idem.handler")
 FailureClass = Literal["retryable", "permanent"]
 
@@ -114,6 +119,24 @@ def _delay_seconds(options: Mapping[str, Any]) -> float:
     if isinstance(eta, (str, datetime.datetime)):
         return max(_seconds_until(eta), 0.0)
     return 0.0
+
+
+def _pending_seconds(pending_timeout: float, options: Mapping[str, Any], default_expires: Any) -> float:
+    """A claim's PENDING lease: the pending timeout plus the message's countdown or ETA, and never
+    past the message's own expiry plus :data:`EXPIRY_GRACE_SECONDS`.
+
+    ``expires`` is read as Celery reads it: seconds from now, or a datetime (ISO string) where a
+    naive one is UTC; the task's own ``expires`` applies when the call gives none.
+    """
+    lease = pending_timeout + _delay_seconds(options)
+    expires = options["expires"] if "expires" in options else default_expires
+    if isinstance(expires, (int, float)) and not isinstance(expires, bool):
+        left = float(expires)
+    elif isinstance(expires, (str, datetime.datetime)):
+        left = _seconds_until(expires)
+    else:
+        return lease
+    return min(lease, max(left, 0.0) + EXPIRY_GRACE_SECONDS)
 
 
 class Handler:
@@ -203,7 +226,7 @@ class Handler:
                 identity,
                 fp,
                 task_id,
-                pending_seconds=policy.pending_timeout_seconds + _delay_seconds(options),
+                pending_seconds=_pending_seconds(policy.pending_timeout_seconds, options, self.task.expires),
                 ttl_seconds=policy.ttl_seconds,
                 call=self._call(args, kwargs),
             )
