@@ -243,11 +243,18 @@ class Handler:
             try:
                 sent = send(args, kwargs, options)
             except BaseException:
-                # The call is over: publishing failed, or (eager mode) the body ran inline and raised.
-                # Free whatever is still unsettled under this call's task id; an outcome the body
-                # already stored stays. The broker's own error propagates, unwrapped.
-                self._give_back(identity, task_id, fence="task_id", settled_is_fine=True)
-                raise
+                if self.task.app.conf.task_always_eager:
+                    # The body ran inline in this call, its retries too, and nothing was queued: the
+                    # call is over, so free what it left unsettled under its task id (a Celery
+                    # retry's PENDING); an outcome the body stored stays.
+                    self._give_back(identity, task_id, fence="task_id", settled_is_fine=True)
+                else:
+                    # Publishing failed. The producer gives back only its own PENDING claim, fenced
+                    # by the token the claim minted: the broker's error can come after the message
+                    # got through (a publisher-confirm timeout, kombu's retried publish), and a
+                    # worker that took the record holds it under its own token, so it stays.
+                    self._give_back(identity, record.owner, settled_is_fine=True)
+                raise  # the broker's own error, unwrapped
             return self._result(sent, identity, deduplicated=False)
         if claimed.decision is Decision.MISMATCH:
             self.idem.count("mismatches")

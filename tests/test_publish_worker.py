@@ -16,6 +16,7 @@ import pytest
 import redis
 from celery.contrib.testing.worker import start_worker
 from conftest import REDIS_URL, FakeClock, require_server
+from kombu.exceptions import OperationalError
 from shop import COUNTER_URL, effects_key, make_app
 from test_worker import BACKEND, BROKERS, GET, require_rabbitmq
 
@@ -58,6 +59,36 @@ def _until(predicate: Any, seconds: float = GET) -> Any:
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.02)
     return value
+
+
+# ---- a publish that fails after the message got through -------------------------------------------
+
+
+def test_a_failed_publish_gives_back_only_its_own_pending_claim_never_a_running_attempt(
+    shop: Shop, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    slow = shop.app.tasks["shop.slow"]
+    send, sent = slow._send, []
+
+    def delivered_then_failed(args: Any, kwargs: Any, options: dict[str, Any]) -> Any:
+        # Given a publish whose message reaches a worker, and whose broker call fails afterwards
+        # (a publisher-confirm timeout, kombu's retried publish)
+        sent.append(send(args, kwargs, options).id)
+        _until(lambda: (r := shop.idem.get("shop.slow", key)) is not None and r.state is State.IN_PROGRESS)
+        raise OperationalError("publisher confirm timed out")
+
+    monkeypatch.setattr(slow, "_send", delivered_then_failed)
+    with pytest.raises(OperationalError):
+        slow.apply_async((2,), idempotency_key=key)
+    monkeypatch.undo()
+    # Then the worker's running attempt keeps its record...
+    record = shop.idem.get("shop.slow", key)
+    assert record is not None and record.state is State.IN_PROGRESS and record.task_id == sent[0]
+    # ...a second call is handed the running id, and the body runs once
+    again = slow.apply_async((2,), idempotency_key=key)
+    assert again.deduplicated and again.id == sent[0]
+    assert again.get(timeout=GET) == "slept 2"
+    assert shop.effects("slow", key) == 1
 
 
 # ---- a message the broker drops at its expiry ------------------------------------------------------
