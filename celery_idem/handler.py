@@ -46,6 +46,7 @@ from .errors import (
 )
 from .fingerprint import fingerprint, validate_key, validate_scope
 from .outcome import encode_result, replay
+from .owners import worker_token
 from .records import Decision, ErrorInfo, IdempotencyRecord, Identity
 from .stores.base import Fence
 
@@ -352,6 +353,7 @@ class Handler:
                     task_id,
                     lease_seconds=policy.lease_seconds,
                     ttl_seconds=policy.ttl_seconds,
+                    owner=worker_token(getattr(request, "hostname", None)),
                     call=self._call(args, kwargs),
                 )
             except StoreUnavailableError as exc:
