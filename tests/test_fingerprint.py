@@ -320,7 +320,7 @@ def test_key_args_naming_the_var_keyword_parameter_keys_on_all_of_its_contents()
     assert fingerprint(charge_with_extras, (43,), {"tenant": "a"}, key_args=["kwargs"]) == first
 
 
-def test_key_args_naming_the_var_keyword_parameter_works_through_the_task(tmp_path: Any) -> None:
+def test_key_args_naming_the_var_keyword_parameter_works_through_the_task() -> None:
     from celery import Celery
 
     from celery_idem import Idempotency, IdempotentTask
