@@ -108,7 +108,10 @@ def _select(arguments: dict[str, Any], key_args: Iterable[str], func: Callable[.
     extra = arguments.get(var_kw, {}) if var_kw else {}
     selected: dict[str, Any] = {}
     for name in key_args:
-        if name in arguments and name != var_kw:
+        if name == var_kw:
+            # Naming the **kwargs parameter itself keys the call on everything it holds.
+            selected[name] = extra
+        elif name in arguments:
             selected[name] = arguments[name]
         elif name in extra:
             selected[name] = extra[name]
@@ -188,7 +191,8 @@ def fingerprint(
         func: The task's run function; the call is bound to its signature.
         args: Positional arguments.
         kwargs: Keyword arguments.
-        key_args: Keep only these parameters (None keeps all).
+        key_args: Keep only these parameters (None keeps all). A name that is not a parameter is
+            picked out of ``**kwargs``; the name of the ``**kwargs`` parameter keeps all of it.
         serializer: The task's serializer name; arguments are round-tripped through it.
         skip_first: Drop the first parameter (``self`` of a bound task).
 

@@ -32,6 +32,7 @@ from celery import Task as CeleryTask
 from celery import group, states
 from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded, TimeLimitExceeded, WorkerLostError
+from celery.utils.time import maybe_iso8601, subtract_datetimes
 from kombu.exceptions import OperationalError as KombuOperationalError
 from kombu.utils import json as kombu_json
 
@@ -49,6 +50,7 @@ from .errors import (
 )
 from .fingerprint import fingerprint, validate_key, validate_scope
 from .outcome import encode_result, replay
+from .owners import worker_token
 from .records import Decision, ErrorInfo, IdempotencyRecord, Identity, State, Transition
 from .stores.base import Fence
 
@@ -91,6 +93,11 @@ _TRANSIENT: tuple[type[BaseException], ...] = (
 )
 _TRANSIENT_NAMES = frozenset({"ConnectionError", "TimeoutError", "Timeout"})
 
+# How long a claim outlives the expiry of the message it waits for. A broker that drops an expired
+# message (RabbitMQ turns ``expires`` into the message TTL) sends no task_revoked, so nothing else
+# frees the key; the grace covers the publish after the claim and the worker's clock against ours.
+EXPIRY_GRACE_SECONDS = 5.0
+
 logger = logging.getLogger("celery_idem.handler")
 FailureClass = Literal["retryable", "permanent"]
 
@@ -124,17 +131,40 @@ def classify_failure(
     return policy.default_failure
 
 
+def _seconds_until(when: datetime.datetime | str) -> float:
+    """Seconds from now until ``when``, read as Celery reads an ETA or expiry: a naive datetime is
+    UTC (the worker's Request and send_task make it aware with ``naive_as_utc``), whatever the
+    process's local zone or the app's ``timezone``."""
+    moment: datetime.datetime = maybe_iso8601(when)
+    return float(subtract_datetimes(moment, datetime.datetime.now(datetime.timezone.utc)).total_seconds())
+
+
 def _delay_seconds(options: Mapping[str, Any]) -> float:
     """How far in the future a countdown or ETA puts the message (its PENDING lease grows by it)."""
     countdown, eta = options.get("countdown"), options.get("eta")
     if countdown:
         return max(float(countdown), 0.0)
-    if isinstance(eta, str):
-        eta = datetime.datetime.fromisoformat(eta)
-    if isinstance(eta, datetime.datetime):
-        now = datetime.datetime.now(eta.tzinfo) if eta.tzinfo else datetime.datetime.now()
-        return max((eta - now).total_seconds(), 0.0)
+    if isinstance(eta, (str, datetime.datetime)):
+        return max(_seconds_until(eta), 0.0)
     return 0.0
+
+
+def _pending_seconds(pending_timeout: float, options: Mapping[str, Any], default_expires: Any) -> float:
+    """A claim's PENDING lease: the pending timeout plus the message's countdown or ETA, and never
+    past the message's own expiry plus :data:`EXPIRY_GRACE_SECONDS`.
+
+    ``expires`` is read as Celery reads it: seconds from now, or a datetime (ISO string) where a
+    naive one is UTC; the task's own ``expires`` applies when the call gives none.
+    """
+    lease = pending_timeout + _delay_seconds(options)
+    expires = options["expires"] if "expires" in options else default_expires
+    if isinstance(expires, (int, float)) and not isinstance(expires, bool):
+        left = float(expires)
+    elif isinstance(expires, (str, datetime.datetime)):
+        left = _seconds_until(expires)
+    else:
+        return lease
+    return min(lease, max(left, 0.0) + EXPIRY_GRACE_SECONDS)
 
 
 class Handler:
@@ -224,7 +254,7 @@ class Handler:
                 identity,
                 fp,
                 task_id,
-                pending_seconds=policy.pending_timeout_seconds + _delay_seconds(options),
+                pending_seconds=_pending_seconds(policy.pending_timeout_seconds, options, self.task.expires),
                 ttl_seconds=policy.ttl_seconds,
                 call=self._call(args, kwargs),
             )
@@ -241,11 +271,18 @@ class Handler:
             try:
                 sent = send(args, kwargs, options)
             except BaseException:
-                # The call is over: publishing failed, or (eager mode) the body ran inline and raised.
-                # Free whatever is still unsettled under this call's task id; an outcome the body
-                # already stored stays. The broker's own error propagates, unwrapped.
-                self._give_back(identity, task_id, fence="task_id", settled_is_fine=True)
-                raise
+                if self.task.app.conf.task_always_eager:
+                    # The body ran inline in this call, its retries too, and nothing was queued: the
+                    # call is over, so free what it left unsettled under its task id (a Celery
+                    # retry's PENDING); an outcome the body stored stays.
+                    self._give_back(identity, task_id, fence="task_id", settled_is_fine=True)
+                else:
+                    # Publishing failed. The producer gives back only its own PENDING claim, fenced
+                    # by the token the claim minted: the broker's error can come after the message
+                    # got through (a publisher-confirm timeout, kombu's retried publish), and a
+                    # worker that took the record holds it under its own token, so it stays.
+                    self._give_back(identity, record.owner, settled_is_fine=True)
+                raise  # the broker's own error, unwrapped
             return self._result(sent, identity, deduplicated=False)
         if claimed.decision is Decision.MISMATCH:
             self.idem.count("mismatches")
@@ -344,6 +381,7 @@ class Handler:
                     task_id,
                     lease_seconds=policy.lease_seconds,
                     ttl_seconds=policy.ttl_seconds,
+                    owner=worker_token(getattr(request, "hostname", None)),
                     call=self._call(args, kwargs),
                 )
             except StoreUnavailableError:

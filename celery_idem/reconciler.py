@@ -8,10 +8,12 @@ with all records). Each is settled against the truth, in order, and only on posi
    task's policy classes the error permanent, else released; but a FAILURE that says "the body
    may have run" (StoreUnavailableError, LockLostError) is no evidence: left, and counted;
 3. worker liveness (one ``inspect().query_task`` broadcast for all undecided records): a live
-   worker holds the task id (active, reserved or scheduled) -> left alone; workers answered and
-   none holds it -> provably dead: released, or re-published under the same key and task id
-   (``stale_action="requeue"``); no worker answered -> unknown, left, until the lease is
-   ``stale_grace_seconds`` past, then released.
+   worker holds the task id (active, reserved or scheduled) -> left alone; the worker that holds
+   the attempt (named in its owner token) answered without it, or, for a PENDING claim no worker
+   has taken, some worker answered -> provably dead: released, or re-published under the same key
+   and task id (``stale_action="requeue"``); otherwise (no answer, or not from the holder: a busy
+   or solo pool answers late) -> unknown, left, until the lease is ``stale_grace_seconds`` past,
+   then released.
 
 Every write is a compare-and-set on the owner token the scan saw (a release also requires the lease
 to still be expired), so two reconcilers at once never settle one record twice, and a worker that
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from celery import Task, states
 from celery.backends.base import DisabledBackend
@@ -31,6 +33,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .handler import BODY_MAY_HAVE_RUN, KEY_HEADER, SCOPE_HEADER, classify_failure
 from .outcome import encode_result
+from .owners import holder_node, node_tag
 from .records import Decision, ErrorInfo, IdempotencyRecord, State
 
 if TYPE_CHECKING:
@@ -43,6 +46,13 @@ logger = logging.getLogger("celery_idem.reconciler")
 TASK_NAME = "celery_idem.reconcile"
 BEAT_ENTRY = "celery-idem-reconcile"
 DEFAULT_LIMIT = 1000
+
+
+class Liveness(NamedTuple):
+    """What the workers that answered ``inspect`` said."""
+
+    holding: frozenset[str]  # task ids they hold (active, reserved, scheduled)
+    answered: frozenset[str]  # their node tags (owners.node_tag of their names)
 
 
 class ReconcileReport(BaseModel):
@@ -139,8 +149,8 @@ class Reconciler:
         autoretry = getattr(self._task(record.task_name), "autoretry_for", ()) or ()
         return classify_failure(error, self._policy(record), autoretry) == "permanent"
 
-    def _live_task_ids(self, task_ids: list[str]) -> set[str] | None:
-        """Task ids a live worker holds (active, reserved, scheduled); None when no worker answered."""
+    def _live_task_ids(self, task_ids: list[str]) -> Liveness | None:
+        """Which task ids the answering workers hold, and who answered; None when no worker answered."""
         timeout = self.idem.settings.inspect_timeout_seconds
         try:
             replies = self.app.control.inspect(timeout=timeout).query_task(*task_ids)
@@ -149,22 +159,33 @@ class Reconciler:
             return None
         if not replies:
             return None
-        return {task_id for reply in replies.values() for task_id in (reply or {})}
+        return Liveness(
+            holding=frozenset(task_id for reply in replies.values() for task_id in (reply or {})),
+            answered=frozenset(node_tag(name) for name in replies),
+        )
 
-    def _settle_on_liveness(self, record: IdempotencyRecord, holders: set[str] | None) -> None:
-        if holders is not None and record.task_id in holders:
+    def _settle_on_liveness(self, record: IdempotencyRecord, liveness: Liveness | None) -> None:
+        if liveness is not None and record.task_id in liveness.holding:
             self._leave(record, "a live worker holds its task")
             return
-        if holders is None:
+        # Absence is evidence only from the worker that would hold the task: one that did not answer
+        # in time may be busy (a solo pool answers between tasks), not dead. A PENDING claim has no
+        # holder yet; an IN_PROGRESS record whose token names no worker (an older token) has an
+        # unknown one, and waits for the grace period.
+        dead = liveness is not None and (
+            record.state is State.PENDING or holder_node(record.owner) in liveness.answered
+        )
+        if not dead:
             grace = self.idem.settings.stale_grace_seconds
             overdue = self.store.now() - (record.lease_expires_at or 0)
             if overdue < grace:
-                self._leave(record, f"no worker answered; {overdue:.0f}s past its lease, grace {grace:g}s")
+                silent = "no worker" if liveness is None else "not the worker that holds it"
+                self._leave(record, f"{silent} answered; {overdue:.0f}s past its lease, grace {grace:g}s")
                 return
         if self._policy(record).stale_action == "requeue" and record.call is not None:
             self._requeue(record)
         else:
-            self._release(record, "provably dead" if holders is not None else "dead past the grace period")
+            self._release(record, "provably dead" if dead else "dead past the grace period")
 
     # ---- writes (compare-and-set on the owner token) -------------------------------------------
 

@@ -310,6 +310,35 @@ def test_key_args_mixes_named_parameters_and_var_keyword_arguments() -> None:
     assert result == hashlib.sha256(b'{"order_id":42,"tenant":"a"}').hexdigest()
 
 
+def test_key_args_naming_the_var_keyword_parameter_keys_on_all_of_its_contents() -> None:
+    # Given key_args naming the **kwargs parameter itself
+    first = fingerprint(charge_with_extras, (42,), {"tenant": "a"}, key_args=["kwargs"])
+    other = fingerprint(charge_with_extras, (42,), {"tenant": "b"}, key_args=["kwargs"])
+    # Then two calls differing only in a **kwargs entry are two calls, not one
+    assert other != first
+    assert first == hashlib.sha256(b'{"kwargs":{"tenant":"a"}}').hexdigest()
+    assert fingerprint(charge_with_extras, (43,), {"tenant": "a"}, key_args=["kwargs"]) == first
+
+
+def test_key_args_naming_the_var_keyword_parameter_works_through_the_task() -> None:
+    from celery import Celery
+
+    from celery_idem import Idempotency, IdempotentTask
+
+    app = Celery("kw", broker="memory://", set_as_current=False)
+    app.conf.task_always_eager = True
+    Idempotency(app, store="memory://")
+
+    @app.task(shared=False, base=IdempotentTask, name="kw.tag", idempotency={"key_args": ["extras"]})
+    def tag(order_id: int, **extras: Any) -> Any:
+        return extras
+
+    first, second = tag.delay(1, tenant="a"), tag.delay(1, tenant="b")
+    assert second.id != first.id and not second.deduplicated
+    assert (first.get(), second.get()) == ({"tenant": "a"}, {"tenant": "b"})
+    assert tag.delay(2, tenant="a").deduplicated
+
+
 def test_skip_first_drops_self_of_a_bound_task() -> None:
     # Given the run function of a bind=True task, called as the producer calls it: without self
     result = fingerprint(bound_charge, (42, 100), {}, skip_first=True)

@@ -4,6 +4,7 @@ publishing fails, and how long a PENDING claim lives when the message is schedul
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 import time
 import uuid
@@ -95,4 +96,35 @@ def test_a_scheduled_call_keeps_its_claim_past_its_eta(prefix: str, schedule: st
     assert record.lease_expires_at >= before + delay + POLICY["pending_timeout_seconds"] - 1
     again = charge.apply_async((2, 20), idempotency_key="order-2")
     assert again.deduplicated and again.id == result.id
+    app.connection_for_write().default_channel.queue_purge(prefix)
+
+
+@pytest.fixture
+def tokyo() -> Iterator[None]:
+    """The process's local zone set to UTC+9 (no DST), restored after."""
+    before = os.environ.get("TZ")
+    os.environ["TZ"] = "Asia/Tokyo"
+    time.tzset()
+    yield
+    if before is None:
+        del os.environ["TZ"]
+    else:
+        os.environ["TZ"] = before
+    time.tzset()
+
+
+def test_a_naive_eta_is_read_as_celery_reads_it_in_utc_whatever_the_local_zone(prefix: str, tokyo: None) -> None:
+    # Given a process at UTC+9 and a naive ETA two hours ahead in UTC (how Celery reads a naive ETA)
+    app = _app("redis://127.0.0.1:6379/14", prefix)
+    charge = app.tasks["pub.charge"]
+    delay = 7200
+    eta = datetime.datetime.now(datetime.timezone.utc).replace(tzinfo=None) + datetime.timedelta(seconds=delay)
+    before = time.time()
+    # When the call is published for that ETA
+    result = charge.apply_async((3, 30), idempotency_key="order-3", eta=eta)
+    # Then its PENDING claim is stretched by the two hours, not by the local zone's reading of them
+    record = Idempotency.of(app).get("pub.charge", "order-3")
+    assert record is not None and record.task_id == result.id
+    assert record.lease_expires_at >= before + delay + POLICY["pending_timeout_seconds"] - 1
+    assert record.lease_expires_at <= time.time() + delay + POLICY["pending_timeout_seconds"] + 1
     app.connection_for_write().default_channel.queue_purge(prefix)

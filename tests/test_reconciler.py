@@ -32,6 +32,7 @@ from celery_idem import (
     store_from_url,
 )
 from celery_idem.outcome import replay
+from celery_idem.owners import OWNER_MAX_LENGTH, holder_node, node_tag, worker_token
 from celery_idem.reconciler import BEAT_ENTRY, TASK_NAME
 from celery_idem.records import Identity
 from celery_idem.stores import Store
@@ -135,8 +136,8 @@ def test_killed_before_commit_is_released_or_requeued_and_then_runs_exactly_once
     doomed.kill()
     stale = idem.get(task, key)
     assert stale is not None and stale.state is State.IN_PROGRESS
-    # and a live worker that answers, and does not hold the task
-    workers()
+    # and its worker back under the same node name (as a restarted worker is), answering without the task
+    workers(name=doomed.name)
     time.sleep(max(0.0, stale.lease_expires_at - time.time()) + 0.2)
     report = idem.reconcile()
     assert report.scanned == 1
@@ -282,6 +283,50 @@ def test_a_task_active_on_a_live_worker_is_left_alone_even_past_its_lease(worker
     assert result.get(timeout=GET) == "slept 3"
     assert int(counter.get(effects_key(prefix, "shop.slow", key))) == 1
     assert Idempotency.of(app).get("shop.slow", key).state is State.COMPLETED
+
+
+def _reconciler_ahead(seconds: float, **settings: Any) -> Idempotency:
+    """A reconciler whose store clock runs ``seconds`` ahead: every live lease looks long expired."""
+    ahead = store_from_url(REDIS_URL, key_prefix=settings.pop("prefix"), clock=lambda: time.time() + seconds)
+    app = Celery("ahead", broker=BROKER, backend=BACKEND, set_as_current=False)
+    return Idempotency(app, store=ahead, inspect_timeout_seconds=1, **settings)
+
+
+@pytest.mark.slow
+def test_absence_is_evidence_only_when_the_worker_holding_the_attempt_answered(workers, prefix, counter) -> None:
+    # Given an attempt running on a solo-pool worker, which answers no inspect while its task runs,
+    # and another worker that answers (on another queue: it never holds the task)
+    app = make_app(broker=BROKER, backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix)
+    busy = workers(pool="solo")
+    idle = workers(queue=f"{prefix}-idle")
+    key = f"k-{uuid.uuid4().hex}"
+    result = app.tasks["shop.slow"].apply_async((5,), idempotency_key=key)
+    wait_for(lambda: counter.get(effects_key(prefix, "shop.slow", key)), "task start")
+    record = Idempotency.of(app).get("shop.slow", key)
+    assert record.state is State.IN_PROGRESS and record.owner.endswith(f"@{busy.name}")
+    # When a reconciler that sees its lease an hour expired runs (grace not yet over)
+    report = _reconciler_ahead(3600, prefix=prefix, stale_grace_seconds=7200).reconcile()
+    # Then the silence of the busy worker is no proof of death: the attempt is left, and finishes once
+    assert (report.scanned, report.left, report.released) == (1, 1, 0)
+    assert result.get(timeout=GET) == "slept 5"
+    assert int(counter.get(effects_key(prefix, "shop.slow", key))) == 1
+    assert Idempotency.of(app).get("shop.slow", key).state is State.COMPLETED
+    # And an attempt held by the worker that answered, which does not have it, is provably dead
+    dead = Identity("", "shop.slow", f"k-{uuid.uuid4().hex}")
+    store = store_from_url(REDIS_URL, key_prefix=prefix)
+    store.acquire(dead, FP, str(uuid.uuid4()), lease_seconds=60, ttl_seconds=86400, owner=worker_token(idle.name))
+    report = _reconciler_ahead(3600, prefix=prefix, stale_grace_seconds=7200).reconcile()
+    assert (report.scanned, report.released, report.left) == (1, 1, 0)
+    assert store.get(dead) is None
+
+
+def test_an_owner_token_names_its_worker_within_the_owner_column() -> None:
+    long_a, long_b = "w" * 40 + "-a@host", "w" * 40 + "-b@host"
+    for name in ("celery@host", long_a, long_b):
+        token = worker_token(name)
+        assert len(token) <= OWNER_MAX_LENGTH and holder_node(token) == node_tag(name)
+    assert node_tag(long_a) != node_tag(long_b)
+    assert holder_node(worker_token(None)) is None
 
 
 # ---- concurrency -------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -31,8 +32,19 @@ class Worker:
     """A ``celery -A shop worker`` subprocess."""
 
     def __init__(
-        self, tmp: Path, broker: str, store: str, prefix: str, ledger_url: str | None = None, **settings: Any
+        self,
+        tmp: Path,
+        broker: str,
+        store: str,
+        prefix: str,
+        ledger_url: str | None = None,
+        *,
+        pool: str = "prefork",
+        queue: str | None = None,
+        name: str | None = None,
+        **settings: Any,
     ) -> None:
+        self.name = name or f"{prefix}-{uuid.uuid4().hex[:4]}@{socket.gethostname()}"
         self.log = tmp / f"worker-{uuid.uuid4().hex[:6]}.log"
         env = {
             **os.environ,
@@ -46,8 +58,8 @@ class Worker:
             "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")]),
         }
         command = [
-            sys.executable, "-m", "celery", "-A", "shop", "worker", "-P", "prefork", "-c", "2",
-            "-Q", prefix, "-n", f"{prefix}-{uuid.uuid4().hex[:4]}@%h", "-l", "INFO",
+            sys.executable, "-m", "celery", "-A", "shop", "worker", "-P", pool, "-c", "2",
+            "-Q", queue or prefix, "-n", self.name, "-l", "INFO",
             "--without-gossip", "--without-mingle", "--without-heartbeat",
         ]  # fmt: skip
         with self.log.open("wb") as out:
