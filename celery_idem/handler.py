@@ -487,8 +487,10 @@ class Handler:
         """
         identity, owner, policy = record.identity, record.owner, self.policy
         if isinstance(exc, Retry):
-            when = exc.when if isinstance(exc.when, (int, float)) else _delay_seconds({"eta": exc.when})
-            self._give_back(identity, owner, pending_seconds=policy.pending_timeout_seconds + (when or 0))
+            # The retry message inherits this message's expiry: the claim never outlives it.
+            delay = {"countdown": exc.when} if isinstance(exc.when, (int, float)) else {"eta": exc.when}
+            pending = _pending_seconds(policy.pending_timeout_seconds, delay, self.task.request.expires)
+            self._give_back(identity, owner, pending_seconds=pending)
         elif isinstance(exc, Ignore) and getattr(self.task.request, "idempotency_replaced", False):
             self.idem.heartbeat.remove(lease)  # no renewal may shorten the lease set here
             self._await_replacement(identity, owner)

@@ -114,6 +114,11 @@ def make_app(
             raise self.retry(args=(amount + 1,), kwargs={"tag": tag}, countdown=0)
         return {"amount": amount, "retries": self.request.retries, "task_id": self.request.id}
 
+    @task(name="shop.later", max_retries=1)
+    def later(self: Any, order_id: int) -> None:
+        effect(self)
+        raise self.retry(countdown=3600)
+
     @idempotent_task(app=app, shared=False, bind=True, name="shop.quiet", ignore_result=True)
     def quiet(self: Any, order_id: int) -> dict[str, Any]:
         effect(self)

@@ -122,3 +122,17 @@ def test_a_claim_never_outlives_the_expiry_of_the_message_it_waits_for(shop: Sho
         channel.queue_delete(nobody)
         connection.close()
         producer.close()
+
+
+def test_a_retry_never_keeps_the_claim_past_the_expiry_its_message_inherits(shop: Shop, key: str) -> None:
+    # Given a call with expires=30 whose body asks for a retry an hour later (the retry message
+    # inherits the expiry, so the broker drops or the worker revokes it long before it is due)
+    later = shop.app.tasks["shop.later"]
+    started = time.time()
+    later.apply_async((1,), idempotency_key=key, expires=30)
+    record = _until(lambda: (r := shop.idem.get("shop.later", key)) is not None and r.attempt and
+                    r.state is State.PENDING and r)  # fmt: skip
+    # Then the claim held for the retry lapses with the message, not an hour and more later
+    assert record.lease_expires_at is not None
+    assert record.lease_expires_at <= started + 30 + EXPIRY_GRACE_SECONDS + 5
+    assert shop.effects("later", key) == 1
