@@ -14,6 +14,7 @@ from .config import IdempotencyPolicy, IdempotencySettings
 from .errors import ConfigurationError
 from .fingerprint import validate_key, validate_scope
 from .heartbeat import Heartbeat
+from .outcome import accepted_content_types
 from .records import IdempotencyRecord, Identity
 
 if TYPE_CHECKING:
@@ -130,6 +131,13 @@ class Idempotency:
             return IdempotencySettings(**values)
         except ValidationError as exc:
             raise _invalid(f"celery-idem settings of app {self.app.main!r}", exc) from None
+
+    @functools.cached_property
+    def accepted_content_types(self) -> frozenset[str]:
+        """The content types a stored outcome may be decoded from, everywhere this app reads the
+        store (replays, ``get()``, the CLI, the ledger): the app's accepted serializers; pickle
+        only with ``accept_pickle=True``."""
+        return accepted_content_types(self.app.conf, accept_pickle=self.settings.accept_pickle)
 
     @functools.cached_property
     def store(self) -> Store:

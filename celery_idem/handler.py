@@ -332,7 +332,7 @@ class Handler:
                 return self._run_owned(record, args, kwargs)
             if taken.decision is Decision.REPLAY:
                 self.idem.count("replays")
-                return replay(record)
+                return replay(record, self.idem.accepted_content_types)
             if taken.decision is Decision.MISMATCH:
                 self.idem.count("mismatches")
                 raise self._mismatch(identity, record)

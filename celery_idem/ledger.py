@@ -18,11 +18,12 @@ finds the committed outcome here and completes the record with it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
 from .errors import ConfigurationError, PayloadMismatchError
-from .outcome import decode_result, encode_result
+from .extension import Idempotency
+from .outcome import JSON_ONLY, decode_result, encode_result
 from .records import IdempotencyRecord, Identity, State
 
 try:
@@ -70,12 +71,23 @@ class LedgerEntry:
         self.content_type: str | None = row.content_type
         self.content_encoding: str | None = row.content_encoding
 
-    def value(self) -> Any:
-        """The committed result, decoded."""
+    def value(self, accept: Collection[str] = JSON_ONLY) -> Any:
+        """The committed result, decoded only from a content type in ``accept`` (the app's
+        :attr:`~celery_idem.Idempotency.accepted_content_types`).
+
+        Raises:
+            SerializationError: the entry's content type is not accepted, or it does not decode.
+        """
         return decode_result(
             IdempotencyRecord.model_construct(
-                result=self.result, content_type=self.content_type, content_encoding=self.content_encoding
-            )
+                key=self.identity.key,
+                task_name=self.identity.task_name,
+                task_id=self.task_id,
+                result=self.result,
+                content_type=self.content_type,
+                content_encoding=self.content_encoding,
+            ),
+            accept,
         )
 
 
@@ -173,4 +185,4 @@ class Ledger:
                 task_name=identity.task_name,
                 task_id=committed.task_id,
             )
-        return committed.value()  # type: ignore[no-any-return]
+        return committed.value(Idempotency.of(task.app).accepted_content_types)  # type: ignore[no-any-return]

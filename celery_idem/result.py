@@ -17,7 +17,7 @@ from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult
 
 from .errors import StoreUnavailableError
-from .outcome import replay
+from .outcome import accepted_content_types, rebuild_exception, replay
 
 if TYPE_CHECKING:
     from .extension import Idempotency
@@ -95,10 +95,13 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
         if record is None:
             return super().get(timeout=timeout, propagate=propagate, interval=interval, **kwargs)
         if record.error is not None and not propagate:
-            from .outcome import rebuild_exception
-
             return rebuild_exception(record.error)
-        return replay(record)
+        return replay(record, self._accepted_content_types())
+
+    def _accepted_content_types(self) -> frozenset[str]:
+        if self.idempotency is not None:
+            return self.idempotency.accepted_content_types
+        return accepted_content_types(self.app.conf, accept_pickle=False)
 
     def _watch_store(self, timeout: float | None, interval: float) -> IdempotencyRecord:
         deadline = None if timeout is None else time.monotonic() + timeout

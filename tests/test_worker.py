@@ -18,7 +18,8 @@ import pytest
 import redis
 from celery import chain, signals
 from celery.contrib.testing.worker import start_worker
-from conftest import IN_CI, REDIS_URL, require_server
+from celery.result import AsyncResult
+from conftest import IN_CI, REDIS_URL, plant_pickle, require_server
 from shop import COUNTER_URL, effects_key, make_app
 
 from celery_idem import (
@@ -31,6 +32,7 @@ from celery_idem import (
     SerializationError,
     State,
 )
+from celery_idem.records import Identity
 
 RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
 BROKERS = {"redis": "redis://127.0.0.1:6379/14", "rabbitmq": RABBITMQ_URL}
@@ -295,6 +297,29 @@ def test_a_duplicate_under_a_caller_chosen_task_id_is_answered_under_that_id(sho
     assert again.deduplicated and again.id == chosen
     assert again.get(timeout=GET) == outcome
     assert shop.effects("charge", key) == 1
+
+
+def test_a_worker_never_unpickles_a_stored_result_claiming_pickle(shop: Shop, key: str, tmp_path: Any) -> None:
+    # Given a COMPLETED record whose result claims pickle (and would create a directory if unpickled)
+    charge = shop.task("charge")
+    flag = tmp_path / "unpickled"
+    plant_pickle(
+        shop.idem.store,
+        Identity("", "shop.charge", key),
+        charge.idempotency_handler.fingerprint((7, 70), {}),
+        str(flag),
+    )
+    # When a duplicate under a caller-chosen id reaches the worker, which replays the record
+    chosen = str(uuid.uuid4())
+    again = charge.apply_async((7, 70), idempotency_key=key, task_id=chosen)
+    assert again.deduplicated
+    # Then the worker fails it clearly, as the caller's get() does, and nothing was unpickled or ran
+    with pytest.raises(SerializationError, match="does not accept"):
+        AsyncResult(chosen, app=shop.app).get(timeout=GET)
+    with pytest.raises(SerializationError, match="application/x-python-serialize"):
+        again.get(timeout=GET)
+    assert not flag.exists()
+    assert shop.effects("charge", key) == 0
 
 
 def test_a_chain_whose_last_step_is_a_duplicate_finishes_with_the_stored_outcome(shop: Shop, key: str) -> None:
