@@ -74,7 +74,7 @@ class Idempotency:
         self._lock = threading.Lock()
         self._counters = dict.fromkeys(COUNTERS, 0)
         self._policies: dict[str, IdempotencyPolicy] = {}
-        self.heartbeat = Heartbeat()
+        self.heartbeat = Heartbeat(on_error=functools.partial(self.count, "store_errors"))
         previous = app.__dict__.get(_ATTRIBUTE)
         if previous is not None:
             previous.disconnect()

@@ -386,6 +386,33 @@ def test_a_message_for_a_running_identity_waits_and_answers_with_its_outcome(sho
     assert shop.idem.metrics()["busy_waits"] >= 1
 
 
+def test_a_failed_renewal_never_stops_the_heartbeat_on_a_worker(
+    shop: Shop, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a store whose first renewal fails with an error that is not ours (a Redis BUSY)
+    store, failures = shop.idem.store, []
+    renew = store.renew
+
+    def busy_once(*args: Any, **kwargs: Any) -> Any:
+        if not failures:
+            failures.append(1)
+            raise redis.exceptions.ResponseError("BUSY Redis is busy running a script")
+        return renew(*args, **kwargs)
+
+    monkeypatch.setattr(store, "renew", busy_once)
+    errors = shop.idem.metrics()["store_errors"]
+    # When an attempt runs past its 3 s lease, and a second message with the key arrives then
+    first = shop.app.send_task("shop.slow", (4.5,), headers={"idempotency_key": key})
+    _until(lambda: shop.effects("slow", key) == 1)
+    _until(lambda: bool(failures))
+    time.sleep(3.2)  # past the first lease: only renewals after the failed one keep the claim alive
+    second = shop.app.send_task("shop.slow", (4.5,), headers={"idempotency_key": key})
+    # Then the lease held: the body ran once, the second message answers with its outcome
+    assert second.get(timeout=GET) == first.get(timeout=GET) == "slept 4.5"
+    assert shop.effects("slow", key) == 1
+    assert shop.idem.metrics()["store_errors"] > errors
+
+
 def test_on_busy_retry_retries_later_and_then_replays(shop: Shop, key: str) -> None:
     first = shop.app.send_task("shop.slow_retry", (1.5,), headers={"idempotency_key": key})
     _until(lambda: shop.effects("slow_retry", key) == 1)
