@@ -28,6 +28,7 @@ from celery_idem import (
     LockLostError,
     PayloadMismatchError,
     PermanentError,
+    RecordGoneError,
     ResultTooLargeError,
     SerializationError,
     State,
@@ -257,6 +258,22 @@ def test_ignore_result_duplicate_get_returns_the_stored_result(shop: Shop, key: 
     assert shop.effects("quiet", key) == 1
     # nothing was written to the result backend
     assert shop.app.backend.get_task_meta(first.id)["status"] == "PENDING"
+
+
+def test_ignore_result_get_raises_once_a_retryable_failure_has_freed_the_key(shop: Shop, key: str) -> None:
+    # Given a task that keeps no result in the backend and fails retryably until its retries run out
+    flaky = shop.task("quiet_flaky")
+    first = flaky.apply_async((1,), idempotency_key=key)
+    duplicate = flaky.apply_async((1,), idempotency_key=key)
+    assert duplicate.deduplicated and duplicate.id == first.id
+    # When the callers wait for it (while it runs, and after it has released the key)
+    # Then each is told the record is gone and the key may run again, instead of waiting forever
+    for result in (first, duplicate):
+        with pytest.raises(RecordGoneError, match="is gone") as raised:
+            result.get(timeout=GET)
+        assert raised.value.key == key and raised.value.task_id == first.id
+    assert shop.effects("quiet_flaky", key) == 2  # max_retries=1: two attempts
+    assert shop.idem.get("shop.quiet_flaky", key) is None
 
 
 def test_send_task_by_name_twice_runs_once(shop: Shop, key: str) -> None:
