@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import functools
 import logging
+import pickle
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,48 @@ COUNTERS = (
     "reconciled_failed",
     "reconciled_released",
 )
+
+
+class LeftBehind:
+    """Stands in ``app.conf`` for a setting given in code that cannot travel with the app (a Store
+    instance, an object that does not pickle). A process that rebuilds the app from its conf (a
+    pool child started with ``spawn``) finds this instead, and using it is a clear error."""
+
+    def __init__(self, name: str, description: str) -> None:
+        self.name = name
+        self.description = description
+
+    def error(self) -> ConfigurationError:
+        return ConfigurationError(
+            f"celery-idem setting {self.name} was given in code as {self.description}, which cannot travel "
+            "to this process (a pool child started with worker_pool_start_method='spawn' rebuilds the app "
+            f"from app.conf): pass a value that pickles ({'its URL, ' if self.name == 'store' else ''}"
+            f"e.g. Idempotency(app, {self.name}=...)) or set app.conf.idempotency_{self.name}"
+        )
+
+    def __getattr__(self, attribute: str) -> Any:
+        if attribute.startswith("__"):
+            raise AttributeError(attribute)
+        raise self.error()
+
+    def __repr__(self) -> str:
+        return f"<left behind: {self.description}>"
+
+
+def _travelling(name: str, value: Any) -> Any:
+    """``value`` as it can travel with the app's conf: itself if it pickles, else a :class:`LeftBehind`
+    (for the settings typed Any) or None (not written: the child uses the conf or the default)."""
+    if not isinstance(value, Store):
+        try:
+            pickle.dumps(value)
+            return value
+        except Exception:  # noqa: BLE001 - whatever pickle refuses stays behind
+            pass
+    if IdempotencySettings.model_fields[name].annotation is Any:
+        return LeftBehind(name, f"{type(value).__name__} {value!r}")
+    logger.warning("celery-idem setting %s=%r does not pickle: pool children started with spawn will not see it",
+                   name, value)  # fmt: skip
+    return None
 
 
 def _invalid(where: str, error: ValidationError) -> ConfigurationError:
@@ -86,6 +129,12 @@ class Idempotency:
         install(self)
         if settings:
             self.settings  # noqa: B018 - explicit settings are validated at construction
+        # Settings given in code travel with the app's conf, which is all a pool child started with
+        # spawn gets (the pickled app rebuilds from it); here the keywords still win.
+        for name, value in settings.items():
+            travelling = _travelling(name, value)
+            if travelling is not None:
+                app.conf[f"idempotency_{name}"] = travelling
 
     @classmethod
     def of(cls, app: Any) -> Idempotency:
@@ -144,6 +193,8 @@ class Idempotency:
         """The store, built once from the ``store`` setting."""
         settings = self.settings
         store = settings.store
+        if isinstance(store, LeftBehind):
+            raise store.error()
         if store is None:
             if not self.app.conf.task_always_eager:
                 raise ConfigurationError(
