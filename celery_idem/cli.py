@@ -9,13 +9,14 @@ from __future__ import annotations
 import base64
 import json
 import sys
+from collections.abc import Collection
 from typing import Any
 
 import click
 
-from .errors import IdempotencyError
+from .errors import IdempotencyError, SerializationError
 from .extension import Idempotency
-from .outcome import decode_result
+from .outcome import JSON_ONLY, decode_result
 from .records import IdempotencyRecord, State
 
 __all__ = ["idem", "record_view"]
@@ -23,15 +24,18 @@ __all__ = ["idem", "record_view"]
 _STATES = [state.value for state in State]
 
 
-def record_view(record: IdempotencyRecord) -> dict[str, Any]:
-    """A record as JSON-safe data: the result decoded where its content type allows."""
+def record_view(record: IdempotencyRecord, accept: Collection[str] = JSON_ONLY) -> dict[str, Any]:
+    """A record as JSON-safe data: the result decoded only from a content type in ``accept``;
+    any other shows its content type and size, never decoded."""
     view = record.model_dump(exclude={"result", "call", "content_encoding"})
     view["state"] = record.state.value
     if record.result is not None:
         try:
-            view["result"] = decode_result(record)
+            view["result"] = decode_result(record, accept)
             json.dumps(view["result"])
-        except Exception:  # noqa: BLE001 - not JSON-representable: show the bytes
+        except SerializationError as exc:
+            view["result"] = {"content_type": record.content_type, "bytes": len(record.result), "not_decoded": str(exc)}
+        except Exception:  # noqa: BLE001 - decoded but not JSON-representable: show the bytes
             view["result"] = {"base64": base64.b64encode(record.result).decode("ascii")}
     return view
 
@@ -66,8 +70,11 @@ def _fail(message: str, as_json: bool, code: int = 1) -> None:
     raise SystemExit(code)
 
 
-def _human(record: IdempotencyRecord) -> str:
-    view = record_view(record)
+def _view(ctx: click.Context, record: IdempotencyRecord) -> dict[str, Any]:
+    return record_view(record, _extension(ctx).accepted_content_types)
+
+
+def _human(view: dict[str, Any]) -> str:
     width = max(len(k) for k in view)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in view.items() if v is not None)
 
@@ -103,7 +110,8 @@ def show(ctx: click.Context, key: str, task: str, scope: str | None, as_json: bo
     if record is None:
         _fail(f"no record for key {key!r} of task {name!r}" + (f" in scope {scope!r}" if scope else ""), as_json)
         return
-    _emit(record_view(record), as_json, _human(record))
+    view = _view(ctx, record)
+    _emit(view, as_json, _human(view))
 
 
 @idem.command(name="forget", help="Remove the record of KEY in any state (a running attempt is fenced out).")
@@ -131,7 +139,7 @@ def list_(ctx: click.Context, state: str, task: str | None, limit: int, as_json:
     name = _task_name(ctx, task) if task else None
     records = _extension(ctx).store.records(state=State(state.upper()), task_name=name, limit=limit)
     rows = [f"{r.task_name}  {r.scope or '-'}  {r.key}  {r.task_id}  attempt={r.attempt}" for r in records]
-    _emit([record_view(r) for r in records], as_json, "\n".join(rows) or "no records")
+    _emit([_view(ctx, r) for r in records], as_json, "\n".join(rows) or "no records")
 
 
 @idem.command(name="stats", help="Count the store's live records by state.")

@@ -10,6 +10,7 @@
     ├── StoreUnavailableError      the store did not answer in time, or refused
     ├── LockLostError              another attempt took over this one's lease
     ├── ReplayedFailureError       a stored failure whose class cannot be rebuilt
+    ├── RecordGoneError            get() waits on a record that is gone, with no result backend to ask
     └── SerializationError         arguments or a result the serializer cannot encode
         └── ResultTooLargeError    a result over max_result_bytes   (both also kombu's EncodeError)
 
@@ -35,6 +36,7 @@ __all__ = [
     "LockLostError",
     "PayloadMismatchError",
     "PermanentError",
+    "RecordGoneError",
     "ReplayedFailureError",
     "ResultTooLargeError",
     "RetryableError",
@@ -97,6 +99,10 @@ class LockLostError(IdempotencyError):
 
 class ReplayedFailureError(IdempotencyError):
     """A stored failure is replayed but its exception class cannot be rebuilt."""
+
+
+class RecordGoneError(IdempotencyError):
+    """get() waits on a record that is gone, and no result backend keeps the task's outcome."""
 
 
 class SerializationError(IdempotencyError, TypeError, EncodeError):

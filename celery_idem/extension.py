@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import functools
 import logging
+import pickle
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +15,7 @@ from .config import IdempotencyPolicy, IdempotencySettings
 from .errors import ConfigurationError
 from .fingerprint import validate_key, validate_scope
 from .heartbeat import Heartbeat
+from .outcome import accepted_content_types
 from .records import IdempotencyRecord, Identity
 
 if TYPE_CHECKING:
@@ -37,6 +39,48 @@ COUNTERS = (
     "reconciled_failed",
     "reconciled_released",
 )
+
+
+class LeftBehind:
+    """Stands in ``app.conf`` for a setting given in code that cannot travel with the app (a Store
+    instance, an object that does not pickle). A process that rebuilds the app from its conf (a
+    pool child started with ``spawn``) finds this instead, and using it is a clear error."""
+
+    def __init__(self, name: str, description: str) -> None:
+        self.name = name
+        self.description = description
+
+    def error(self) -> ConfigurationError:
+        return ConfigurationError(
+            f"celery-idem setting {self.name} was given in code as {self.description}, which cannot travel "
+            "to this process (a pool child started with worker_pool_start_method='spawn' rebuilds the app "
+            f"from app.conf): pass a value that pickles ({'its URL, ' if self.name == 'store' else ''}"
+            f"e.g. Idempotency(app, {self.name}=...)) or set app.conf.idempotency_{self.name}"
+        )
+
+    def __getattr__(self, attribute: str) -> Any:
+        if attribute.startswith("__"):
+            raise AttributeError(attribute)
+        raise self.error()
+
+    def __repr__(self) -> str:
+        return f"<left behind: {self.description}>"
+
+
+def _travelling(name: str, value: Any) -> Any:
+    """``value`` as it can travel with the app's conf: itself if it pickles, else a :class:`LeftBehind`
+    (for the settings typed Any) or None (not written: the child uses the conf or the default)."""
+    if not isinstance(value, Store):
+        try:
+            pickle.dumps(value)
+            return value
+        except Exception:  # noqa: BLE001 - whatever pickle refuses stays behind
+            pass
+    if IdempotencySettings.model_fields[name].annotation is Any:
+        return LeftBehind(name, f"{type(value).__name__} {value!r}")
+    logger.warning("celery-idem setting %s=%r does not pickle: pool children started with spawn will not see it",
+                   name, value)  # fmt: skip
+    return None
 
 
 def _invalid(where: str, error: ValidationError) -> ConfigurationError:
@@ -73,7 +117,7 @@ class Idempotency:
         self._lock = threading.Lock()
         self._counters = dict.fromkeys(COUNTERS, 0)
         self._policies: dict[str, IdempotencyPolicy] = {}
-        self.heartbeat = Heartbeat()
+        self.heartbeat = Heartbeat(on_error=functools.partial(self.count, "store_errors"))
         previous = app.__dict__.get(_ATTRIBUTE)
         if previous is not None:
             previous.disconnect()
@@ -87,6 +131,12 @@ class Idempotency:
         install_replacement_callbacks(self)
         if settings:
             self.settings  # noqa: B018 - explicit settings are validated at construction
+        # Settings given in code travel with the app's conf, which is all a pool child started with
+        # spawn gets (the pickled app rebuilds from it); here the keywords still win.
+        for name, value in settings.items():
+            travelling = _travelling(name, value)
+            if travelling is not None:
+                app.conf[f"idempotency_{name}"] = travelling
 
     @classmethod
     def of(cls, app: Any) -> Idempotency:
@@ -134,10 +184,19 @@ class Idempotency:
             raise _invalid(f"celery-idem settings of app {self.app.main!r}", exc) from None
 
     @functools.cached_property
+    def accepted_content_types(self) -> frozenset[str]:
+        """The content types a stored outcome may be decoded from, everywhere this app reads the
+        store (replays, ``get()``, the CLI, the ledger): the app's accepted serializers; pickle
+        only with ``accept_pickle=True``."""
+        return accepted_content_types(self.app.conf, accept_pickle=self.settings.accept_pickle)
+
+    @functools.cached_property
     def store(self) -> Store:
         """The store, built once from the ``store`` setting."""
         settings = self.settings
         store = settings.store
+        if isinstance(store, LeftBehind):
+            raise store.error()
         if store is None:
             if not self.app.conf.task_always_eager:
                 raise ConfigurationError(

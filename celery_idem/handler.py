@@ -397,7 +397,7 @@ class Handler:
                 if copy_of_running:
                     raise self._quiet(identity, task_id, "the running attempt settled")
                 self.idem.count("replays")
-                return replay(record)
+                return replay(record, self.idem.accepted_content_types)
             if taken.decision is Decision.MISMATCH:
                 self.idem.count("mismatches")
                 raise self._mismatch(identity, record)

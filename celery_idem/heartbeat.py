@@ -1,7 +1,10 @@
 """One heartbeat thread per process renews the lease of every attempt that runs in it.
 
 A task shorter than a third of its lease never costs a renewal; a long one renews every lease/3.
-The thread is started lazily, and again after a fork (prefork children do not inherit threads).
+The thread is started lazily, and again whenever it is found not running: after a fork (prefork
+children do not inherit threads), or if it ever died. No error of one renewal, whatever its class
+(a Redis ``BUSY`` or ``READONLY``, a read-only PostgreSQL transaction), stops the renewals: it is
+logged and counted, and the lease is tried again at its next beat.
 """
 
 from __future__ import annotations
@@ -10,9 +13,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .errors import IdempotencyError
 from .records import Identity
 from .stores.base import Store
 
@@ -37,21 +40,30 @@ class Lease:
 
 class Heartbeat:
     """Renews the registered leases; a lease whose renewal comes back LOST is dropped (the attempt's
-    next write is refused by its token, which is where the loss is reported)."""
+    next write is refused by its token, which is where the loss is reported).
 
-    def __init__(self) -> None:
+    Args:
+        on_error: Called once per failed renewal (the extension counts it as a store error).
+    """
+
+    def __init__(self, on_error: Callable[[], None] | None = None) -> None:
         self._leases: set[Lease] = set()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
         self._pid = 0
+        self._on_error = on_error
 
     def add(self, store: Store, identity: Identity, owner: str, seconds: float) -> Lease:
         lease = Lease(store, identity, owner, seconds)
         with self._lock:
             self._leases.add(lease)
-            if self._pid != os.getpid():
+            if not self.running:
+                if self._thread is not None and self._pid == os.getpid():
+                    logger.error("the heartbeat thread had stopped; restarting it")
                 self._pid = os.getpid()
-                threading.Thread(target=self._run, name="celery-idem-heartbeat", daemon=True).start()
+                self._thread = threading.Thread(target=self._run, name="celery-idem-heartbeat", daemon=True)
+                self._thread.start()
             self._wake.notify()
         return lease
 
@@ -59,28 +71,40 @@ class Heartbeat:
         with self._lock:
             self._leases.discard(lease)
 
+    @property
+    def running(self) -> bool:
+        """Whether this process's heartbeat thread is alive (a forked child's is not: it has none)."""
+        thread = self._thread
+        return thread is not None and self._pid == os.getpid() and thread.is_alive()
+
     def _run(self) -> None:
-        pid = os.getpid()
+        me = threading.current_thread()
         while True:
-            with self._lock:
-                if self._pid != pid:
-                    return  # a forked child runs its own thread
-                now = time.monotonic()
-                due = [lease for lease in self._leases if lease.due <= now]
-                if not due:
-                    wait = min((lease.due for lease in self._leases), default=now + 60) - now
-                    self._wake.wait(timeout=max(wait, 0.01))
-                    continue
-            for lease in due:
-                self._renew(lease)
+            try:
+                with self._lock:
+                    if self._thread is not me or self._pid != os.getpid():
+                        return  # replaced, or a forked child runs its own thread
+                    now = time.monotonic()
+                    due = [lease for lease in self._leases if lease.due <= now]
+                    if not due:
+                        wait = min((lease.due for lease in self._leases), default=now + 60) - now
+                        self._wake.wait(timeout=max(wait, 0.01))
+                        continue
+                for lease in due:
+                    self._renew(lease)
+            except Exception:  # noqa: BLE001 - the loop outlives any one bad iteration
+                logger.exception("heartbeat iteration failed; renewals go on")
+                time.sleep(0.1)
 
     def _renew(self, lease: Lease) -> None:
         lease.due = time.monotonic() + lease.seconds / 3
         try:
             answer = lease.store.renew(lease.identity, lease.owner, lease_seconds=lease.seconds)
-        except IdempotencyError as exc:
+        except Exception as exc:  # noqa: BLE001 - any failed beat is only a missed beat
             # A missed beat is not a lost lease: the next one may get through before expiry.
-            logger.warning("heartbeat for %s failed: %s", lease.identity, exc)
+            logger.warning("heartbeat for %s failed: %r; retrying at the next beat", lease.identity, exc)
+            if self._on_error is not None:
+                self._on_error()
             return
         if not answer.ok:
             self.remove(lease)

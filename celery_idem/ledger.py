@@ -26,12 +26,12 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
 from .errors import ConfigurationError, PayloadMismatchError
 from .handler import BYPASS_HEADER, request_header
-from .outcome import decode_result, encode_result
+from .outcome import JSON_ONLY, decode_result, encode_result
 from .records import IdempotencyRecord, Identity, State
 
 try:
@@ -98,12 +98,23 @@ class LedgerEntry:
         self.content_type: str | None = row.content_type
         self.content_encoding: str | None = row.content_encoding
 
-    def value(self) -> Any:
-        """The committed result, decoded."""
+    def value(self, accept: Collection[str] = JSON_ONLY) -> Any:
+        """The committed result, decoded only from a content type in ``accept`` (the app's
+        :attr:`~celery_idem.Idempotency.accepted_content_types`).
+
+        Raises:
+            SerializationError: the entry's content type is not accepted, or it does not decode.
+        """
         return decode_result(
             IdempotencyRecord.model_construct(
-                result=self.result, content_type=self.content_type, content_encoding=self.content_encoding
-            )
+                key=self.identity.key,
+                task_name=self.identity.task_name,
+                task_id=self.task_id,
+                result=self.result,
+                content_type=self.content_type,
+                content_encoding=self.content_encoding,
+            ),
+            accept,
         )
 
 
@@ -272,7 +283,10 @@ class Ledger:
                 "that attempt's fn ended the ledger's transaction (a commit on its connection) before run_once "
                 "stored the outcome, so its effect may be partial; check it, then delete the row to run the call again"
             )
-        return committed.value()  # type: ignore[no-any-return]
+        # The settings' accepted content types, through the task's handler (the ledger sits below
+        # the extension and never imports it).
+        accept = task.idempotency_handler.idem.accepted_content_types
+        return committed.value(accept)  # type: ignore[no-any-return]
 
     def _refuse_second_call(self, request: Any, identity: Identity, session: Session | sa.Connection | None) -> None:
         """One ledger row per identity: a second call in an attempt whose first row stands is a bug."""

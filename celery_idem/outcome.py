@@ -1,9 +1,16 @@
-"""Outcomes as stored: results in the task's serializer, failures rebuilt as their own class."""
+"""Outcomes as stored: results in the task's serializer, failures rebuilt as their own class.
+
+Decoding is the one place store content becomes objects, so it trusts nothing the record says about
+itself: a result is decoded only when its content type is one the app accepts
+(:func:`accepted_content_types`), never because the record claims it. Pickle is accepted only with
+``accept_pickle=True``: anyone who can write to the store could otherwise run code in every process
+that reads it.
+"""
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from kombu import serialization
@@ -11,11 +18,32 @@ from kombu import serialization
 from .errors import ReplayedFailureError, SerializationError
 from .records import ErrorInfo, IdempotencyRecord
 
-__all__ = ["decode_result", "encode_result", "rebuild_exception", "replay"]
+__all__ = [
+    "JSON_ONLY",
+    "PICKLE_CONTENT_TYPE",
+    "accepted_content_types",
+    "decode_result",
+    "encode_result",
+    "rebuild_exception",
+    "replay",
+]
 
-# kombu ships no annotations: name the two calls used here with their real shapes.
+# kombu ships no annotations: name the calls used here with their real shapes.
 _dumps: Callable[..., tuple[str, str, Any]] = serialization.dumps
 _loads: Callable[..., Any] = serialization.loads
+_prepare_accept: Callable[[Iterable[str]], set[str]] = serialization.prepare_accept_content
+
+PICKLE_CONTENT_TYPE = "application/x-python-serialize"
+JSON_ONLY: frozenset[str] = frozenset({"application/json"})
+
+
+def accepted_content_types(conf: Any, *, accept_pickle: bool) -> frozenset[str]:
+    """The content types stored outcomes may be decoded from: what the app accepts for messages
+    and results (``accept_content``, ``result_accept_content``) and its ``task_serializer``;
+    pickle if and only if ``accept_pickle`` (whatever ``accept_content`` says)."""
+    names = [*(conf.accept_content or ()), *(conf.result_accept_content or ()), conf.task_serializer or "json"]
+    accepted = _prepare_accept(names) - {PICKLE_CONTENT_TYPE}
+    return frozenset(accepted | {PICKLE_CONTENT_TYPE} if accept_pickle else accepted)
 
 
 def encode_result(value: Any, serializer: str) -> tuple[bytes, str, str]:
@@ -35,11 +63,41 @@ def encode_result(value: Any, serializer: str) -> tuple[bytes, str, str]:
     return data, content_type, encoding
 
 
-def decode_result(record: IdempotencyRecord) -> Any:
-    """The stored result of a COMPLETED record, as the task returned it (after serialization)."""
+def decode_result(record: IdempotencyRecord, accept: Collection[str] = JSON_ONLY) -> Any:
+    """The stored result of a COMPLETED record, as the task returned it (after serialization).
+
+    Args:
+        record: The record (or a ledger entry's outcome in a record's shape).
+        accept: The content types that may be decoded (:func:`accepted_content_types`).
+
+    Raises:
+        SerializationError: the record's content type is not in ``accept`` (nothing is decoded),
+            or its payload does not decode.
+    """
     if record.result is None or record.content_type is None:
         return None
-    return _loads(record.result, record.content_type, record.content_encoding or "utf-8", accept={record.content_type})
+    context = {name: getattr(record, name, None) for name in ("key", "task_name", "task_id")}
+    content_type = record.content_type
+    if content_type not in accept:
+        fix = (
+            "set accept_pickle=True only if every writer of the store is trusted"
+            if content_type == PICKLE_CONTENT_TYPE
+            else "add its serializer to app.conf.accept_content if it is yours"
+        )
+        raise SerializationError(
+            f"a stored result claims content type {content_type!r} ({len(record.result)} bytes), which this "
+            f"app does not accept ({', '.join(sorted(accept))}); it was not decoded. Forget the record "
+            f"(celery -A proj idem forget KEY --task NAME) to run the call again, or {fix}",
+            **context,
+        )
+    try:
+        return _loads(record.result, content_type, record.content_encoding or "utf-8", accept=set(accept))
+    except Exception as exc:
+        raise SerializationError(
+            f"a stored result of content type {content_type!r} ({len(record.result)} bytes) does not decode: "
+            f"{exc}; forget the record (celery -A proj idem forget KEY --task NAME) to run the call again",
+            **context,
+        ) from exc
 
 
 def rebuild_exception(error: ErrorInfo) -> BaseException:
@@ -55,8 +113,9 @@ def rebuild_exception(error: ErrorInfo) -> BaseException:
     return ReplayedFailureError(f"{error.module}.{error.type}: {error.message}")
 
 
-def replay(record: IdempotencyRecord) -> Any:
-    """Return a COMPLETED record's result, or raise a FAILED record's error."""
+def replay(record: IdempotencyRecord, accept: Collection[str] = JSON_ONLY) -> Any:
+    """Return a COMPLETED record's result (decoded only from a type in ``accept``), or raise a
+    FAILED record's error."""
     if record.error is not None:
         raise rebuild_exception(record.error)
-    return decode_result(record)
+    return decode_result(record, accept)

@@ -16,8 +16,8 @@ from celery.backends.base import DisabledBackend
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult
 
-from .errors import StoreUnavailableError
-from .outcome import replay
+from .errors import RecordGoneError, StoreUnavailableError
+from .outcome import accepted_content_types, rebuild_exception, replay
 
 if TYPE_CHECKING:
     from .extension import Idempotency
@@ -57,15 +57,20 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
         return f"<{type(self).__name__}: {self.id}{flag} key={self.idempotency_key!r}>"
 
     def _settled_record(self) -> IdempotencyRecord | None:
+        if self._record is None and (self.identity is None or self.idempotency is None):
+            return None
+        record = self._stored_record()
+        return record if record is not None and record.state.settled else None
+
+    def _stored_record(self) -> IdempotencyRecord | None:
+        """The record in any state (a settled one is kept); None when it is gone."""
         if self._record is not None:
             return self._record
-        if self.identity is None or self.idempotency is None:
-            return None
+        assert self.identity is not None and self.idempotency is not None
         record = self.idempotency.store.get(self.identity)
         if record is not None and record.state.settled:
             self._record = record
-            return record
-        return None
+        return record
 
     def _settled_record_or_none(self) -> IdempotencyRecord | None:
         """The settled record; None when there is none yet, or when the store is down but the
@@ -80,7 +85,9 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
     def _backend_keeps_results(self) -> bool:
         if self.ignored or isinstance(self.backend, DisabledBackend):
             return False
-        task = self.app.tasks.get(self.name) if self.name else None
+        # Celery ignores AsyncResult's task_name: the identity names the task of a result built here.
+        name = self.name or (self.identity.task_name if self.identity is not None else None)
+        task = self.app.tasks.get(name) if name else None
         return not (task is not None and task.ignore_result)
 
     def get(self, timeout: float | None = None, propagate: bool = True, interval: float = 0.5, **kwargs: Any) -> Any:
@@ -88,29 +95,52 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
 
         Raises:
             celery.exceptions.TimeoutError: no outcome within ``timeout`` seconds.
+            RecordGoneError: the task keeps no result in the backend and its record is gone
+                (released after a retryable failure, expired, or forgotten): nothing will answer.
         """
         record = self._settled_record_or_none()
-        if record is None and self.identity is not None and not self._backend_keeps_results():
-            record = self._watch_store(timeout, interval)
+        if record is None and self.identity is not None and self.idempotency is not None:
+            if not self._backend_keeps_results():
+                record = self._watch_store(timeout, interval)
         if record is None:
             return super().get(timeout=timeout, propagate=propagate, interval=interval, **kwargs)
         if record.error is not None and not propagate:
-            from .outcome import rebuild_exception
-
             return rebuild_exception(record.error)
-        return replay(record)
+        return replay(record, self._accepted_content_types())
+
+    def _accepted_content_types(self) -> frozenset[str]:
+        if self.idempotency is not None:
+            return self.idempotency.accepted_content_types
+        return accepted_content_types(self.app.conf, accept_pickle=False)
 
     def _watch_store(self, timeout: float | None, interval: float) -> IdempotencyRecord:
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = 0.01
         while True:
-            record = self._settled_record()
-            if record is not None:
+            record = self._stored_record()
+            if record is None:
+                raise self._gone()
+            if record.state.settled:
                 return record
             if deadline is not None and time.monotonic() >= deadline:
                 raise CeleryTimeoutError("The operation timed out.")
             time.sleep(pause)
             pause = min(pause * 2, interval)
+
+    def _gone(self) -> RecordGoneError:
+        # The claim is written before the message is published, and a retry keeps it (PENDING):
+        # a record that is absent now was released, forgotten or expired, and no backend keeps
+        # this task's result, so nothing can ever answer.
+        assert self.identity is not None
+        return RecordGoneError(
+            f"the record of idempotency key {self.identity.key!r} of task {self.identity.task_name!r} is gone "
+            f"and task {self.id} keeps no result in the result backend, so nothing will answer: the call "
+            "failed with a retryable error (after its last retry), expired, or was forgotten. The key is free: "
+            "a new call with it runs again",
+            key=self.identity.key,
+            task_name=self.identity.task_name,
+            task_id=self.id,
+        )
 
     @property
     def state(self) -> str:

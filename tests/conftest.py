@@ -123,3 +123,31 @@ def store(store_kind: str, tmp_path: Any, prefix: str, clock: FakeClock) -> Iter
 
 # The celery_app / celery_worker fixtures users test their own tasks with (tests/test_contrib_pytest.py).
 pytest_plugins = ("celery.contrib.pytest",)
+
+
+# ---- a hostile record: a pickle whose loading runs code ------------------------------------------
+
+PICKLE = "application/x-python-serialize"
+
+
+class Planted:
+    """Unpickling this creates the directory ``path``: proof that something decoded it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.makedirs, (self.path,))
+
+
+def plant_pickle(store: Store, identity: Any, fingerprint: str, path: str, ttl_seconds: float = 600) -> str:
+    """A COMPLETED record of ``identity`` whose result claims the pickle content type and would
+    create ``path`` when unpickled, written straight through the store; its task id."""
+    import pickle
+
+    task_id = str(uuid.uuid4())
+    taken = store.acquire(identity, fingerprint, task_id, lease_seconds=ttl_seconds, ttl_seconds=ttl_seconds)
+    assert taken.record is not None and taken.decision.value == "RUN"
+    payload = pickle.dumps(Planted(path))
+    assert store.complete(identity, taken.record.owner, payload, content_type=PICKLE, content_encoding="binary").ok
+    return task_id

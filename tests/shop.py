@@ -124,6 +124,20 @@ def make_app(
         effect(self)
         return {"quiet": order_id}
 
+    @idempotent_task(
+        app=app,
+        shared=False,
+        bind=True,
+        name="shop.quiet_flaky",
+        ignore_result=True,
+        autoretry_for=(ConnectionError,),
+        max_retries=1,
+        default_retry_delay=0,
+    )
+    def quiet_flaky(self: Any, order_id: int) -> dict[str, Any]:
+        effect(self)
+        raise ConnectionError(f"payment provider unreachable for order {order_id}")
+
     @task(name="shop.again")
     def again(self: Any, order_id: int) -> dict[str, Any]:
         effect(self)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REDIS_URL, FakeClock, require_server, wipe
+from conftest import PICKLE, REDIS_URL, FakeClock, Planted, plant_pickle, require_server, wipe
 
 from celery_idem import ReconcileReport
 from celery_idem.records import ErrorInfo, Identity, State
@@ -186,6 +187,27 @@ def test_show_and_forget_with_a_scope_reach_only_the_scoped_record(cli: Cli) -> 
     assert unscoped.returncode == 1 and "no record" in unscoped.stderr
     assert cli("forget", "--task", "shop.charge", "--scope", "eu", k).returncode == 0
     assert cli.store.get(identity) is None
+
+
+def test_show_and_list_never_unpickle_a_result_and_show_its_content_type_and_size(cli: Cli, tmp_path: Path) -> None:
+    # Given a COMPLETED record whose result claims pickle and would create a directory if unpickled
+    k, flag = key(), tmp_path / "unpickled"
+    task_id = plant_pickle(cli.store, Identity("", "shop.charge", k), FP, str(flag))
+    size = len(pickle.dumps(Planted(str(flag))))
+    # When an operator shows it and lists completed records, for people and as JSON
+    human, shown, listed = cli.parallel(
+        ("show", "--task", "shop.charge", k),
+        ("show", "--task", "shop.charge", k, "--json"),
+        ("list", "--state", "COMPLETED", "--json"),
+    )
+    # Then every command answers with the content type and size instead of the value, and nothing ran
+    assert human.returncode == 0, human.stderr
+    assert "application/x-python-serialize" in human.stdout and "not decoded" in human.stdout
+    for view in (cli.loads(shown), *cli.loads(listed)):
+        assert view["task_id"] == task_id and view["content_type"] == PICKLE
+        assert view["result"]["content_type"] == PICKLE and view["result"]["bytes"] == size
+        assert "accept_pickle" in view["result"]["not_decoded"]
+    assert not flag.exists()
 
 
 def test_show_of_a_missing_key_exits_1_naming_it(cli: Cli) -> None:

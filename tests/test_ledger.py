@@ -12,6 +12,7 @@ second insert WOULD be a second row), and the calls of the effect function.
 from __future__ import annotations
 
 import multiprocessing
+import pickle
 import threading
 import time
 import uuid
@@ -24,9 +25,17 @@ import pytest
 import sqlalchemy as sa
 from celery import Celery
 from celery.result import allow_join_result
-from conftest import POSTGRES_URL, require_server
+from conftest import PICKLE, POSTGRES_URL, Planted, require_server
 
-from celery_idem import ConfigurationError, Idempotency, IdempotentTask, MemoryStore, PayloadMismatchError, State
+from celery_idem import (
+    ConfigurationError,
+    Idempotency,
+    IdempotentTask,
+    MemoryStore,
+    PayloadMismatchError,
+    SerializationError,
+    State,
+)
 from celery_idem.ledger import Ledger
 from celery_idem.records import Identity
 
@@ -723,3 +732,37 @@ def test_a_ledger_table_made_before_namespaces_keeps_working(db: Db, key: str) -
             pay(elsewhere, 19, 190, key)
     finally:
         legacy.drop(db.engine, checkfirst=True)
+
+
+# ---- safe decode ---------------------------------------------------------------------------------
+
+
+def test_a_ledger_row_claiming_pickle_is_never_unpickled_without_accept_pickle(db: Db, key: str, tmp_path: Any) -> None:
+    calls: list[str] = []
+    first_id, _ = pay(shop_app(db.ledger, db.payments, calls), 4, 40, key)
+    # Given the committed row's outcome replaced by a pickle that would create a directory when loaded
+    flag = tmp_path / "unpickled"
+    with db.engine.begin() as connection:
+        connection.execute(
+            sa.update(db.ledger.table)
+            .where(db.ledger.table.c.key == key)
+            .values(result=pickle.dumps(Planted(str(flag))), content_type=PICKLE, content_encoding="binary")
+        )
+    # When another execution of the call reaches the ledger, and when the entry is read directly
+    with pytest.raises(SerializationError, match="application/x-python-serialize") as raised:
+        pay(shop_app(db.ledger, db.payments, calls), 4, 40, key)
+    entry = db.ledger.lookup(Identity("", TASK, key))
+    assert entry is not None
+    with pytest.raises(SerializationError, match="does not accept"):
+        entry.value()
+    # Then it is refused clearly and nothing was unpickled; fn did not run again
+    assert raised.value.key == key and raised.value.task_id == first_id
+    assert not flag.exists()
+    assert calls == [first_id] and len(db.payment_rows()) == 1
+
+    # An app that opted in with accept_pickle=True decodes it
+    trusting = shop_app(db.ledger, db.payments, calls)
+    Idempotency(trusting, accept_pickle=True)
+    assert pay(trusting, 4, 40, key)[1] is None  # what os.makedirs returned
+    assert flag.exists()
+    assert calls == [first_id]

@@ -19,7 +19,8 @@ import redis
 from celery import chain, signals
 from celery.contrib.testing.worker import start_worker
 from celery.exceptions import Ignore, Reject
-from conftest import IN_CI, REDIS_URL, require_server
+from celery.result import AsyncResult
+from conftest import IN_CI, REDIS_URL, plant_pickle, require_server
 from shop import COUNTER_URL, effects_key, make_app
 
 from celery_idem import (
@@ -28,11 +29,13 @@ from celery_idem import (
     LockLostError,
     PayloadMismatchError,
     PermanentError,
+    RecordGoneError,
     ResultTooLargeError,
     SerializationError,
     State,
     StoreUnavailableError,
 )
+from celery_idem.records import Identity
 
 RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
 BROKERS = {"redis": "redis://127.0.0.1:6379/14", "rabbitmq": RABBITMQ_URL}
@@ -259,6 +262,22 @@ def test_ignore_result_duplicate_get_returns_the_stored_result(shop: Shop, key: 
     assert shop.app.backend.get_task_meta(first.id)["status"] == "PENDING"
 
 
+def test_ignore_result_get_raises_once_a_retryable_failure_has_freed_the_key(shop: Shop, key: str) -> None:
+    # Given a task that keeps no result in the backend and fails retryably until its retries run out
+    flaky = shop.task("quiet_flaky")
+    first = flaky.apply_async((1,), idempotency_key=key)
+    duplicate = flaky.apply_async((1,), idempotency_key=key)
+    assert duplicate.deduplicated and duplicate.id == first.id
+    # When the callers wait for it (while it runs, and after it has released the key)
+    # Then each is told the record is gone and the key may run again, instead of waiting forever
+    for result in (first, duplicate):
+        with pytest.raises(RecordGoneError, match="is gone") as raised:
+            result.get(timeout=GET)
+        assert raised.value.key == key and raised.value.task_id == first.id
+    assert shop.effects("quiet_flaky", key) == 2  # max_retries=1: two attempts
+    assert shop.idem.get("shop.quiet_flaky", key) is None
+
+
 def test_send_task_by_name_twice_runs_once(shop: Shop, key: str) -> None:
     first = shop.app.send_task("shop.charge", (9, 90), headers={"idempotency_key": key})
     second = shop.app.send_task("shop.charge", (9, 90), headers={"idempotency_key": key})
@@ -297,6 +316,29 @@ def test_a_duplicate_under_a_caller_chosen_task_id_is_answered_under_that_id(sho
     assert again.deduplicated and again.id == chosen
     assert again.get(timeout=GET) == outcome
     assert shop.effects("charge", key) == 1
+
+
+def test_a_worker_never_unpickles_a_stored_result_claiming_pickle(shop: Shop, key: str, tmp_path: Any) -> None:
+    # Given a COMPLETED record whose result claims pickle (and would create a directory if unpickled)
+    charge = shop.task("charge")
+    flag = tmp_path / "unpickled"
+    plant_pickle(
+        shop.idem.store,
+        Identity("", "shop.charge", key),
+        charge.idempotency_handler.fingerprint((7, 70), {}),
+        str(flag),
+    )
+    # When a duplicate under a caller-chosen id reaches the worker, which replays the record
+    chosen = str(uuid.uuid4())
+    again = charge.apply_async((7, 70), idempotency_key=key, task_id=chosen)
+    assert again.deduplicated
+    # Then the worker fails it clearly, as the caller's get() does, and nothing was unpickled or ran
+    with pytest.raises(SerializationError, match="does not accept"):
+        AsyncResult(chosen, app=shop.app).get(timeout=GET)
+    with pytest.raises(SerializationError, match="application/x-python-serialize"):
+        again.get(timeout=GET)
+    assert not flag.exists()
+    assert shop.effects("charge", key) == 0
 
 
 def test_a_chain_whose_last_step_is_a_duplicate_finishes_with_the_stored_outcome(shop: Shop, key: str) -> None:
@@ -464,6 +506,33 @@ def test_a_message_for_a_running_identity_waits_and_answers_with_its_outcome(sho
     assert second.get(timeout=GET) == first.get(timeout=GET) == "slept 4"
     assert shop.effects("slow", key) == 1
     assert shop.idem.metrics()["busy_waits"] >= 1
+
+
+def test_a_failed_renewal_never_stops_the_heartbeat_on_a_worker(
+    shop: Shop, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a store whose first renewal fails with an error that is not ours (a Redis BUSY)
+    store, failures = shop.idem.store, []
+    renew = store.renew
+
+    def busy_once(*args: Any, **kwargs: Any) -> Any:
+        if not failures:
+            failures.append(1)
+            raise redis.exceptions.ResponseError("BUSY Redis is busy running a script")
+        return renew(*args, **kwargs)
+
+    monkeypatch.setattr(store, "renew", busy_once)
+    errors = shop.idem.metrics()["store_errors"]
+    # When an attempt runs past its 3 s lease, and a second message with the key arrives then
+    first = shop.app.send_task("shop.slow", (4.5,), headers={"idempotency_key": key})
+    _until(lambda: shop.effects("slow", key) == 1)
+    _until(lambda: bool(failures))
+    time.sleep(3.2)  # past the first lease: only renewals after the failed one keep the claim alive
+    second = shop.app.send_task("shop.slow", (4.5,), headers={"idempotency_key": key})
+    # Then the lease held: the body ran once, the second message answers with its outcome
+    assert second.get(timeout=GET) == first.get(timeout=GET) == "slept 4.5"
+    assert shop.effects("slow", key) == 1
+    assert shop.idem.metrics()["store_errors"] > errors
 
 
 def test_on_busy_retry_retries_later_and_then_replays(shop: Shop, key: str) -> None:
