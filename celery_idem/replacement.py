@@ -25,29 +25,35 @@ from .records import Identity
 if TYPE_CHECKING:
     from .extension import Idempotency
 
-__all__ = ["install"]
+__all__ = ["install", "replaced", "replaced_failed"]
+
+
+def _settle(app: Any, task_name: str, scope: str, key: str, owner: str, value: Any = None, exc: Any = None) -> None:
+    task = app.tasks.get(task_name)
+    if task is None or not hasattr(task, "idempotency_handler"):
+        return
+    task.idempotency_handler.settle_replaced(Identity(scope, task_name, key), owner, value=value, exc=exc)
+
+
+def replaced(self: Any, value: Any, *, task_name: str, scope: str, key: str, owner: str) -> None:
+    """Link of the replacement: it returned, so the replaced task's record completes with its value."""
+    _settle(self.app, task_name, scope, key, owner, value=value)
+
+
+def replaced_failed(self: Any, request: Any, exc: Any, traceback: Any, *, task_name: str, scope: str, key: str,
+                    owner: str) -> None:  # fmt: skip
+    """Error link of the replacement: the replaced task's record takes its failure (classed as usual)."""
+    if isinstance(exc, BaseException):  # else the reconciler settles it from the result backend
+        _settle(self.app, task_name, scope, key, owner, exc=exc)
 
 
 def install(idem: Idempotency) -> None:
-    """Register the two callbacks on the app (every worker of the app then knows them)."""
+    """Register the two callbacks on the app (every worker of the app then knows them).
+
+    Module-level functions, so installing a second extension on the app registers the same callables
+    again instead of new ones under the same names. Plain Tasks whatever the app's task_cls: an
+    idempotent callback would be deduplicated by its arguments.
+    """
     app = idem.app
-
-    def settle(task_name: str, scope: str, key: str, owner: str, value: Any = None, exc: Any = None) -> None:
-        task = app.tasks.get(task_name)
-        if task is None or not hasattr(task, "idempotency_handler"):
-            return
-        handler = task.idempotency_handler
-        handler.settle_replaced(Identity(scope, task_name, key), owner, value=value, exc=exc)
-
-    def replaced(value: Any, *, task_name: str, scope: str, key: str, owner: str) -> None:
-        settle(task_name, scope, key, owner, value=value)
-
-    def replaced_failed(request: Any, exc: Any, traceback: Any, *, task_name: str, scope: str, key: str,
-                        owner: str) -> None:  # fmt: skip
-        if isinstance(exc, BaseException):  # else the reconciler settles it from the result backend
-            settle(task_name, scope, key, owner, exc=exc)
-
-    # Plain Tasks whatever the app's task_cls: an idempotent callback would be deduplicated by its
-    # arguments (two replacements returning the same value for one key's retries, say).
-    app.task(name=REPLACED_TASK, base=Task, shared=False, ignore_result=True)(replaced)
-    app.task(name=REPLACED_FAILED_TASK, base=Task, shared=False, ignore_result=True)(replaced_failed)
+    app.task(name=REPLACED_TASK, base=Task, bind=True, shared=False, ignore_result=True)(replaced)
+    app.task(name=REPLACED_FAILED_TASK, base=Task, bind=True, shared=False, ignore_result=True)(replaced_failed)

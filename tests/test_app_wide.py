@@ -70,3 +70,11 @@ def _report() -> Any:
     from celery_idem.reconciler import ReconcileReport
 
     return ReconcileReport()
+
+
+def test_installing_the_extension_twice_on_one_app_registers_no_task_twice() -> None:
+    # filterwarnings=error turns Celery's DuplicateTaskNameWarning into a failure here
+    app = make_app()
+    Idempotency(app)
+    Idempotency(app, ttl_seconds=60)
+    assert "celery_idem.replaced" in app.tasks
