@@ -9,7 +9,7 @@ that reads it.
 
 from __future__ import annotations
 
-import importlib
+import sys
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
@@ -101,9 +101,17 @@ def decode_result(record: IdempotencyRecord, accept: Collection[str] = JSON_ONLY
 
 
 def rebuild_exception(error: ErrorInfo) -> BaseException:
-    """The stored failure as its own exception class, or :class:`ReplayedFailureError`."""
+    """The stored failure as its own exception class, or :class:`ReplayedFailureError`.
+
+    The class is looked up only in a module this process has already imported: a record names its
+    module, and importing whatever module a store record names would run that module's code on the
+    say-so of anyone who can write to the store. The task's own module (and what it imports) is
+    loaded wherever the task is called or run, so its exception classes rebuild.
+    """
     try:
-        target: Any = importlib.import_module(error.module)
+        target: Any = sys.modules.get(error.module)
+        if target is None:
+            raise LookupError(error.module)
         for part in error.type.split("."):
             target = getattr(target, part)
         if isinstance(target, type) and issubclass(target, BaseException):

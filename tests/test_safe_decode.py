@@ -9,6 +9,7 @@ tests/test_ledger.py.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,8 @@ import pytest
 from celery import Celery
 from conftest import PICKLE, plant_pickle
 
-from celery_idem import Idempotency, IdempotentTask, SerializationError
-from celery_idem.records import Identity
+from celery_idem import Idempotency, IdempotentTask, ReplayedFailureError, SerializationError
+from celery_idem.records import ErrorInfo, Identity
 from celery_idem.stores import Store
 
 
@@ -95,3 +96,27 @@ def test_a_result_in_an_accepted_serializer_other_than_json_still_replays(store:
     second = charge.apply_async((3,), idempotency_key="order-3")
     assert first.get() == second.get() == {"charged": 3}
     assert charge.calls == [3]
+
+
+def test_a_stored_failure_never_imports_a_module_the_process_has_not_imported(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given an installed module whose import has a side effect, which nothing has imported yet
+    flag = tmp_path / "imported"
+    (tmp_path / "sideeffect_errors.py").write_text(
+        f"import pathlib\npathlib.Path({str(flag)!r}).mkdir()\nclass Boom(Exception):\n    pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _, charge = eager_app(store)
+    identity = Identity("", charge.name, "order-1")
+    fp = charge.idempotency_handler.fingerprint((1,), {})
+    run = store.acquire(identity, fp, "task-1", lease_seconds=30, ttl_seconds=60)
+    assert run.record is not None
+    store.fail(identity, run.record.owner, ErrorInfo(type="Boom", module="sideeffect_errors", message="boom"))
+    # When a duplicate is answered with that stored failure
+    with pytest.raises(ReplayedFailureError, match="sideeffect_errors.Boom: boom"):
+        charge.apply_async((1,), idempotency_key="order-1").get()
+    # Then the module was never imported, and so never ran
+    assert not flag.exists()
+    assert "sideeffect_errors" not in sys.modules
+    assert charge.calls == []
