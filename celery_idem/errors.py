@@ -105,12 +105,10 @@ class RecordGoneError(IdempotencyError):
     """get() waits on a record that is gone, and no result backend keeps the task's outcome."""
 
 
+# Also kombu's EncodeError, which plain Celery raises for the same call: `except EncodeError`
+# written for plain Celery still catches it.
 class SerializationError(IdempotencyError, TypeError, EncodeError):
-    """Arguments or a result cannot be encoded by the task's serializer.
-
-    Also a :class:`kombu.exceptions.EncodeError`, which plain Celery raises for the same call, so
-    ``except EncodeError`` written for plain Celery still catches it.
-    """
+    """Arguments or a result cannot be encoded by the task's serializer."""
 
 
 class ResultTooLargeError(SerializationError):

@@ -79,6 +79,13 @@ def make_app(
         time.sleep(seconds)
         return f"slept {seconds}"
 
+    @task(name="shop.held", acks_late=True, idempotency={"lease_seconds": 10})
+    def held(self: Any, seconds: float) -> str:
+        """A slow task whose lease outlasts a loaded machine's delay between a kill and its report."""
+        effect(self)
+        time.sleep(seconds)
+        return f"slept {seconds}"
+
     @task(name="shop.slow_retry", idempotency={"lease_seconds": 2, "on_busy": "retry"}, max_retries=5)
     def slow_retry(self: Any, seconds: float) -> str:
         effect(self)

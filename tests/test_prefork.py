@@ -76,16 +76,17 @@ def _hook_leaves_the_live_lease_then_the_next_call_runs(
     app: Any, worker: Worker, counter, prefix, key, task_id
 ) -> None:
     """The parent's hook (fenced by the task id) may not free an attempt whose lease is live: the
-    record stays until the lease runs out (no heartbeat renews it now), then the next call runs."""
+    record stays until the lease runs out (no heartbeat renews it now), then the next call runs.
+    shop.held's lease (10 s) outlasts the delay between the kill and the hook on a loaded machine."""
     idem = Idempotency.of(app)
     wait_for(lambda: f"of task {task_id}: record" in worker.output(), "the parent signal hook", 15)
-    held = idem.get("shop.slow", key)
+    held = idem.get("shop.held", key)
     assert held is not None and held.state is State.IN_PROGRESS and held.task_id == task_id
     assert re.search(rf"of task {task_id}: record .* left", worker.output()), "the hook freed a live attempt"
     wait_for(lambda: idem.store.now() > held.lease_expires_at, "the dead attempt's lease to run out", 15)
-    again = app.tasks["shop.slow"].apply_async((SECONDS,), idempotency_key=key)
+    again = app.tasks["shop.held"].apply_async((SECONDS,), idempotency_key=key)
     assert not again.deduplicated and again.get(timeout=GET) == f"slept {SECONDS}"
-    assert int(counter.get(effects_key(prefix, "shop.slow", key))) == 2
+    assert int(counter.get(effects_key(prefix, "shop.held", key))) == 2
 
 
 def test_child_killed_mid_task_keeps_its_lease_until_it_runs_out_then_the_key_runs_again(
@@ -95,12 +96,12 @@ def test_child_killed_mid_task_keeps_its_lease_until_it_runs_out_then_the_key_ru
     app = _producer(BROKERS["redis"], prefix)
     worker = workers(BROKERS["redis"], REDIS_URL, prefix)
     key = f"k-{uuid.uuid4().hex}"
-    result = app.tasks["shop.slow"].apply_async((SECONDS,), idempotency_key=key)
-    wait_for(_started(counter, prefix, "shop.slow", key), "task start")
+    result = app.tasks["shop.held"].apply_async((SECONDS,), idempotency_key=key)
+    wait_for(_started(counter, prefix, "shop.held", key), "task start")
     idem = Idempotency.of(app)
-    assert idem.get("shop.slow", key).state is State.IN_PROGRESS
+    assert idem.get("shop.held", key).state is State.IN_PROGRESS
     # When its child process is SIGKILLed
-    os.kill(int(counter.get(effects_key(prefix, "shop.slow", key) + ":pid")), signal.SIGKILL)
+    os.kill(int(counter.get(effects_key(prefix, "shop.held", key) + ":pid")), signal.SIGKILL)
     # Then the parent reports WorkerLostError; its hook leaves the live lease, and once the lease
     # has run out the next call runs
     with pytest.raises(WorkerLostError):
@@ -155,8 +156,8 @@ def test_revoke_with_terminate_keeps_the_lease_until_it_runs_out_then_the_key_ru
     app = _producer(BROKERS["redis"], prefix)
     worker = workers(BROKERS["redis"], REDIS_URL, prefix)
     key = f"k-{uuid.uuid4().hex}"
-    result = app.tasks["shop.slow"].apply_async((SECONDS,), idempotency_key=key)
-    wait_for(_started(counter, prefix, "shop.slow", key), "task start")
+    result = app.tasks["shop.held"].apply_async((SECONDS,), idempotency_key=key)
+    wait_for(_started(counter, prefix, "shop.held", key), "task start")
     app.control.revoke(result.id, terminate=True, signal="SIGKILL")
     _hook_leaves_the_live_lease_then_the_next_call_runs(app, worker, counter, prefix, key, result.id)
 
