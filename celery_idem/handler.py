@@ -20,22 +20,20 @@ Worker (``run``): acquire, then
 from __future__ import annotations
 
 import contextlib
-import datetime
 import inspect
 import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from celery import Task as CeleryTask
 from celery import group, states
 from celery.backends.base import DisabledBackend
-from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded, TimeLimitExceeded, WorkerLostError
-from celery.utils.time import maybe_iso8601, subtract_datetimes
-from kombu.exceptions import OperationalError as KombuOperationalError
+from celery.exceptions import Ignore, Reject, Retry
 from kombu.utils import json as kombu_json
 
+from . import timing
 from .errors import (
     ConfigurationError,
     DuplicateTaskError,
@@ -43,14 +41,22 @@ from .errors import (
     InvalidKeyError,
     LockLostError,
     PayloadMismatchError,
-    PermanentError,
-    RetryableError,
     SerializationError,
     StoreUnavailableError,
 )
+from .failures import FailureClass, classify_failure
 from .fingerprint import fingerprint, validate_key, validate_scope
 from .outcome import encode_result, replay
 from .owners import worker_token
+from .protocol import (
+    BYPASS_HEADER,
+    KEY_HEADER,
+    OUTAGE_HEADER,
+    REPLACED_FAILED_TASK,
+    REPLACED_TASK,
+    SCOPE_HEADER,
+    request_header,
+)
 from .records import Decision, ErrorInfo, IdempotencyRecord, Identity, State, Transition
 from .stores.base import Fence
 
@@ -59,112 +65,12 @@ if TYPE_CHECKING:
     from .extension import Idempotency
     from .heartbeat import Lease
 
-__all__ = [
-    "BODY_MAY_HAVE_RUN",
-    "BYPASS_HEADER",
-    "KEY_HEADER",
-    "OUTAGE_HEADER",
-    "REPLACED_FAILED_TASK",
-    "REPLACED_TASK",
-    "SCOPE_HEADER",
-    "Handler",
-    "classify_failure",
-    "request_header",
-]
+__all__ = ["Handler"]
 
-KEY_HEADER, SCOPE_HEADER, BYPASS_HEADER = "idempotency_key", "idempotency_scope", "idempotency"
-OUTAGE_HEADER = "idempotency_store_waits"  # how often this message went back for a store outage
 _OUTAGE_FIRST_DELAY, _OUTAGE_MAX_DELAY = 0.5, 30.0  # seconds: the outage backoff doubles up to this
-# The callbacks self.replace() links to the replacement (registered by celery_idem.replacement).
-REPLACED_TASK, REPLACED_FAILED_TASK = "celery_idem.replaced", "celery_idem.replaced_failed"
-# A task FAILURE with one of these says "the body may have run": never evidence to free the key.
-BODY_MAY_HAVE_RUN: tuple[type[BaseException], ...] = (StoreUnavailableError, LockLostError)
 _CONTINUATIONS = ("link", "link_error", "chain", "chord", "group_id")
-# Failures that are transient by nature, whatever default_failure says.
-_TRANSIENT: tuple[type[BaseException], ...] = (
-    ConnectionError,
-    TimeoutError,
-    KombuOperationalError,
-    TimeLimitExceeded,
-    SoftTimeLimitExceeded,
-    WorkerLostError,
-    RetryableError,
-    Retry,
-)
-_TRANSIENT_NAMES = frozenset({"ConnectionError", "TimeoutError", "Timeout"})
-
-# How long a claim outlives the expiry of the message it waits for. A broker that drops an expired
-# message (RabbitMQ turns ``expires`` into the message TTL) sends no task_revoked, so nothing else
-# frees the key; the grace covers the publish after the claim and the worker's clock against ours.
-EXPIRY_GRACE_SECONDS = 5.0
 
 logger = logging.getLogger("celery_idem.handler")
-FailureClass = Literal["retryable", "permanent"]
-
-
-def request_header(request: Any, name: str) -> Any:
-    """A message header as a task request holds it: in ``headers`` (eager mode, and on workers),
-    or as an attribute (workers merge message headers into the request)."""
-    return (request.headers or {}).get(name, getattr(request, name, None))
-
-
-def classify_failure(
-    exc: BaseException, policy: IdempotencyPolicy, autoretry_for: Sequence[type[BaseException]] = ()
-) -> FailureClass:
-    """``"permanent"`` (stored and replayed) or ``"retryable"`` (released) for an exception.
-
-    Celery's control flow first: ``Reject`` without requeue and ``Ignore`` end the call on purpose,
-    and a result that cannot be stored comes after the effect: all three are final (``Reject``
-    with requeue is a retry). Then the policy's and the marker's permanent classes; then the
-    retryable ones (the markers, Celery's Retry, the task's autoretry_for, the policy's list,
-    connection and timeout errors, time limits, a lost worker); anything else follows
-    ``policy.default_failure``.
-    """
-    if isinstance(exc, Reject):
-        return "retryable" if exc.requeue else "permanent"
-    if isinstance(exc, (Ignore, SerializationError, PermanentError, *policy.permanent)):
-        return "permanent"
-    if isinstance(exc, (*_TRANSIENT, *autoretry_for, *policy.retryable)):
-        return "retryable"
-    if any(c.__name__ in _TRANSIENT_NAMES for c in type(exc).__mro__):
-        return "retryable"
-    return policy.default_failure
-
-
-def _seconds_until(when: datetime.datetime | str) -> float:
-    """Seconds from now until ``when``, read as Celery reads an ETA or expiry: a naive datetime is
-    UTC (the worker's Request and send_task make it aware with ``naive_as_utc``), whatever the
-    process's local zone or the app's ``timezone``."""
-    moment: datetime.datetime = maybe_iso8601(when)
-    return float(subtract_datetimes(moment, datetime.datetime.now(datetime.timezone.utc)).total_seconds())
-
-
-def _delay_seconds(options: Mapping[str, Any]) -> float:
-    """How far in the future a countdown or ETA puts the message (its PENDING lease grows by it)."""
-    countdown, eta = options.get("countdown"), options.get("eta")
-    if countdown:
-        return max(float(countdown), 0.0)
-    if isinstance(eta, (str, datetime.datetime)):
-        return max(_seconds_until(eta), 0.0)
-    return 0.0
-
-
-def _pending_seconds(pending_timeout: float, options: Mapping[str, Any], default_expires: Any) -> float:
-    """A claim's PENDING lease: the pending timeout plus the message's countdown or ETA, and never
-    past the message's own expiry plus :data:`EXPIRY_GRACE_SECONDS`.
-
-    ``expires`` is read as Celery reads it: seconds from now, or a datetime (ISO string) where a
-    naive one is UTC; the task's own ``expires`` applies when the call gives none.
-    """
-    lease = pending_timeout + _delay_seconds(options)
-    expires = options["expires"] if "expires" in options else default_expires
-    if isinstance(expires, (int, float)) and not isinstance(expires, bool):
-        left = float(expires)
-    elif isinstance(expires, (str, datetime.datetime)):
-        left = _seconds_until(expires)
-    else:
-        return lease
-    return min(lease, max(left, 0.0) + EXPIRY_GRACE_SECONDS)
 
 
 class Handler:
@@ -254,7 +160,7 @@ class Handler:
                 identity,
                 fp,
                 task_id,
-                pending_seconds=_pending_seconds(policy.pending_timeout_seconds, options, self.task.expires),
+                pending_seconds=timing.pending_seconds(policy.pending_timeout_seconds, options, self.task.expires),
                 ttl_seconds=policy.ttl_seconds,
                 call=self._call(args, kwargs),
             )
@@ -489,7 +395,7 @@ class Handler:
         if isinstance(exc, Retry):
             # The retry message inherits this message's expiry: the claim never outlives it.
             delay = {"countdown": exc.when} if isinstance(exc.when, (int, float)) else {"eta": exc.when}
-            pending = _pending_seconds(policy.pending_timeout_seconds, delay, self.task.request.expires)
+            pending = timing.pending_seconds(policy.pending_timeout_seconds, delay, self.task.request.expires)
             self._give_back(identity, owner, pending_seconds=pending)
         elif isinstance(exc, Ignore) and getattr(self.task.request, "idempotency_replaced", False):
             self.idem.heartbeat.remove(lease)  # no renewal may shorten the lease set here

@@ -30,8 +30,8 @@ from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
 from .errors import ConfigurationError, PayloadMismatchError
-from .handler import BYPASS_HEADER, request_header
 from .outcome import JSON_ONLY, decode_result, encode_result
+from .protocol import BYPASS_HEADER, request_header
 from .records import IdempotencyRecord, Identity, State
 
 try:

@@ -31,9 +31,10 @@ from celery.backends.base import DisabledBackend
 from kombu.utils import json as kombu_json
 from pydantic import BaseModel, ConfigDict
 
-from .handler import BODY_MAY_HAVE_RUN, KEY_HEADER, SCOPE_HEADER, classify_failure
+from .failures import BODY_MAY_HAVE_RUN, classify_failure
 from .outcome import encode_result
 from .owners import holder_node, node_tag
+from .protocol import KEY_HEADER, SCOPE_HEADER
 from .records import Decision, ErrorInfo, IdempotencyRecord, State
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Task
 
-from .handler import REPLACED_FAILED_TASK, REPLACED_TASK
+from .protocol import REPLACED_FAILED_TASK, REPLACED_TASK
 from .records import Identity
 
 if TYPE_CHECKING:

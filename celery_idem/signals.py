@@ -23,7 +23,7 @@ from celery import signals
 from celery.exceptions import TimeLimitExceeded, WorkerLostError
 
 from .errors import IdempotencyError
-from .handler import KEY_HEADER, SCOPE_HEADER, request_header
+from .protocol import KEY_HEADER, SCOPE_HEADER, request_header
 
 if TYPE_CHECKING:
     from .extension import Idempotency

@@ -21,8 +21,8 @@ from shop import COUNTER_URL, effects_key, make_app
 from test_worker import BACKEND, BROKERS, GET, require_rabbitmq
 
 from celery_idem import Idempotency, State
-from celery_idem.handler import EXPIRY_GRACE_SECONDS
 from celery_idem.stores import RedisStore
+from celery_idem.timing import EXPIRY_GRACE_SECONDS
 
 
 class Shop:

@@ -1,0 +1,53 @@
+"""Message timing, read as Celery reads it: how far a countdown or ETA puts a message in the
+future, and how long a PENDING claim may wait for a message that has an expiry."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping
+from typing import Any
+
+from celery.utils.time import maybe_iso8601, subtract_datetimes
+
+__all__ = ["EXPIRY_GRACE_SECONDS", "delay_seconds", "pending_seconds"]
+
+# How long a claim outlives the expiry of the message it waits for. A broker that drops an expired
+# message (RabbitMQ turns ``expires`` into the message TTL) sends no task_revoked, so nothing else
+# frees the key; the grace covers the publish after the claim and the worker's clock against ours.
+EXPIRY_GRACE_SECONDS = 5.0
+
+
+def _seconds_until(when: datetime.datetime | str) -> float:
+    """Seconds from now until ``when``, read as Celery reads an ETA or expiry: a naive datetime is
+    UTC (the worker's Request and send_task make it aware with ``naive_as_utc``), whatever the
+    process's local zone or the app's ``timezone``."""
+    moment: datetime.datetime = maybe_iso8601(when)
+    return float(subtract_datetimes(moment, datetime.datetime.now(datetime.timezone.utc)).total_seconds())
+
+
+def delay_seconds(options: Mapping[str, Any]) -> float:
+    """How far in the future a countdown or ETA puts the message (its PENDING lease grows by it)."""
+    countdown, eta = options.get("countdown"), options.get("eta")
+    if countdown:
+        return max(float(countdown), 0.0)
+    if isinstance(eta, (str, datetime.datetime)):
+        return max(_seconds_until(eta), 0.0)
+    return 0.0
+
+
+def pending_seconds(pending_timeout: float, options: Mapping[str, Any], default_expires: Any) -> float:
+    """A claim's PENDING lease: the pending timeout plus the message's countdown or ETA, and never
+    past the message's own expiry plus :data:`EXPIRY_GRACE_SECONDS`.
+
+    ``expires`` is read as Celery reads it: seconds from now, or a datetime (ISO string) where a
+    naive one is UTC; the task's own ``expires`` applies when the call gives none.
+    """
+    lease = pending_timeout + delay_seconds(options)
+    expires = options["expires"] if "expires" in options else default_expires
+    if isinstance(expires, (int, float)) and not isinstance(expires, bool):
+        left = float(expires)
+    elif isinstance(expires, (str, datetime.datetime)):
+        left = _seconds_until(expires)
+    else:
+        return lease
+    return min(lease, max(left, 0.0) + EXPIRY_GRACE_SECONDS)
