@@ -348,6 +348,19 @@ def test_renew_extends_the_lease(store: Store, clock) -> None:
     assert record is not None and record.lease_expires_at == pytest.approx(clock() + 1, abs=1e-3)
 
 
+def test_renew_never_shortens_a_lease(store: Store, clock) -> None:
+    # Given an attempt that stretched its lease to an hour (as replace() does)
+    owner = running(store)
+    assert store.renew(ID, owner, lease_seconds=3600).ok
+    # When a heartbeat beat that was already in flight lands late with the usual lease
+    assert store.renew(ID, owner, lease_seconds=LEASE_S).ok
+    # Then the hour stands: past the short lease the record is still busy
+    clock.advance(LEASE_S + 1)
+    assert acquire(store, task_id="redelivered").decision is Decision.BUSY
+    record = store.get(ID)
+    assert record is not None and record.lease_expires_at == pytest.approx(clock() - LEASE_S - 1 + 3600, abs=1e-3)
+
+
 def test_renew_of_a_pending_claim_or_wrong_token_is_lost(store: Store) -> None:
     t = claim(store)
     assert t.record is not None

@@ -181,7 +181,8 @@ class MemoryStore(Store):
             record = self._owned(identity, "owner", token, now)
             if record is None or record.state is not State.IN_PROGRESS:
                 return LOST
-            self._put(identity, now, record, lease_expires_at=now + lease, expires_at=now + lease + record.ttl_seconds)
+            lease_end = max(record.lease_expires_at or 0.0, now + lease)  # extends, never shortens
+            self._put(identity, now, record, lease_expires_at=lease_end, expires_at=lease_end + record.ttl_seconds)
             return OK
 
     def _get(self, identity: Identity) -> IdempotencyRecord | None:

@@ -273,10 +273,12 @@ class SQLStore(Store):
             )
             for fence in ("owner", "task_id")
         }  # fmt: skip
+        # A renewal extends the lease, never shortens it (a late beat must not undo a longer lease).
+        renewed = sa.case((c.lease_expires_at > now + p("lease"), c.lease_expires_at), else_=now + p("lease"))
         self._renew_sql = (
             sa.update(t)
             .where(owned("owner"), c.state == State.IN_PROGRESS.value)
-            .values(lease_expires_at=now + p("lease"), updated_at=now, expires_at=now + p("lease") + c.ttl_seconds)
+            .values(lease_expires_at=renewed, updated_at=now, expires_at=renewed + c.ttl_seconds)
         )
         self._forget_sql = sa.delete(t).where(pk).returning((c.expires_at > now).label("live"))
         self._due_sql = (
