@@ -57,7 +57,7 @@ from .protocol import (
     SCOPE_HEADER,
     request_header,
 )
-from .records import Decision, ErrorInfo, IdempotencyRecord, Identity, State, Transition
+from .records import Decision, ErrorInfo, IdempotencyRecord, Identity, Transition
 from .stores.base import Fence
 
 if TYPE_CHECKING:
@@ -317,7 +317,11 @@ class Handler:
                 raise self._quiet(identity, task_id, "the running attempt settled")
             if time.monotonic() >= deadline:
                 if copy_of_running:
-                    raise self._quiet(identity, task_id, "the running attempt still runs; it owns the outcome")
+                    # Still held under this id: the attempt may be alive (it owns the outcome) or dead
+                    # with a lease nobody renews. The copy goes back to the broker, never dropped: it
+                    # ends quietly once that attempt settles, or takes over once its lease runs out.
+                    self._republish(args, kwargs, countdown=policy.lease_seconds)
+                    raise self._quiet(identity, task_id, "the running attempt still runs; the copy waits in the queue")
                 raise task.retry(
                     countdown=policy.lease_seconds,
                     exc=DuplicateTaskError(
@@ -332,13 +336,15 @@ class Handler:
             pause = min(pause * 2, 1.0)
 
     def _still_running(self, identity: Identity, task_id: str) -> bool:
-        """True while the record is the running attempt of ``task_id`` (a copy of it waits; if that
-        attempt's lease runs out, the copy's next acquire takes over, as a redelivery should)."""
+        """True while the record is unsettled under ``task_id``: its attempt runs (a copy waits; if
+        that attempt's lease runs out, the copy's next acquire takes over, as a redelivery should),
+        or it went back to PENDING for a Celery retry, which may be this very message (Task.retry
+        publishes before the attempt releases): the next acquire takes it."""
         try:
             record = self.idem.store.get(identity)
         except StoreUnavailableError:
             return True
-        return record is not None and record.state is State.IN_PROGRESS and record.task_id == task_id
+        return record is not None and not record.state.settled and record.task_id == task_id
 
     def _quiet(self, identity: Identity, task_id: str, why: str) -> Ignore:
         """A copy of a running task id ends without writing that id's state or result."""
@@ -352,18 +358,38 @@ class Handler:
         task, request = self.task, self.task.request
         waits = int(request_header(request, OUTAGE_HEADER) or 0)
         countdown = min(_OUTAGE_FIRST_DELAY * 2**waits, _OUTAGE_MAX_DELAY)
-        options = task.signature_from_request(request, args, kwargs, countdown=countdown).options
-        options["headers"] = {**(options.get("headers") or {}), OUTAGE_HEADER: waits + 1}
         logger.error(
             "store unavailable: task %s (%s) not run, back to the broker in %gs (on_store_error='raise')",
             task.name,
             request.id,
             countdown,
         )
-        # Celery's own apply_async: a re-publish of this message is never claimed again.
-        CeleryTask.apply_async(task, args, kwargs, **{**options, "retries": request.retries})
+        self._republish(args, kwargs, countdown=countdown, headers={OUTAGE_HEADER: waits + 1})
         return Retry(exc=StoreUnavailableError(f"the idempotency store is unavailable; retry in {countdown:g}s"),
                      when=countdown)  # fmt: skip
+
+    def _republish(
+        self,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        *,
+        countdown: float,
+        headers: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Send this very message again (same id, options and retries count) ``countdown`` seconds
+        from now, through Celery's own apply_async: a re-publish is never claimed again.
+
+        Raises:
+            Reject: the broker refused the re-publish too; with ``acks_late`` the message is requeued.
+        """
+        task, request = self.task, self.task.request
+        options = task.signature_from_request(request, args, kwargs, countdown=countdown).options
+        options["headers"] = {**(options.get("headers") or {}), **(headers or {})}
+        try:
+            CeleryTask.apply_async(task, args, kwargs, **{**options, "retries": request.retries})
+        except Exception as exc:
+            logger.error("could not send task %s (%s) back to the broker: %s; rejecting it", task.name, request.id, exc)
+            raise Reject(exc, requeue=True) from exc
 
     def _run_owned(self, record: IdempotencyRecord, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         identity, owner, policy, store = record.identity, record.owner, self.policy, self.idem.store
@@ -402,7 +428,8 @@ class Handler:
             self._await_replacement(identity, owner)
         elif isinstance(exc, Reject) and exc.requeue:
             requeued = bool(self.task.acks_late)  # an early-acked message is gone: Celery drops it
-            self._give_back(identity, owner, pending_seconds=policy.pending_timeout_seconds if requeued else None)
+            pending = timing.pending_seconds(policy.pending_timeout_seconds, {}, self.task.request.expires)
+            self._give_back(identity, owner, pending_seconds=pending if requeued else None)
         else:
             self._settle_failure(identity, owner, exc)
 
@@ -432,23 +459,27 @@ class Handler:
         store = self.idem.store
         try:
             payload, content_type, encoding = encode_result(value, self.serializer)
-            return self._write(identity, task_id, lambda: store.complete(
+            return self._write(identity, owner, task_id, lambda: store.complete(
                 identity, owner, payload, content_type=content_type, content_encoding=encoding
             ))  # fmt: skip
         except SerializationError as exc:
             error = ErrorInfo.from_exception(exc)
-            self._write(identity, task_id, lambda: store.fail(identity, owner, error))
+            self._write(identity, owner, task_id, lambda: store.fail(identity, owner, error))
             raise
 
-    def _write(self, identity: Identity, task_id: str, write: Callable[[], Transition]) -> bool | None:
+    def _write(self, identity: Identity, owner: str, task_id: str, write: Callable[[], Transition]) -> bool | None:
         """Settle the record through ``write``: True (written), False (LOST: another attempt owns it),
         None (the store did not answer while the lease lasted; the heartbeat keeps it meanwhile)."""
         deadline = time.monotonic() + self.policy.lease_seconds
         pause = 0.05
+        retried = False
         while True:
             try:
                 answer = write()
+                if not answer.ok and retried and self._settled_by(identity, owner):
+                    return True  # an earlier try was written and only its reply was lost
             except StoreUnavailableError as exc:
+                retried = True
                 self.idem.count("store_errors")
                 if time.monotonic() + pause >= deadline:
                     logger.error("could not settle %s (task %s) while its lease lasted: %s", identity, task_id, exc)
@@ -461,6 +492,14 @@ class Handler:
                 self.idem.count("lost_locks")
                 logger.warning("outcome of %s (task %s) was LOST: another attempt owns the record", identity, task_id)
             return answer.ok
+
+    def _settled_by(self, identity: Identity, owner: str) -> bool:
+        """Whether the record stands settled under ``owner``'s token (its own write landed)."""
+        try:
+            record = self.idem.store.get(identity)
+        except StoreUnavailableError:
+            return False
+        return record is not None and record.state.settled and record.owner == owner
 
     def _leave_evidence(self, value: Any) -> None:
         """The record could not be settled: the task returns its value, so the result backend holds
@@ -519,7 +558,7 @@ class Handler:
         if not isinstance(exc, Exception) or self.classify(exc) == "retryable":
             self._give_back(identity, owner)
             return
-        self._write(identity, "-", lambda: self.idem.store.fail(identity, owner, ErrorInfo.from_exception(exc)))
+        self._write(identity, owner, "-", lambda: self.idem.store.fail(identity, owner, ErrorInfo.from_exception(exc)))
 
     # ---- shared --------------------------------------------------------------------------------
 
