@@ -270,7 +270,11 @@ class Handler:
         if request_header(request, BYPASS_HEADER) is False:
             return self._run_function(*args, **kwargs)
         fp = self.fingerprint(args, kwargs)
-        identity = self.identify(request_header(request, KEY_HEADER), request_header(request, SCOPE_HEADER), fp)
+        key, scope = request_header(request, KEY_HEADER), request_header(request, SCOPE_HEADER)
+        identity = self.identify(key, scope, fp)
+        if key is not None and KEY_HEADER not in (request.headers or {}):
+            # Delivered as a message property: a retry or a re-publish copies the headers only.
+            request.headers = {**(request.headers or {}), KEY_HEADER: key, **({SCOPE_HEADER: scope} if scope else {})}
         request.idempotency_key = identity.key
         request.idempotency_scope = identity.scope or None
         request.idempotency_fingerprint = fp
