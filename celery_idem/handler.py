@@ -144,6 +144,7 @@ class Handler:
             # Celery's retry re-publishes the same attempt chain under the same task id: never claimed again.
             return send(args, kwargs, options)
 
+        args, kwargs = self._as_sent(args, kwargs, options)
         fp = self.fingerprint(args, kwargs)
         if key is None and scope is None:
             key, scope = self._running_identity(fp)
@@ -219,6 +220,18 @@ class Handler:
             idempotency=self.idem,
             record=record if record.state.settled else None,
         )
+
+    def _as_sent(
+        self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, options: Mapping[str, Any]
+    ) -> tuple[Any, Any]:
+        """The arguments as Celery sends them: a ``pydantic=True`` task's models dumped, as Celery's
+        apply_async does (5.5+, for every serializer but pickle). The fingerprint and the kept call
+        are taken of what the worker will receive, never of the models."""
+        dump = getattr(self.task, "_dump_pydantic_arguments", None)
+        if dump is None or (options.get("serializer") or self.serializer) == "pickle":
+            return args, kwargs
+        dumped: tuple[Any, Any] = dump(args, kwargs)
+        return dumped
 
     def _running_identity(self, fp: str) -> tuple[str | None, str | None]:
         """A key-less call of this task from inside its own body, with the same arguments, is the

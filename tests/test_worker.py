@@ -21,7 +21,7 @@ from celery.contrib.testing.worker import start_worker
 from celery.exceptions import Ignore, Reject
 from celery.result import AsyncResult
 from conftest import IN_CI, REDIS_URL, plant_pickle, require_server
-from shop import COUNTER_URL, effects_key, make_app
+from shop import COUNTER_URL, Order, effects_key, make_app
 
 from celery_idem import (
     Idempotency,
@@ -349,6 +349,23 @@ def test_key_in_the_message_properties_keys_the_call_on_the_worker(shop: Shop, k
     outcomes = _one_runs_the_others_mismatch(results)
     assert sum(isinstance(outcome, PayloadMismatchError) for outcome in outcomes) == 1
     assert shop.effects("charge", key) == 1
+
+
+def test_pydantic_task_called_with_models_runs_once_per_key(shop: Shop, key: str) -> None:
+    place = shop.task("place")
+    # When: a pydantic=True task is called with a model, an equal model and the model's dump, under one key
+    results = [
+        place.apply_async((Order(order_id=3, amount=30),), idempotency_key=key),
+        place.apply_async((Order(order_id=3, amount=30),), idempotency_key=key),
+        place.apply_async(({"order_id": 3, "amount": 30},), idempotency_key=key),
+    ]
+    # Then: it is published once (as Celery sends it: the dump) and runs once
+    assert [r.deduplicated for r in results] == [False, True, True]
+    assert {r.id for r in results} == {results[0].id}
+    assert results[0].get(timeout=GET) == {"order": 3, "amount": 30}
+    assert shop.effects("place", key) == 1
+    with pytest.raises(PayloadMismatchError):
+        place.apply_async((Order(order_id=3, amount=31),), idempotency_key=key)
 
 
 def test_a_chain_whose_head_is_a_duplicate_still_runs_its_tail(shop: Shop, key: str) -> None:
