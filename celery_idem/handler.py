@@ -320,7 +320,7 @@ class Handler:
                 if copy_of_running:
                     raise self._quiet(identity, task_id, "the running attempt settled")
                 self.idem.count("replays")
-                return replay(record, self.idem.accepted_content_types)
+                return self._replay(record)
             if taken.decision is Decision.MISMATCH:
                 self.idem.count("mismatches")
                 raise self._mismatch(identity, record)
@@ -421,7 +421,7 @@ class Handler:
             requeued = bool(self.task.acks_late)  # an early-acked message is gone: Celery drops it
             self._give_back(identity, owner, pending_seconds=policy.pending_timeout_seconds if requeued else None)
         else:
-            self._settle_failure(identity, owner, exc)
+            self._settle_failure(identity, owner, exc, record.fingerprint)
 
     def _settle_value(self, record: IdempotencyRecord, value: Any) -> None:
         """The body returned: the effect happened. Store the value (an unstorable one is stored as a
@@ -531,12 +531,47 @@ class Handler:
         """``"permanent"`` (stored and replayed) or ``"retryable"`` (released) for an exception."""
         return classify_failure(exc, self.policy, self._autoretry_for)
 
-    def _settle_failure(self, identity: Identity, owner: str, exc: BaseException) -> None:
+    def _settle_failure(
+        self, identity: Identity, owner: str, exc: BaseException, fingerprint: str | None = None
+    ) -> None:
         # SystemExit, KeyboardInterrupt...: never an outcome; and a retryable error never freezes a key.
         if not isinstance(exc, Exception) or self.classify(exc) == "retryable":
             self._give_back(identity, owner)
             return
-        self._write(identity, "-", lambda: self.idem.store.fail(identity, owner, ErrorInfo.from_exception(exc)))
+        store, entry = self.idem.store, self._committed(identity, fingerprint)
+        if entry is not None:
+            # The body raised after its effect committed through the ledger: the ledger wins.
+            logger.warning("%s raised %r after its effect committed: completed from the ledger", identity, exc)
+            self._write(identity, "-", lambda: store.complete(
+                identity, owner, entry.result or b"null", content_type=entry.content_type or "application/json",
+                content_encoding=entry.content_encoding or "utf-8",
+            ))  # fmt: skip
+            return
+        self._write(identity, "-", lambda: store.fail(identity, owner, ErrorInfo.from_exception(exc)))
+
+    def _replay(self, record: IdempotencyRecord) -> Any:
+        """A settled record's outcome; a stored failure whose call the ledger holds committed answers
+        with the ledger's value (the record stays FAILED: no store transition rewrites an outcome)."""
+        entry = self._committed(record.identity, record.fingerprint) if record.state is State.FAILED else None
+        if entry is not None:
+            logger.warning("%s is FAILED in the store but committed in the ledger: the ledger wins", record.identity)
+            return entry.value(self.idem.accepted_content_types)
+        return replay(record, self.idem.accepted_content_types)
+
+    def _committed(self, identity: Identity, fingerprint: str | None) -> Any:
+        """The app's ledger entry of this call if it holds it COMPLETED, else None. Wherever the
+        store and the ledger disagree, the ledger (the business database) wins."""
+        ledger = self.idem.settings.ledger
+        if ledger is None or fingerprint is None:
+            return None
+        try:
+            entry = ledger.lookup(identity)
+        except Exception as exc:  # noqa: BLE001 - the database is down: the store's outcome stands
+            logger.warning("could not read the ledger for %s: %s; the store's outcome stands", identity, exc)
+            return None
+        if entry is None or entry.outcome != State.COMPLETED or entry.fingerprint != fingerprint:
+            return None
+        return entry
 
     # ---- shared --------------------------------------------------------------------------------
 
