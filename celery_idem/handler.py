@@ -57,7 +57,7 @@ from .protocol import (
     SCOPE_HEADER,
     request_header,
 )
-from .records import Decision, ErrorInfo, IdempotencyRecord, Identity, Transition
+from .records import Decision, ErrorInfo, IdempotencyRecord, Identity, State, Transition
 from .stores.base import Fence
 
 if TYPE_CHECKING:
@@ -144,6 +144,7 @@ class Handler:
             # Celery's retry re-publishes the same attempt chain under the same task id: never claimed again.
             return send(args, kwargs, options)
 
+        args, kwargs = self._as_sent(args, kwargs, options)
         fp = self.fingerprint(args, kwargs)
         if key is None and scope is None:
             key, scope = self._running_identity(fp)
@@ -220,6 +221,18 @@ class Handler:
             record=record if record.state.settled else None,
         )
 
+    def _as_sent(
+        self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, options: Mapping[str, Any]
+    ) -> tuple[Any, Any]:
+        """The arguments as Celery sends them: a ``pydantic=True`` task's models dumped, as Celery's
+        apply_async does (5.5+, for every serializer but pickle). The fingerprint and the kept call
+        are taken of what the worker will receive, never of the models."""
+        dump = getattr(self.task, "_dump_pydantic_arguments", None)
+        if dump is None or (options.get("serializer") or self.serializer) == "pickle":
+            return args, kwargs
+        dumped: tuple[Any, Any] = dump(args, kwargs)
+        return dumped
+
     def _running_identity(self, fp: str) -> tuple[str | None, str | None]:
         """A key-less call of this task from inside its own body, with the same arguments, is the
         running call itself: it inherits that call's key and scope (and so gets its own id back)."""
@@ -270,7 +283,11 @@ class Handler:
         if request_header(request, BYPASS_HEADER) is False:
             return self._run_function(*args, **kwargs)
         fp = self.fingerprint(args, kwargs)
-        identity = self.identify(request_header(request, KEY_HEADER), request_header(request, SCOPE_HEADER), fp)
+        key, scope = request_header(request, KEY_HEADER), request_header(request, SCOPE_HEADER)
+        identity = self.identify(key, scope, fp)
+        if key is not None and KEY_HEADER not in (request.headers or {}):
+            # Delivered as a message property: a retry or a re-publish copies the headers only.
+            request.headers = {**(request.headers or {}), KEY_HEADER: key, **({SCOPE_HEADER: scope} if scope else {})}
         request.idempotency_key = identity.key
         request.idempotency_scope = identity.scope or None
         request.idempotency_fingerprint = fp
@@ -303,7 +320,7 @@ class Handler:
                 if copy_of_running:
                     raise self._quiet(identity, task_id, "the running attempt settled")
                 self.idem.count("replays")
-                return replay(record, self.idem.accepted_content_types)
+                return self._replay(record)
             if taken.decision is Decision.MISMATCH:
                 self.idem.count("mismatches")
                 raise self._mismatch(identity, record)
@@ -431,7 +448,7 @@ class Handler:
             pending = timing.pending_seconds(policy.pending_timeout_seconds, {}, self.task.request.expires)
             self._give_back(identity, owner, pending_seconds=pending if requeued else None)
         else:
-            self._settle_failure(identity, owner, exc)
+            self._settle_failure(identity, owner, exc, record.fingerprint)
 
     def _settle_value(self, record: IdempotencyRecord, value: Any) -> None:
         """The body returned: the effect happened. Store the value (an unstorable one is stored as a
@@ -553,12 +570,47 @@ class Handler:
         """``"permanent"`` (stored and replayed) or ``"retryable"`` (released) for an exception."""
         return classify_failure(exc, self.policy, self._autoretry_for)
 
-    def _settle_failure(self, identity: Identity, owner: str, exc: BaseException) -> None:
+    def _settle_failure(
+        self, identity: Identity, owner: str, exc: BaseException, fingerprint: str | None = None
+    ) -> None:
         # SystemExit, KeyboardInterrupt...: never an outcome; and a retryable error never freezes a key.
         if not isinstance(exc, Exception) or self.classify(exc) == "retryable":
             self._give_back(identity, owner)
             return
-        self._write(identity, owner, "-", lambda: self.idem.store.fail(identity, owner, ErrorInfo.from_exception(exc)))
+        store, entry = self.idem.store, self._committed(identity, fingerprint)
+        if entry is not None:
+            # The body raised after its effect committed through the ledger: the ledger wins.
+            logger.warning("%s raised %r after its effect committed: completed from the ledger", identity, exc)
+            self._write(identity, owner, "-", lambda: store.complete(
+                identity, owner, entry.result or b"null", content_type=entry.content_type or "application/json",
+                content_encoding=entry.content_encoding or "utf-8",
+            ))  # fmt: skip
+            return
+        self._write(identity, owner, "-", lambda: store.fail(identity, owner, ErrorInfo.from_exception(exc)))
+
+    def _replay(self, record: IdempotencyRecord) -> Any:
+        """A settled record's outcome; a stored failure whose call the ledger holds committed answers
+        with the ledger's value (the record stays FAILED: no store transition rewrites an outcome)."""
+        entry = self._committed(record.identity, record.fingerprint) if record.state is State.FAILED else None
+        if entry is not None:
+            logger.warning("%s is FAILED in the store but committed in the ledger: the ledger wins", record.identity)
+            return entry.value(self.idem.accepted_content_types)
+        return replay(record, self.idem.accepted_content_types)
+
+    def _committed(self, identity: Identity, fingerprint: str | None) -> Any:
+        """The app's ledger entry of this call if it holds it COMPLETED, else None. Wherever the
+        store and the ledger disagree, the ledger (the business database) wins."""
+        ledger = self.idem.settings.ledger
+        if ledger is None or fingerprint is None:
+            return None
+        try:
+            entry = ledger.lookup(identity)
+        except Exception as exc:  # noqa: BLE001 - the database is down: the store's outcome stands
+            logger.warning("could not read the ledger for %s: %s; the store's outcome stands", identity, exc)
+            return None
+        if entry is None or entry.outcome != State.COMPLETED or entry.fingerprint != fingerprint:
+            return None
+        return entry
 
     # ---- shared --------------------------------------------------------------------------------
 

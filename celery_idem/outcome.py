@@ -115,10 +115,23 @@ def rebuild_exception(error: ErrorInfo) -> BaseException:
         for part in error.type.split("."):
             target = getattr(target, part)
         if isinstance(target, type) and issubclass(target, BaseException):
-            return target(*error.args)
+            return _construct(target, error.args)
     except Exception:  # noqa: BLE001 - any failure to rebuild falls through to the generic error
         pass
     return ReplayedFailureError(f"{error.module}.{error.type}: {error.message}")
+
+
+def _construct(cls: type[BaseException], args: list[Any]) -> BaseException:
+    """``cls(*args)``; for a class whose ``__init__`` wants more than its stored args (it passed a
+    built message up), the instance without ``__init__``, kept only if it still reads as text.
+    Raises when neither works (SQLAlchemy's StatementError family builds its text from attributes)."""
+    try:
+        return cls(*args)
+    except Exception:  # noqa: BLE001 - __init__ wants other arguments: try without it
+        exc = cls.__new__(cls, *args)
+        exc.args = tuple(args)
+        str(exc), repr(exc)  # raises if the text needs what __init__ would have set
+        return exc
 
 
 def replay(record: IdempotencyRecord, accept: Collection[str] = JSON_ONLY) -> Any:

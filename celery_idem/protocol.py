@@ -4,19 +4,25 @@ message without importing the state machine."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
     "BYPASS_HEADER",
     "KEY_HEADER",
+    "OPTION_HEADERS",
     "OUTAGE_HEADER",
     "REPLACED_FAILED_TASK",
     "REPLACED_TASK",
     "SCOPE_HEADER",
+    "message_header",
     "request_header",
 ]
 
 KEY_HEADER, SCOPE_HEADER, BYPASS_HEADER = "idempotency_key", "idempotency_scope", "idempotency"
+# The headers a caller may also pass as send_task / signature options (which Celery sends as
+# message properties): the producer moves them into the headers (celery_idem.signals).
+OPTION_HEADERS = (KEY_HEADER, SCOPE_HEADER, BYPASS_HEADER)
 OUTAGE_HEADER = "idempotency_store_waits"  # how often this message went back for a store outage
 # The callbacks self.replace() links to the replacement (registered by celery_idem.replacement).
 REPLACED_TASK, REPLACED_FAILED_TASK = "celery_idem.replaced", "celery_idem.replaced_failed"
@@ -24,5 +30,18 @@ REPLACED_TASK, REPLACED_FAILED_TASK = "celery_idem.replaced", "celery_idem.repla
 
 def request_header(request: Any, name: str) -> Any:
     """A message header as a task request holds it: in ``headers`` (eager mode, and on workers),
-    or as an attribute (workers merge message headers into the request)."""
-    return (request.headers or {}).get(name, getattr(request, name, None))
+    as an attribute (workers merge message headers into the request), or as a message property
+    (a key given as a ``send_task`` option by a producer without celery-idem; only transports that
+    keep unknown properties deliver it, Redis does, AMQP drops it)."""
+    value = (request.headers or {}).get(name, getattr(request, name, None))
+    if value is None:
+        value = (getattr(request, "properties", None) or {}).get(name)
+    return value
+
+
+def message_header(message: Mapping[str, Any], name: str) -> Any:
+    """A message header as a worker's request dict holds it: a header, else a message property."""
+    value = message.get(name)
+    if value is None:
+        value = (message.get("properties") or {}).get(name)
+    return value

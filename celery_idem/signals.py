@@ -2,7 +2,10 @@
 
 A message published by ``app.send_task`` (or beat, or another service) never passes through
 IdempotentTask.apply_async, but it still runs through IdempotentTask.__call__ on the worker, where
-the handler acquires with the key from the ``idempotency_key`` header: no hook is needed for that.
+the handler acquires with the key from the ``idempotency_key`` header. A key given as a
+``send_task`` option (or a by-name signature's option) is sent by Celery as a message *property*,
+which AMQP drops on the way: ``before_task_publish`` moves it into the headers in every process
+that has celery-idem loaded (the worker also reads it from the properties, where they survive).
 
 After a hard kill (SIGKILL, the hard time limit, a terminating revoke) the task's own code never
 runs again: the worker's parent process sends ``task_failure`` (WorkerLostError, TimeLimitExceeded)
@@ -23,7 +26,7 @@ from celery import signals
 from celery.exceptions import TimeLimitExceeded, WorkerLostError
 
 from .errors import IdempotencyError
-from .protocol import KEY_HEADER, SCOPE_HEADER, request_header
+from .protocol import KEY_HEADER, OPTION_HEADERS, SCOPE_HEADER, message_header, request_header
 
 if TYPE_CHECKING:
     from .extension import Idempotency
@@ -52,8 +55,8 @@ class _Hooks:
         task = getattr(request, "task", None)
         if task is None or not self._ours(task):
             return
-        message_headers = request.request_dict
-        kept = {k: message_headers[k] for k in (KEY_HEADER, SCOPE_HEADER) if message_headers.get(k) is not None}
+        found = {name: message_header(request.request_dict, name) for name in (KEY_HEADER, SCOPE_HEADER)}
+        kept = {name: value for name, value in found.items() if value is not None}
         with self.lock:
             self.headers[request.id] = kept
             while len(self.headers) > _REMEMBERED:
@@ -114,8 +117,24 @@ class _Hooks:
         logger.info("%s of task %s: record %s %s", why, task_id, identity, "released" if answer.ok else "left")
 
 
+def options_to_headers(headers: Any = None, properties: Any = None, **_: Any) -> None:
+    """``before_task_publish``: move idempotency options that Celery put in the message properties
+    (``send_task(..., idempotency_key=...)``) into the headers, where every transport carries them
+    and every retry of the message keeps them. An option wins over a header, as in apply_async."""
+    if headers is None or not properties:
+        return
+    for name in OPTION_HEADERS:
+        value = properties.pop(name, None)
+        if value is not None:
+            headers[name] = value
+
+
 def connect(idem: Idempotency) -> list[tuple[Any, Any]]:
-    """Connect one extension's hooks; returns what :func:`disconnect` needs."""
+    """Connect one extension's hooks; returns what :func:`disconnect` needs.
+
+    The publish hook is process-wide (a message sent by name names no app) and connected once.
+    """
+    signals.before_task_publish.connect(options_to_headers, weak=False, dispatch_uid="celery_idem.options_to_headers")
     hooks = _Hooks(idem)
     receivers = [
         (signals.task_received, hooks.received),

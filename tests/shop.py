@@ -18,11 +18,19 @@ import redis
 import sqlalchemy as sa
 from celery import Celery
 from celery.exceptions import Ignore, Reject
+from pydantic import BaseModel
 
 from celery_idem import Idempotency, IdempotentTask, PermanentError, StoreUnavailableError, idempotent_task
 from celery_idem.ledger import Ledger
 
 COUNTER_URL = os.environ.get("SHOP_COUNTER", "redis://127.0.0.1:6379/12")
+
+
+class Order(BaseModel):
+    """The argument of shop.place (module level: Celery's pydantic support resolves it by name)."""
+
+    order_id: int
+    amount: int
 
 
 def effects_key(prefix: str, task: str, key: str) -> str:
@@ -212,6 +220,12 @@ def make_app(
         effect(self)
         time.sleep(hold_after_commit)
         return outcome
+
+    @task(name="shop.place", pydantic=True)
+    def place(self: Any, order: Order) -> dict[str, Any]:
+        """A pydantic=True task: callers may pass an Order, Celery sends its dump."""
+        effect(self)
+        return {"order": order.order_id, "amount": order.amount}
 
     if ledger is not None:
         paying = {"key_args": ["order_id", "amount"], "lease_seconds": 3}

@@ -20,6 +20,7 @@ from celery import _state as celery_state
 from celery.exceptions import Retry
 from celery.result import AsyncResult
 from celery.utils.imports import gen_task_name
+from pydantic import BaseModel
 
 from celery_idem import (
     ConfigurationError,
@@ -44,6 +45,13 @@ from celery_idem import (
 
 class CardDeclined(Exception):
     """A business failure a policy lists as permanent (importable by module and qualname)."""
+
+
+class Order(BaseModel):
+    """The argument of a pydantic=True task (module level: Celery resolves the annotation by name)."""
+
+    order_id: int
+    amount: int
 
 
 def make_app(name: str = "t") -> Celery:
@@ -1004,3 +1012,27 @@ def test_a_task_policy_refines_its_base_class_policy(app: Celery, idem: Idempote
 
     policy = idem.policy_for(refund)
     assert (policy.ttl_seconds, policy.lease_seconds, policy.permanent) == (7200, 5, (KeyError,))
+
+
+# --- pydantic=True tasks ------------------------------------------------------------------------------
+
+
+def test_pydantic_task_is_fingerprinted_as_celery_sends_it(app: Celery, idem: Idempotency, calls: list[Any]) -> None:
+    @app.task(shared=False, base=IdempotentTask, pydantic=True)
+    def place(order: Order) -> dict[str, int]:
+        calls.append(order)
+        return {"order": order.order_id, "amount": order.amount}
+
+    # When: the task is called with a model, an equal model, and the model's dump, under one key
+    first = place.apply_async((Order(order_id=1, amount=5),), idempotency_key="order-1")
+    again = place.apply_async((Order(order_id=1, amount=5),), idempotency_key="order-1")
+    by_dict = place.apply_async(kwargs={"order": {"order_id": 1, "amount": 5}}, idempotency_key="order-1")
+    # Then: it is one call (as plain Celery, which dumps the models, would send it), run once
+    assert [first.deduplicated, again.deduplicated, by_dict.deduplicated] == [False, True, True]
+    assert first.get() == again.get() == by_dict.get() == {"order": 1, "amount": 5}
+    assert calls == [Order(order_id=1, amount=5)]
+    # And: another model under the key is other arguments; without a key, equal models are one call
+    with pytest.raises(PayloadMismatchError):
+        place.apply_async((Order(order_id=1, amount=6),), idempotency_key="order-1")
+    assert place.delay(Order(order_id=2, amount=7)).get() == place.delay({"order_id": 2, "amount": 7}).get()
+    assert len(calls) == 2

@@ -33,6 +33,7 @@ from celery_idem import (
     IdempotentTask,
     MemoryStore,
     PayloadMismatchError,
+    PermanentError,
     SerializationError,
     State,
 )
@@ -766,3 +767,59 @@ def test_a_ledger_row_claiming_pickle_is_never_unpickled_without_accept_pickle(d
     assert pay(trusting, 4, 40, key)[1] is None  # what os.makedirs returned
     assert flag.exists()
     assert calls == [first_id]
+
+
+# ---- the ledger wins ----------------------------------------------------------------------------
+
+
+def committing_then_declining_app(db: Db, calls: list[str], **settings: Any) -> Celery:
+    """An eager app whose task commits its effect through run_once, then raises a permanent error."""
+    app = Celery("ledger-wins", set_as_current=False)
+    app.conf.task_always_eager = True
+    app.conf.task_eager_propagates = True
+    Idempotency(app, **settings)
+
+    @app.task(base=IdempotentTask, bind=True, shared=False, name=TASK)
+    def pay(self: Any, order_id: int, amount: int) -> dict[str, Any]:
+        def effect(session: Any) -> dict[str, Any]:
+            calls.append(self.request.id)
+            session.execute(sa.insert(db.payments).values(order_id=order_id, amount=amount, task_id=self.request.id))
+            return {"order": order_id, "paid": amount}
+
+        db.ledger.run_once(self, effect)
+        raise PermanentError(f"receipt printer on fire for order {order_id}")
+
+    return app
+
+
+def test_a_permanent_failure_after_the_ledger_committed_completes_the_record_with_the_ledger_value(
+    db: Db, key: str
+) -> None:
+    calls: list[str] = []
+    app = committing_then_declining_app(db, calls, ledger=db.ledger)
+    # When: the body commits its effect through the ledger, then raises a permanent error
+    with pytest.raises(PermanentError):
+        app.tasks[TASK].apply_async((5, 500), idempotency_key=key)
+    # Then: the record is COMPLETED with what the ledger committed, and duplicates get it
+    record = Idempotency.of(app).get(TASK, key)
+    assert record is not None and record.state is State.COMPLETED
+    duplicate = app.tasks[TASK].apply_async((5, 500), idempotency_key=key)
+    assert duplicate.deduplicated and duplicate.get() == {"order": 5, "paid": 500}
+    assert len(calls) == 1 and len(db.payment_rows()) == 1
+
+
+def test_a_worker_replaying_a_stored_failure_answers_with_the_ledgers_committed_value(db: Db, key: str) -> None:
+    calls: list[str] = []
+    store = MemoryStore()
+    # Given: a FAILED record whose effect the ledger holds committed (stored by an app without the ledger)
+    app = committing_then_declining_app(db, calls, store=store)
+    with pytest.raises(PermanentError):
+        app.tasks[TASK].apply_async((6, 600), idempotency_key=key)
+    record = Idempotency.of(app).get(TASK, key)
+    assert record is not None and record.state is State.FAILED
+    # When: a worker that has the ledger gets a message of the call
+    Idempotency(app, store=store, ledger=db.ledger)
+    replayed = app.tasks[TASK].apply((6, 600), headers={"idempotency_key": key})
+    # Then: it answers with the ledger's value, without running the body
+    assert replayed.get() == {"order": 6, "paid": 600}
+    assert len(calls) == 1 and len(db.payment_rows()) == 1

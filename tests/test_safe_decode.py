@@ -120,3 +120,35 @@ def test_a_stored_failure_never_imports_a_module_the_process_has_not_imported(
     assert not flag.exists()
     assert "sideeffect_errors" not in sys.modules
     assert charge.calls == []
+
+
+class Declined(Exception):
+    """An exception whose __init__ takes more than the message it passes up (args == (message,))."""
+
+    def __init__(self, order_id: int, reason: str) -> None:
+        super().__init__(f"order {order_id} declined: {reason}")
+        self.order_id = order_id
+
+
+def test_an_exception_whose_init_wants_other_arguments_rebuilds_as_its_class() -> None:
+    from celery_idem.outcome import rebuild_exception
+    from celery_idem.records import ErrorInfo
+
+    rebuilt = rebuild_exception(ErrorInfo.from_exception(Declined(42, "no funds")))
+    assert type(rebuilt) is Declined and str(rebuilt) == "order 42 declined: no funds"
+
+
+def test_sqlalchemy_errors_rebuild_where_their_text_needs_no_init_and_are_replayed_failures_where_it_does() -> None:
+    import sqlite3
+
+    from sqlalchemy import exc as sa_exc
+
+    from celery_idem.outcome import rebuild_exception
+    from celery_idem.records import ErrorInfo
+
+    no_row = rebuild_exception(ErrorInfo.from_exception(sa_exc.NoResultFound("No row was found")))
+    assert type(no_row) is sa_exc.NoResultFound and str(no_row) == "No row was found"
+    integrity = sa_exc.IntegrityError("INSERT ...", {}, sqlite3.IntegrityError("UNIQUE constraint failed"))
+    replayed = rebuild_exception(ErrorInfo.from_exception(integrity))
+    assert type(replayed) is ReplayedFailureError
+    assert "sqlalchemy.exc.IntegrityError" in str(replayed) and "UNIQUE constraint failed" in str(replayed)

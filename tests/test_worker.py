@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 import redis
-from celery import chain, signals
+from celery import Celery, chain, signals
 from celery.contrib.testing.worker import start_worker
 from celery.exceptions import Ignore, Reject
 from celery.result import AsyncResult
 from conftest import IN_CI, REDIS_URL, plant_pickle, require_server
-from shop import COUNTER_URL, effects_key, make_app
+from shop import COUNTER_URL, Order, effects_key, make_app
 
 from celery_idem import (
     Idempotency,
@@ -36,6 +36,7 @@ from celery_idem import (
     StoreUnavailableError,
 )
 from celery_idem.records import Identity
+from celery_idem.signals import options_to_headers
 
 RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
 BROKERS = {"redis": "redis://127.0.0.1:6379/14", "rabbitmq": RABBITMQ_URL}
@@ -295,6 +296,76 @@ def test_send_task_with_other_arguments_under_a_used_key_fails_and_leaves_the_re
         stray.get(timeout=GET)
     assert shop.idem.get("shop.charge", key) == before
     assert shop.effects("charge", key) == 1
+
+
+def _one_runs_the_others_mismatch(results: list[Any]) -> list[Any]:
+    """The outcome of each result: its value, or the PayloadMismatchError it raised."""
+    outcomes: list[Any] = []
+    for result in results:
+        try:
+            outcomes.append(result.get(timeout=GET))
+        except PayloadMismatchError as exc:
+            outcomes.append(exc)
+    return outcomes
+
+
+def _by_name_producer(shop: Shop) -> Celery:
+    """Another service's app: same broker and queue, the task not registered (only its name known)."""
+    producer = Celery("producer", broker=BROKERS[shop.broker], backend=BACKEND, set_as_current=False)
+    producer.conf.task_default_queue = shop.prefix
+    return producer
+
+
+def test_key_given_as_a_send_task_option_keys_the_call(shop: Shop, key: str) -> None:
+    # Given three calls by name under one key with different amounts, the key passed as an option
+    results = [shop.app.send_task("shop.charge", (9, amount), idempotency_key=key) for amount in (90, 91, 92)]
+    outcomes = _one_runs_the_others_mismatch(results)
+    # Then one ran under that key, and the two others were refused as other arguments under a used key
+    assert sum(isinstance(outcome, PayloadMismatchError) for outcome in outcomes) == 2
+    assert shop.effects("charge", key) == 1
+    record = shop.idem.get("shop.charge", key)
+    assert record is not None and record.state is State.COMPLETED
+
+
+def test_key_set_on_a_by_name_signature_keys_the_call(shop: Shop, key: str) -> None:
+    producer = _by_name_producer(shop)
+    sigs = [producer.signature("shop.charge", (9, amount)).set(idempotency_key=key) for amount in (90, 91, 92)]
+    outcomes = _one_runs_the_others_mismatch([sig.apply_async() for sig in sigs])
+    assert sum(isinstance(outcome, PayloadMismatchError) for outcome in outcomes) == 2
+    assert shop.effects("charge", key) == 1
+
+
+def test_key_in_the_message_properties_keys_the_call_on_the_worker(shop: Shop, key: str) -> None:
+    """A producer without celery-idem sends the option as a message property: the worker reads it."""
+    if shop.broker == "rabbitmq":
+        pytest.skip("AMQP drops unknown message properties: only the producer's publish hook carries them")
+    signals.before_task_publish.disconnect(dispatch_uid="celery_idem.options_to_headers")
+    try:
+        results = [shop.app.send_task("shop.charge", (9, amount), idempotency_key=key) for amount in (90, 91)]
+    finally:
+        signals.before_task_publish.connect(
+            options_to_headers, weak=False, dispatch_uid="celery_idem.options_to_headers"
+        )
+    outcomes = _one_runs_the_others_mismatch(results)
+    assert sum(isinstance(outcome, PayloadMismatchError) for outcome in outcomes) == 1
+    assert shop.effects("charge", key) == 1
+
+
+def test_pydantic_task_called_with_models_runs_once_per_key(shop: Shop, key: str) -> None:
+    place = shop.task("place")
+    # When: a pydantic=True task is called with a model, an equal model and the model's dump, under one key
+    results = [
+        place.apply_async((Order(order_id=3, amount=30),), idempotency_key=key),
+        place.apply_async((Order(order_id=3, amount=30),), idempotency_key=key),
+        place.apply_async(({"order_id": 3, "amount": 30},), idempotency_key=key),
+    ]
+    # Then: it is published once (as Celery sends it: the dump) and runs once
+    assert [r.deduplicated for r in results] == [False, True, True]
+    assert {r.id for r in results} == {results[0].id}
+    assert results[0].get(timeout=GET) == {"order": 3, "amount": 30}
+    assert shop.effects("place", key) == 1
+    with pytest.raises(PayloadMismatchError):
+        place.apply_async((Order(order_id=3, amount=31),), idempotency_key=key)
 
 
 def test_a_chain_whose_head_is_a_duplicate_still_runs_its_tail(shop: Shop, key: str) -> None:
