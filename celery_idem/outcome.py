@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
+from celery.exceptions import Retry
 from kombu import serialization
 
 from .errors import ReplayedFailureError, SerializationError
@@ -109,12 +110,15 @@ def rebuild_exception(error: ErrorInfo) -> BaseException:
     loaded wherever the task is called or run, so its exception classes rebuild.
     """
     try:
-        target: Any = sys.modules.get(error.module)
-        if target is None:
-            raise LookupError(error.module)
-        for part in error.type.split("."):
-            target = getattr(target, part)
-        if isinstance(target, type) and issubclass(target, BaseException):
+        module = sys.modules.get(error.module)
+        first, *rest = error.type.split(".")
+        # The module's own namespace (no module __getattr__ hook runs), then nested classes.
+        target: Any = vars(module).get(first) if module is not None else None
+        for part in rest:
+            target = getattr(target, part) if isinstance(target, type) else None
+        # Only what an outcome can be: an Exception (never SystemExit, KeyboardInterrupt, Celery's
+        # Retry: none of them is ever stored, so a record naming one was not written by us).
+        if isinstance(target, type) and issubclass(target, Exception) and not issubclass(target, Retry):
             return _construct(target, error.args)
     except Exception:  # noqa: BLE001 - any failure to rebuild falls through to the generic error
         pass

@@ -152,3 +152,21 @@ def test_sqlalchemy_errors_rebuild_where_their_text_needs_no_init_and_are_replay
     replayed = rebuild_exception(ErrorInfo.from_exception(integrity))
     assert type(replayed) is ReplayedFailureError
     assert "sqlalchemy.exc.IntegrityError" in str(replayed) and "UNIQUE constraint failed" in str(replayed)
+
+
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [("builtins", "SystemExit"), ("builtins", "KeyboardInterrupt"), ("celery.exceptions", "Retry")],
+)
+def test_a_stored_failure_never_rebuilds_what_no_outcome_can_be(store: Store, module: str, name: str) -> None:
+    # Given a record that claims a failure no attempt ever stores (written by someone else)
+    _, charge = eager_app(store)
+    identity = Identity("", charge.name, "order-1")
+    fp = charge.idempotency_handler.fingerprint((1,), {})
+    run = store.acquire(identity, fp, "task-1", lease_seconds=30, ttl_seconds=60)
+    assert run.record is not None
+    store.fail(identity, run.record.owner, ErrorInfo(type=name, module=module, message="forged"))
+    # When a duplicate is answered with it, Then it is a ReplayedFailureError, never the real thing
+    with pytest.raises(ReplayedFailureError, match=f"{module}.{name}: forged"):
+        charge.apply_async((1,), idempotency_key="order-1").get()
+    assert charge.calls == []
