@@ -617,3 +617,36 @@ def test_a_claim_landing_right_after_the_stale_index_check_keeps_its_index_entry
         assert [r.task_id for r in store.expired_leases()] == ["task-2"]
     finally:
         wipe(store)
+
+
+def test_acquire_of_an_expired_record_never_inherits_its_call(store: Store, clock) -> None:
+    # Given a claim that kept its call for requeue and then lived past its TTL (absent, maybe still stored)
+    store.claim(ID, OTHER_FP, "task-old", pending_seconds=5, ttl_seconds=5, call=b'{"args":[666]}')
+    clock.advance(100)
+    # When another call acquires the identity without a call of its own
+    taken = store.acquire(ID, FP, "task-new", lease_seconds=LEASE_S, ttl_seconds=60, call=None)
+    # Then the new record is that call's alone: no other call's arguments to requeue
+    assert taken.decision is Decision.RUN
+    record = store.get(ID)
+    assert record is not None and record.fingerprint == FP and record.call is None
+
+
+def test_acquire_takes_a_record_that_went_back_to_pending_while_it_looked(store: Store) -> None:
+    # Given an attempt holding the record
+    held = acquire(store).record
+    assert held is not None
+    if type(store).__name__ == "SQLStore":
+        # the SQL store decides from a read after its upsert declined: the attempt releases to
+        # PENDING (a Celery retry queued) exactly between the two
+        read = store._read  # type: ignore[attr-defined]
+
+        def released_meanwhile(identity: Identity) -> object:
+            store.release(identity, held.owner, pending_seconds=LEASE_S)
+            store._read = read  # type: ignore[attr-defined]
+            return read(identity)
+
+        store._read = released_meanwhile  # type: ignore[attr-defined]
+    else:
+        store.release(ID, held.owner, pending_seconds=LEASE_S)
+    # When the retry's message acquires, Then it runs: a PENDING record is free to acquire
+    assert acquire(store, task_id="task-1").decision is Decision.RUN

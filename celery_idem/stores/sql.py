@@ -158,8 +158,13 @@ def _rowcount(result: sa.CursorResult[Any]) -> int:
     return result.rowcount
 
 
-def _takeable(record: IdempotencyRecord, now: float | None) -> bool:
-    """Whether a held record's lease had run out at ``now`` (the database's time of the read)."""
+def _takeable(record: IdempotencyRecord, now: float | None, claiming: bool) -> bool:
+    """Whether the upsert should be tried again on a record read after it declined: the record
+    changed in between to one the operation may take (acquire takes any PENDING record, e.g. one a
+    Celery retry just released; both take a lease that had run out at ``now``, the database's time
+    of the read)."""
+    if not claiming and record.state is State.PENDING:
+        return True
     if now is None or record.lease_expires_at is None or record.lease_expires_at > now:
         return False
     return record.state is State.IN_PROGRESS or record.state is State.PENDING
@@ -243,7 +248,8 @@ class SQLStore(Store):
                 "fingerprint": sa.case((absent, p("fingerprint")), else_=c.fingerprint),
                 "created_at": sa.case((absent, now), else_=c.created_at),
                 "attempt": sa.case((absent, 1), else_=c.attempt + 1),
-                "call": sa.func.coalesce(p("call"), c.call),
+                # An absent (expired) record's call belongs to another call: never inherited.
+                "call": sa.case((absent, p("call")), else_=sa.func.coalesce(p("call"), c.call)),
             },
         )
         # A read carries the database's time, so a held record is judged by the same clock.
@@ -393,7 +399,9 @@ class SQLStore(Store):
             held, now = self._read(identity)
             if held is not None:
                 decision = classify(held, fingerprint, claiming=claiming, task_id=task_id)
-                if decision is not (Decision.DUPLICATE if claiming else Decision.BUSY) or not _takeable(held, now):
+                if decision is not (Decision.DUPLICATE if claiming else Decision.BUSY) or not _takeable(
+                    held, now, claiming
+                ):
                     return Transition(decision, held)
             # It was freed (deleted, expired, lease ran out) between the upsert and the read: take again.
         raise sa_exc.TimeoutError(f"{identity} changed hands {_TAKE_TRIES} times in a row")
