@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 from ..errors import ConfigurationError
 from ..records import Decision, ErrorInfo, IdempotencyRecord, Identity, State, Transition
 from .base import LOST, OK, UNSETTLED, Clock, Fence, Settlement, Store, classify
+from .deadline import Watchdog
 
 try:
     import sqlalchemy as sa
@@ -38,6 +39,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 __all__ = ["SQLStore", "records_table"]
 
 T = TypeVar("T")
+# One watchdog per process cuts off a PostgreSQL call whose server went silent (see stores.deadline).
+_WATCHDOG = Watchdog()
+_DEADLINE_MARGIN_SECONDS = 1.0  # past the server's own statement/lock timeout, which answers first
 _UNSETTLED = [s.value for s in UNSETTLED]
 # Both dialects' insert() has on_conflict_do_update and .excluded; the generic Insert has neither.
 _INSERTS: dict[str, Callable[[sa.Table], Any]] = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
@@ -200,6 +204,7 @@ class SQLStore(Store):
         if len(key_prefix) > 64:
             raise ConfigurationError(f"key_prefix must be at most 64 characters for SQLStore; got {len(key_prefix)}")
         self.engine = _private_engine(engine, self.timeout_seconds)
+        self._deadline = self.timeout_seconds + _DEADLINE_MARGIN_SECONDS
         self._autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
         self.metadata = sa.MetaData()
         self.table = records_table(self.metadata, table_name)
@@ -341,8 +346,17 @@ class SQLStore(Store):
             with self._schema_lock:
                 if not self._schema_ready:
                     self.create_schema()
-        with self._autocommit.connect() as connection:
+        with self._autocommit.connect() as connection, _WATCHDOG.guard(self._socket(connection), self._deadline):
             return fetch(connection.execute(statement, params))
+
+    def _socket(self, connection: sa.Connection) -> int | None:
+        """The connection's socket descriptor (PostgreSQL: psycopg's ``pgconn.socket``), or None."""
+        if self.engine.dialect.name != "postgresql":
+            return None  # SQLite is a file: its busy_timeout bounds every wait
+        try:
+            return int(connection.connection.dbapi_connection.pgconn.socket)  # type: ignore[union-attr]
+        except Exception:  # noqa: BLE001 - another driver, or a closed connection: no watchdog
+            return None
 
     def _injected_now(self) -> float | None:
         """The ``:p_now`` of a statement: the injected clock's time, or NULL for the database's own."""
@@ -487,7 +501,7 @@ class SQLStore(Store):
         return float(self._run(self._now_sql, {"p_now": None}, _one)[0])
 
     def _ping(self) -> None:
-        with self._autocommit.connect() as connection:
+        with self._autocommit.connect() as connection, _WATCHDOG.guard(self._socket(connection), self._deadline):
             connection.execute(sa.select(1)).one()
 
     def close(self) -> None:
