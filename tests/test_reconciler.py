@@ -242,6 +242,29 @@ def test_a_requeued_retry_carries_the_arguments_and_retries_count_the_attempt_ra
     assert _runs(counter, prefix, key) == (2, 1)
 
 
+@pytest.mark.slow
+def test_a_claim_whose_message_was_lost_is_requeued_with_its_publish_options(prefix, workers, counter) -> None:
+    app = make_app(broker=BROKER, backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix,
+                   inspect_timeout_seconds=1.0, pending_timeout_seconds=2)  # fmt: skip
+    special, key = f"{prefix}-special", f"k-{uuid.uuid4().hex}"
+    # Given a call to a special queue, with a link, whose message is lost before any worker took it
+    link = app.tasks["shop.noted"].s(key).set(queue=special)
+    result = app.tasks["shop.requeued"].apply_async((5,), {"hold": 0}, idempotency_key=key, queue=special, link=link)
+    assert redis.Redis.from_url(BROKER).delete(special) == 1
+    workers(queue=special)
+    claim = Idempotency.of(app).get("shop.requeued", key)
+    assert claim is not None and claim.state is State.PENDING
+    # When its PENDING lease has run out and the reconciler runs
+    time.sleep(max(0.0, claim.lease_expires_at - time.time()) + 0.2)
+    assert Idempotency.of(app).reconcile().requeued == 1
+    # Then it is delivered to its queue, with its link, as the producer sent it, and runs once
+    answer = result.get(timeout=GET)
+    assert (answer["amount"], answer["queue"]) == (5, special)
+    wait_for(lambda: counter.get(effects_key(prefix, "shop.noted", key)), "the link")
+    assert _runs(counter, prefix, key) == (1, 1)
+    assert int(counter.get(effects_key(prefix, "shop.noted", key))) == 1
+
+
 # ---- the result backend ---------------------------------------------------------------------------------
 
 
