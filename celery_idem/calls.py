@@ -42,7 +42,7 @@ _PUBLISH_OPTIONS = (
     "replaced_task_nesting", "stamped_headers",
 )  # fmt: skip
 # Never kept: the task id is the record's, and these belong to one delivery, not to the call.
-_DELIVERY_ONLY = ("task_id", "countdown", "eta", "redelivered")
+_DELIVERY_ONLY = ("task_id", "countdown", "eta", "redelivered", "is_eager")
 
 
 class CallRefused(ValueError):
@@ -88,7 +88,7 @@ def encode_call(
     serializer: str,
 ) -> bytes:
     """The call as the record keeps it, or a refusal (logged) when it cannot be kept."""
-    kept = {name: value for name, value in options.items() if name not in _DELIVERY_ONLY}
+    kept = {name: value for name, value in options.items() if name not in _DELIVERY_ONLY and value is not None}
     headers = {name: value for name, value in (kept.get("headers") or {}).items() if name != OUTAGE_HEADER}
     kept.update(headers=headers, serializer=serializer)
     document = {"v": VERSION, "args": list(args or ()), "kwargs": dict(kwargs or {}), "options": kept}

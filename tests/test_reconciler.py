@@ -31,6 +31,7 @@ from celery_idem import (
     StoreUnavailableError,
     store_from_url,
 )
+from celery_idem.calls import MAX_CALL_BYTES, encode_call
 from celery_idem.outcome import replay
 from celery_idem.owners import OWNER_MAX_LENGTH, holder_node, node_tag, worker_token
 from celery_idem.reconciler import BEAT_ENTRY, TASK_NAME
@@ -331,6 +332,36 @@ def test_a_failure_that_says_the_body_may_have_run_is_no_evidence_for_release(pr
     report = idem.reconcile()
     assert (report.scanned, report.left, report.released, report.failed) == (2, 2, 0, 0)
     assert [idem.store.get(identity) for identity in kept] == before
+
+
+def _kept(args: list[Any], options: dict[str, Any] | None = None) -> bytes:
+    return encode_call("shop.charge", args, {}, options or {}, serializer="json")
+
+
+@pytest.mark.parametrize(
+    ("call", "requeued"),
+    [
+        pytest.param(_kept([1], {"queue": "billing"}), True, id="kept"),
+        pytest.param(b'{"args": [1], "kwargs": {}}', True, id="kept-before-options-were"),
+        pytest.param(_kept(["x" * MAX_CALL_BYTES]), False, id="too-large-to-keep"),
+        pytest.param(_kept([object()]), False, id="not-json"),
+        pytest.param(_kept([1], {"expires": "2000-01-01T00:00:00+00:00"}), False, id="message-expired"),
+    ],
+)
+def test_a_dead_attempt_is_requeued_only_when_its_call_can_be_delivered_again(
+    prefix: str, call: bytes, requeued: bool
+) -> None:
+    # Given a dead attempt of a requeue task (nobody answers; no grace period) with its kept call
+    idem = Idempotency.of(_quiet_app(prefix, stale_grace_seconds=0, stale_action="requeue"))
+    identity = Identity("", "shop.charge", "dead")
+    idem.store.acquire(identity, FP, str(uuid.uuid4()), lease_seconds=0.2, ttl_seconds=600, call=call)
+    time.sleep(0.3)
+    # When the reconciler runs
+    report = idem.reconcile()
+    # Then a call that can be delivered again is (back to PENDING); a refused or expired one is released
+    assert (report.requeued, report.released) == ((1, 0) if requeued else (0, 1))
+    record = idem.store.get(identity)
+    assert (record is not None and record.state is State.PENDING) if requeued else record is None
 
 
 # ---- leaving alone what is alive or unknown --------------------------------------------------------------
