@@ -31,9 +31,9 @@ from celery import Task as CeleryTask
 from celery import group, states
 from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, Reject, Retry
-from kombu.utils import json as kombu_json
 
 from . import timing
+from .calls import encode_call, published_options
 from .errors import (
     ConfigurationError,
     DuplicateTaskError,
@@ -163,7 +163,7 @@ class Handler:
                 task_id,
                 pending_seconds=timing.pending_seconds(policy.pending_timeout_seconds, options, self.task.expires),
                 ttl_seconds=policy.ttl_seconds,
-                call=self._call(args, kwargs),
+                call=self._call(args, kwargs, options),
             )
         except StoreUnavailableError:
             if not self._proceed_unprotected("claim", identity, task_id):
@@ -241,12 +241,19 @@ class Handler:
             return request.idempotency_key, request.idempotency_scope
         return None, None
 
-    def _call(self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None) -> bytes | None:
-        """The call as the reconciler re-publishes it; kept only when the policy requeues."""
+    def _call(
+        self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, options: Mapping[str, Any] | None = None
+    ) -> bytes | None:
+        """The call as the reconciler delivers it again (celery_idem.calls); kept only when the policy
+        requeues. ``options`` are the publish-time ones; without them, the running message's own,
+        as Celery re-publishes it (Task.retry): the arguments, routing and retries of this attempt."""
         if self.policy.stale_action != "requeue":
             return None
-        text: str = kombu_json.dumps({"args": list(args or ()), "kwargs": dict(kwargs or {})})  # type: ignore[no-untyped-call]
-        return text.encode("utf-8")
+        if options is None:
+            options = self.task.signature_from_request(self.task.request, args, kwargs).options
+        else:
+            options = published_options(options, stamped=options.get("stamped_headers") or ())
+        return encode_call(self.task.name, args, kwargs, options, serializer=self.serializer)
 
     def _result(self, result: Any, identity: Identity, *, deduplicated: bool) -> Any:
         result.deduplicated = deduplicated
@@ -296,6 +303,7 @@ class Handler:
         deadline: float | None = None
         copy_of_running = False  # this message carries the id of an attempt that is running now
         pause = 0.02
+        call = self._call(args, kwargs)
         while True:
             try:
                 taken = store.acquire(
@@ -305,7 +313,7 @@ class Handler:
                     lease_seconds=policy.lease_seconds,
                     ttl_seconds=policy.ttl_seconds,
                     owner=worker_token(getattr(request, "hostname", None)),
-                    call=self._call(args, kwargs),
+                    call=call,
                 )
             except StoreUnavailableError:
                 if self._proceed_unprotected("acquire", identity, task_id):

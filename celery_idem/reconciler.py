@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from celery import Task, states
 from celery.backends.base import DisabledBackend
-from kombu.utils import json as kombu_json
 from pydantic import BaseModel, ConfigDict
 
+from .calls import CallRefused, decode_call
 from .failures import BODY_MAY_HAVE_RUN, classify_failure
 from .outcome import encode_result
 from .owners import holder_node, node_tag
@@ -202,17 +202,30 @@ class Reconciler:
                     lambda: self.store.release(record.identity, record.owner, expired_only=True))  # fmt: skip
 
     def _requeue(self, record: IdempotencyRecord) -> None:
+        """Deliver the kept call again, as it was sent (routing, continuations, limits, retries),
+        under the same key and task id. Not claimed again: the release below is the claim, and the
+        message carries the key."""
+        assert record.call is not None
+        try:
+            call = decode_call(record.call)
+        except CallRefused as exc:
+            self._release(record, f"provably dead, not requeued: {exc}")
+            return
+        expires_at = call.expires_at()
+        if expires_at is not None and expires_at <= self.store.now():
+            self._release(record, "provably dead, not requeued: its message has expired")
+            return
         policy = self._policy(record)
         written = self._write(record, "requeued", "provably dead: requeued", lambda: self.store.release(
             record.identity, record.owner, pending_seconds=policy.pending_timeout_seconds, expired_only=True
         ))  # fmt: skip
-        if not written or self.dry_run or record.call is None:
+        if not written or self.dry_run:
             return
-        call: dict[str, Any] = kombu_json.loads(record.call)  # type: ignore[no-untyped-call]
-        headers = {KEY_HEADER: record.key, **({SCOPE_HEADER: record.scope} if record.scope else {})}
+        headers = {name: value for name, value in (call.options.get("headers") or {}).items() if name != SCOPE_HEADER}
+        headers.update({KEY_HEADER: record.key, **({SCOPE_HEADER: record.scope} if record.scope else {})})
+        options = {**call.options, "headers": headers, "task_id": record.task_id}
         try:
-            self.app.send_task(record.task_name, call.get("args"), call.get("kwargs"), task_id=record.task_id,
-                               headers=headers)  # fmt: skip
+            self.app.send_task(record.task_name, call.args, call.kwargs, **options)
         except Exception as exc:  # noqa: BLE001 - the record stays PENDING until its lease runs out again
             logger.warning("requeue of %s failed: %s; retried on a later run", record.identity, exc)
 

@@ -92,7 +92,7 @@ class IdempotencyRecord(BaseModel):
     content_type: str | None = None
     content_encoding: str | None = None
     error: ErrorInfo | None = None
-    call: bytes | None = None  # the serialized arguments, kept only for stale_action="requeue"
+    call: bytes | None = None  # celery_idem.calls: kept only for stale_action="requeue"
 
     @property
     def identity(self) -> Identity:

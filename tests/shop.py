@@ -206,6 +206,20 @@ def make_app(
     def noted(task_id: str, tag: str) -> None:
         counter.incr(effects_key(prefix, "shop.noted", tag))
 
+    @task(name="shop.requeued", acks_late=True, max_retries=3,
+          idempotency={"lease_seconds": 3, "stale_action": "requeue"})  # fmt: skip
+    def requeued(self: Any, amount: int, hold: float = 60, retry_first: bool = False) -> dict[str, Any]:
+        """Stuck (to be killed) the first time it gets past its optional first retry; then an effect.
+        Answers what the attempt ran with: its arguments, retries, time limits, queue and priority."""
+        if retry_first and self.request.retries == 0:
+            raise self.retry(args=(amount + 1,), kwargs={"hold": hold, "retry_first": True}, countdown=0)
+        if counter.incr(effects_key(prefix, f"{self.name}.started", self.request.idempotency_key)) == 1:
+            time.sleep(hold)  # only the first attempt gets stuck
+        effect(self)
+        delivery = self.request.delivery_info or {}
+        return {"amount": amount, "retries": self.request.retries, "time_limits": list(self.request.timelimit or ()),
+                "queue": delivery.get("routing_key"), "priority": delivery.get("priority")}  # fmt: skip
+
     def pay(self: Any, order_id: int, amount: int, hold_before_commit: float = 0, hold_after_commit: float = 0) -> Any:
         """A payment recorded in the business database with the ledger, in one transaction."""
         assert ledger is not None and payments is not None

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import redis
 import sqlalchemy as sa
-from celery import Celery
+from celery import Celery, chain
 from conftest import POSTGRES_URL, REDIS_URL, require_server, wipe
 from shop import COUNTER_URL, effects_key, make_app, payments_table
 from workers import BACKEND, Worker, wait_for
@@ -31,6 +31,7 @@ from celery_idem import (
     StoreUnavailableError,
     store_from_url,
 )
+from celery_idem.calls import MAX_CALL_BYTES, encode_call
 from celery_idem.outcome import replay
 from celery_idem.owners import OWNER_MAX_LENGTH, holder_node, node_tag, worker_token
 from celery_idem.reconciler import BEAT_ENTRY, TASK_NAME
@@ -156,6 +157,115 @@ def test_killed_before_commit_is_released_or_requeued_and_then_runs_exactly_once
     assert int(counter.get(effects_key(prefix, task, key))) == 1  # one finished body
 
 
+# ---- requeue: the call is delivered again as it was sent -----------------------------------------------
+
+
+@pytest.fixture
+def shop_app(prefix: str) -> Celery:
+    return make_app(broker=BROKER, backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix,
+                    inspect_timeout_seconds=1.0)  # fmt: skip
+
+
+def _kill_and_reconcile(app: Celery, doomed: Worker, workers: Callable[..., Worker], key: str,
+                        counter: redis.Redis, prefix: str, queue: str | None = None) -> ReconcileReport:  # fmt: skip
+    """SIGKILL ``doomed`` while it holds shop.requeued under ``key``, restart it under its node name
+    (so it answers without the task: provably dead), and reconcile once the lease has run out."""
+    wait_for(lambda: counter.get(effects_key(prefix, "shop.requeued.started", key)), "the stuck attempt")
+    doomed.kill()
+    stale = Idempotency.of(app).get("shop.requeued", key)
+    assert stale is not None and stale.state is State.IN_PROGRESS
+    workers(name=doomed.name, queue=queue)
+    time.sleep(max(0.0, stale.lease_expires_at - time.time()) + 0.2)
+    return Idempotency.of(app).reconcile()
+
+
+def _runs(counter: redis.Redis, prefix: str, key: str) -> tuple[int, int]:
+    """(attempts that started, bodies that finished) of shop.requeued under ``key``."""
+    started, finished = (
+        counter.get(effects_key(prefix, name, key)) for name in ("shop.requeued.started", "shop.requeued")
+    )
+    return int(started or 0), int(finished or 0)
+
+
+@pytest.mark.slow
+def test_a_requeued_call_goes_back_to_its_own_queue_with_its_link_priority_and_time_limits(
+    shop_app, workers, prefix, counter
+) -> None:
+    app, special, key = shop_app, f"{prefix}-special", f"k-{uuid.uuid4().hex}"
+    doomed = workers(queue=special)  # nothing consumes the default queue
+    # Given a call sent to a special queue, with a link, a priority and time limits, killed mid-body
+    link = app.tasks["shop.noted"].s(key).set(queue=special)
+    result = app.tasks["shop.requeued"].apply_async(
+        (7,), idempotency_key=key, queue=special, priority=3, soft_time_limit=100, time_limit=120, link=link
+    )
+    # When the reconciler finds it provably dead
+    report = _kill_and_reconcile(app, doomed, workers, key, counter, prefix, queue=special)
+    # Then it is delivered again to that queue, with its options, and runs there once; its link once
+    assert report.requeued == 1
+    answer = result.get(timeout=GET)
+    assert answer == {"amount": 7, "retries": 0, "time_limits": [120, 100], "queue": special, "priority": 3}
+    wait_for(lambda: counter.get(effects_key(prefix, "shop.noted", key)), "the link")
+    assert _runs(counter, prefix, key) == (2, 1)
+    assert int(counter.get(effects_key(prefix, "shop.noted", key))) == 1
+    assert redis.Redis.from_url(BROKER).llen(prefix) == 0  # nothing was sent where nothing consumes
+
+
+@pytest.mark.slow
+def test_a_requeued_chain_head_continues_its_chain(shop_app, workers, prefix, counter) -> None:
+    app, key = shop_app, f"k-{uuid.uuid4().hex}"
+    doomed = workers()
+    # Given the head of a chain killed mid-body
+    workflow = chain(app.tasks["shop.requeued"].s(8).set(idempotency_key=key), app.tasks["shop.noted"].s(key))
+    result = workflow.apply_async()
+    # When it is requeued
+    assert _kill_and_reconcile(app, doomed, workers, key, counter, prefix).requeued == 1
+    # Then the chain continues: the tail runs, once
+    result.get(timeout=GET)
+    assert result.parent.get(timeout=GET)["amount"] == 8
+    assert _runs(counter, prefix, key) == (2, 1)
+    assert int(counter.get(effects_key(prefix, "shop.noted", key))) == 1
+
+
+@pytest.mark.slow
+def test_a_requeued_retry_carries_the_arguments_and_retries_count_the_attempt_ran_with(
+    shop_app, workers, prefix, counter
+) -> None:
+    app, key = shop_app, f"k-{uuid.uuid4().hex}"
+    doomed = workers()
+    # Given a call whose first attempt retried with other arguments (amount + 1), and whose retry
+    # was killed mid-body
+    result = app.tasks["shop.requeued"].apply_async((10,), {"retry_first": True}, idempotency_key=key)
+    # When it is requeued
+    assert _kill_and_reconcile(app, doomed, workers, key, counter, prefix).requeued == 1
+    # Then it runs as the retry ran: its arguments, and its retries count (so it does not retry again)
+    answer = result.get(timeout=GET)
+    assert (answer["amount"], answer["retries"]) == (11, 1)
+    assert _runs(counter, prefix, key) == (2, 1)
+
+
+@pytest.mark.slow
+def test_a_claim_whose_message_was_lost_is_requeued_with_its_publish_options(prefix, workers, counter) -> None:
+    app = make_app(broker=BROKER, backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix,
+                   inspect_timeout_seconds=1.0, pending_timeout_seconds=2)  # fmt: skip
+    special, key = f"{prefix}-special", f"k-{uuid.uuid4().hex}"
+    # Given a call to a special queue, with a link, whose message is lost before any worker took it
+    link = app.tasks["shop.noted"].s(key).set(queue=special)
+    result = app.tasks["shop.requeued"].apply_async((5,), {"hold": 0}, idempotency_key=key, queue=special, link=link)
+    assert redis.Redis.from_url(BROKER).delete(special) == 1
+    workers(queue=special)
+    claim = Idempotency.of(app).get("shop.requeued", key)
+    assert claim is not None and claim.state is State.PENDING
+    # When its PENDING lease has run out and the reconciler runs
+    time.sleep(max(0.0, claim.lease_expires_at - time.time()) + 0.2)
+    assert Idempotency.of(app).reconcile().requeued == 1
+    # Then it is delivered to its queue, with its link, as the producer sent it, and runs once
+    answer = result.get(timeout=GET)
+    assert (answer["amount"], answer["queue"]) == (5, special)
+    wait_for(lambda: counter.get(effects_key(prefix, "shop.noted", key)), "the link")
+    assert _runs(counter, prefix, key) == (1, 1)
+    assert int(counter.get(effects_key(prefix, "shop.noted", key))) == 1
+
+
 # ---- the result backend ---------------------------------------------------------------------------------
 
 
@@ -222,6 +332,36 @@ def test_a_failure_that_says_the_body_may_have_run_is_no_evidence_for_release(pr
     report = idem.reconcile()
     assert (report.scanned, report.left, report.released, report.failed) == (2, 2, 0, 0)
     assert [idem.store.get(identity) for identity in kept] == before
+
+
+def _kept(args: list[Any], options: dict[str, Any] | None = None) -> bytes:
+    return encode_call("shop.charge", args, {}, options or {}, serializer="json")
+
+
+@pytest.mark.parametrize(
+    ("call", "requeued"),
+    [
+        pytest.param(_kept([1], {"queue": "billing"}), True, id="kept"),
+        pytest.param(b'{"args": [1], "kwargs": {}}', True, id="kept-before-options-were"),
+        pytest.param(_kept(["x" * MAX_CALL_BYTES]), False, id="too-large-to-keep"),
+        pytest.param(_kept([object()]), False, id="not-json"),
+        pytest.param(_kept([1], {"expires": "2000-01-01T00:00:00+00:00"}), False, id="message-expired"),
+    ],
+)
+def test_a_dead_attempt_is_requeued_only_when_its_call_can_be_delivered_again(
+    prefix: str, call: bytes, requeued: bool
+) -> None:
+    # Given a dead attempt of a requeue task (nobody answers; no grace period) with its kept call
+    idem = Idempotency.of(_quiet_app(prefix, stale_grace_seconds=0, stale_action="requeue"))
+    identity = Identity("", "shop.charge", "dead")
+    idem.store.acquire(identity, FP, str(uuid.uuid4()), lease_seconds=0.2, ttl_seconds=600, call=call)
+    time.sleep(0.3)
+    # When the reconciler runs
+    report = idem.reconcile()
+    # Then a call that can be delivered again is (back to PENDING); a refused or expired one is released
+    assert (report.requeued, report.released) == ((1, 0) if requeued else (0, 1))
+    record = idem.store.get(identity)
+    assert (record is not None and record.state is State.PENDING) if requeued else record is None
 
 
 # ---- leaving alone what is alive or unknown --------------------------------------------------------------
