@@ -8,49 +8,22 @@ INCR each task body makes (tests/shop.py), never by our records.
 from __future__ import annotations
 
 import time
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import redis
-from celery.contrib.testing.worker import start_worker
-from conftest import REDIS_URL, FakeClock, require_server
+import test_worker
+from conftest import REDIS_URL, FakeClock
 from kombu.exceptions import OperationalError
-from shop import COUNTER_URL, effects_key, make_app
-from test_worker import BACKEND, BROKERS, GET, require_rabbitmq
+from shop import make_app
+from test_worker import BACKEND, BROKERS, GET, Shop
 
-from celery_idem import Idempotency, State
+from celery_idem import State
 from celery_idem.stores import RedisStore
 from celery_idem.timing import EXPIRY_GRACE_SECONDS
 
-
-class Shop:
-    def __init__(self, broker: str) -> None:
-        self.broker = broker
-        self.prefix = f"pw{uuid.uuid4().hex[:10]}"
-        self.app = make_app(broker=BROKERS[broker], backend=BACKEND, store=REDIS_URL, prefix=self.prefix,
-                            queue=self.prefix)  # fmt: skip
-        self.idem = Idempotency.of(self.app)
-        self.counter = redis.Redis.from_url(COUNTER_URL)
-
-    def effects(self, task: str, key: str) -> int:
-        return int(self.counter.get(effects_key(self.prefix, f"shop.{task}", key)) or 0)
-
-
-@pytest.fixture(scope="module", params=sorted(BROKERS))
-def shop(request: pytest.FixtureRequest) -> Iterator[Shop]:
-    require_server("redis")
-    if request.param == "rabbitmq":
-        require_rabbitmq()
-    shop = Shop(request.param)
-    with start_worker(shop.app, pool="threads", concurrency=4, perform_ping_check=False, shutdown_timeout=20):
-        yield shop
-
-
-@pytest.fixture
-def key() -> str:
-    return f"k-{uuid.uuid4().hex}"
+# The same in-process worker over each broker as tests/test_worker.py (one per module).
+shop = test_worker.shop
+key = test_worker.key
 
 
 def _until(predicate: Any, seconds: float = GET) -> Any:
