@@ -22,6 +22,7 @@ finishes meanwhile wins.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -81,6 +82,11 @@ class Reconciler:
         self.store = idem.store
         self.dry_run = dry_run
         self.counts = dict.fromkeys(("scanned", "completed", "failed", "released", "requeued", "left"), 0)
+
+    @functools.cached_property
+    def now(self) -> float:
+        """The store server's time, read once per run (not once per record): grace and expiry checks."""
+        return self.store.now()
 
     def run(self, limit: int | None = None) -> ReconcileReport:
         started = time.monotonic()
@@ -178,7 +184,7 @@ class Reconciler:
         )
         if not dead:
             grace = self.idem.settings.stale_grace_seconds
-            overdue = self.store.now() - (record.lease_expires_at or 0)
+            overdue = self.now - (record.lease_expires_at or 0)
             if overdue < grace:
                 silent = "no worker" if liveness is None else "not the worker that holds it"
                 self._leave(record, f"{silent} answered; {overdue:.0f}s past its lease, grace {grace:g}s")
@@ -212,7 +218,7 @@ class Reconciler:
             self._release(record, f"provably dead, not requeued: {exc}")
             return
         expires_at = call.expires_at()
-        if expires_at is not None and expires_at <= self.store.now():
+        if expires_at is not None and expires_at <= self.now:
             self._release(record, "provably dead, not requeued: its message has expired")
             return
         policy = self._policy(record)
