@@ -15,8 +15,8 @@ from .config import IdempotencyPolicy, IdempotencySettings
 from .errors import ConfigurationError
 from .fingerprint import validate_key, validate_scope
 from .heartbeat import Heartbeat
-from .outcome import accepted_content_types
-from .records import IdempotencyRecord, Identity
+from .outcome import accepted_content_types, replay
+from .records import IdempotencyRecord, Identity, State
 
 if TYPE_CHECKING:
     from .reconciler import ReconcileReport
@@ -248,6 +248,39 @@ class Idempotency:
     def get(self, task: Any, key: str, scope: str | None = None) -> IdempotencyRecord | None:
         """The record of ``(scope, task, key)``; ``task`` is the task or its name."""
         return self.store.get(self._identity(task, key, scope))
+
+    def committed(self, identity: Identity, fingerprint: str | None) -> Any:
+        """The ledger's committed entry of this call (a :class:`~celery_idem.ledger.LedgerEntry`),
+        or None: no ledger, no committed row, or a row of other arguments.
+
+        Raises:
+            sqlalchemy.exc.SQLAlchemyError: the ledger's database could not be asked.
+        """
+        ledger = self.settings.ledger
+        return None if ledger is None else ledger.completed(identity, fingerprint)
+
+    def replay(self, record: IdempotencyRecord) -> Any:
+        """A settled record's outcome as every reader answers it (a worker's duplicate, ``get()``):
+        the stored value or failure, except that a stored failure of a call the ledger holds
+        committed answers with the ledger's value. The business database wins over the store."""
+        entry = self.overruled(record)
+        if entry is not None:
+            return entry.value(self.accepted_content_types)
+        return replay(record, self.accepted_content_types)
+
+    def overruled(self, record: IdempotencyRecord) -> Any:
+        """The ledger entry that overrules a FAILED record, or None (also when the ledger is down:
+        the store's outcome then stands, and the reader is told so in the log)."""
+        if record.state is not State.FAILED or self.settings.ledger is None:
+            return None
+        try:
+            entry = self.committed(record.identity, record.fingerprint)
+        except Exception as exc:  # noqa: BLE001 - the database is down: the store's outcome stands
+            logger.warning("could not read the ledger for %s: %s; the store's outcome stands", record.identity, exc)
+            return None
+        if entry is not None:
+            logger.warning("%s is FAILED in the store but committed in the ledger: the ledger wins", record.identity)
+        return entry
 
     def forget(self, task: Any, key: str, scope: str | None = None) -> bool:
         """Remove the record in any state; True if there was one. A running attempt is fenced out."""

@@ -46,18 +46,19 @@ from .errors import (
 )
 from .failures import FailureClass, classify_failure
 from .fingerprint import fingerprint, validate_key, validate_scope
-from .outcome import encode_result, replay
+from .outcome import encode_result
 from .owners import worker_token
 from .protocol import (
     BYPASS_HEADER,
     KEY_HEADER,
+    LEDGER_ATTEMPT_ATTRIBUTE,
     OUTAGE_HEADER,
     REPLACED_FAILED_TASK,
     REPLACED_TASK,
     SCOPE_HEADER,
     request_header,
 )
-from .records import Decision, ErrorInfo, IdempotencyRecord, Identity, State, Transition
+from .records import Decision, ErrorInfo, IdempotencyRecord, Identity, Transition
 from .stores.base import Fence
 
 if TYPE_CHECKING:
@@ -328,7 +329,7 @@ class Handler:
                 if copy_of_running:
                     raise self._quiet(identity, task_id, "the running attempt settled")
                 self.idem.count("replays")
-                return self._replay(record)
+                return self.idem.replay(record)
             if taken.decision is Decision.MISMATCH:
                 self.idem.count("mismatches")
                 raise self._mismatch(identity, record)
@@ -585,7 +586,18 @@ class Handler:
         if not isinstance(exc, Exception) or self.classify(exc) == "retryable":
             self._give_back(identity, owner)
             return
-        store, entry = self.idem.store, self._committed(identity, fingerprint)
+        store = self.idem.store
+        try:
+            entry = self.idem.committed(identity, fingerprint)
+        except Exception as ledger_error:  # noqa: BLE001 - the ledger's database is down
+            if getattr(self.task.request, LEDGER_ATTEMPT_ATTRIBUTE, None) is not None:
+                # This attempt's effect may stand committed: no outcome is stored, the lease runs
+                # out and the reconciler settles the record from the ledger once it answers.
+                logger.warning("%s raised %r and the ledger cannot say whether its effect committed (%s): "
+                               "left to the reconciler", identity, exc, ledger_error)  # fmt: skip
+                return
+            logger.warning("could not read the ledger for %s: %s; the failure is stored", identity, ledger_error)
+            entry = None
         if entry is not None:
             # The body raised after its effect committed through the ledger: the ledger wins.
             logger.warning("%s raised %r after its effect committed: completed from the ledger", identity, exc)
@@ -595,30 +607,6 @@ class Handler:
             ))  # fmt: skip
             return
         self._write(identity, owner, "-", lambda: store.fail(identity, owner, ErrorInfo.from_exception(exc)))
-
-    def _replay(self, record: IdempotencyRecord) -> Any:
-        """A settled record's outcome; a stored failure whose call the ledger holds committed answers
-        with the ledger's value (the record stays FAILED: no store transition rewrites an outcome)."""
-        entry = self._committed(record.identity, record.fingerprint) if record.state is State.FAILED else None
-        if entry is not None:
-            logger.warning("%s is FAILED in the store but committed in the ledger: the ledger wins", record.identity)
-            return entry.value(self.idem.accepted_content_types)
-        return replay(record, self.idem.accepted_content_types)
-
-    def _committed(self, identity: Identity, fingerprint: str | None) -> Any:
-        """The app's ledger entry of this call if it holds it COMPLETED, else None. Wherever the
-        store and the ledger disagree, the ledger (the business database) wins."""
-        ledger = self.idem.settings.ledger
-        if ledger is None or fingerprint is None:
-            return None
-        try:
-            entry = ledger.lookup(identity)
-        except Exception as exc:  # noqa: BLE001 - the database is down: the store's outcome stands
-            logger.warning("could not read the ledger for %s: %s; the store's outcome stands", identity, exc)
-            return None
-        if entry is None or entry.outcome != State.COMPLETED or entry.fingerprint != fingerprint:
-            return None
-        return entry
 
     # ---- shared --------------------------------------------------------------------------------
 

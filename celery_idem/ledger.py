@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 from .errors import ConfigurationError, PayloadMismatchError
 from .outcome import JSON_ONLY, decode_result, encode_result
-from .protocol import BYPASS_HEADER, request_header
+from .protocol import BYPASS_HEADER, LEDGER_ATTEMPT_ATTRIBUTE, request_header
 from .records import IdempotencyRecord, Identity, State
 
 try:
@@ -48,7 +48,7 @@ logger = logging.getLogger("celery_idem.ledger")
 
 # What a task request remembers of its run_once call: the nonce of the row it stands on, or this
 # when that row is known to be committed.
-_USED = "idempotency_ledger_nonce"
+_USED = LEDGER_ATTEMPT_ATTRIBUTE
 _COMMITTED = "committed"
 # A row's outcome until run_once stores fn's result with it; committed so only if fn ended the transaction.
 _UNSETTLED = State.IN_PROGRESS.value
@@ -219,6 +219,21 @@ class Ledger:
         with self.engine.connect() as connection:
             return self._read(connection, identity)
 
+    def completed(self, identity: Identity, fingerprint: str | None) -> LedgerEntry | None:
+        """The entry of this very call (``fingerprint``) if its outcome is committed, else None.
+
+        The one rule every reader applies where the store and the ledger disagree: the ledger wins.
+
+        Raises:
+            sqlalchemy.exc.SQLAlchemyError: the database could not be asked.
+        """
+        if fingerprint is None:
+            return None
+        entry = self.lookup(identity)
+        if entry is None or entry.outcome != State.COMPLETED.value or entry.fingerprint != fingerprint:
+            return None
+        return entry
+
     # ---- run_once ----------------------------------------------------------------------------------
 
     def run_once(self, task: Any, fn: Callable[[Session], T], *, session: Session | sa.Connection | None = None) -> T:
@@ -262,6 +277,9 @@ class Ledger:
         row = {"namespace": self.namespace, "scope": identity.scope, "task_name": identity.task_name,
                "key": identity.key, "task_id": request.id or "", "fingerprint": fingerprint, "nonce": uuid.uuid4().hex,
                "outcome": _UNSETTLED, "committed_at": _DB_NOW[self.engine.dialect.name]}  # fmt: skip
+        # Marked before the row can commit: an attempt whose COMMIT's fate is unknown has touched the
+        # ledger, and the handler leaves such an attempt's failure to the reconciler.
+        setattr(request, _USED, row["nonce"])
         if session is None:
             committed, value = self._record_and_commit(identity, row, fn, serializer)
             setattr(request, _USED, _COMMITTED)

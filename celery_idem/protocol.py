@@ -10,6 +10,7 @@ from typing import Any
 __all__ = [
     "BYPASS_HEADER",
     "KEY_HEADER",
+    "LEDGER_ATTEMPT_ATTRIBUTE",
     "OPTION_HEADERS",
     "OUTAGE_HEADER",
     "REPLACED_FAILED_TASK",
@@ -26,6 +27,9 @@ OPTION_HEADERS = (KEY_HEADER, SCOPE_HEADER, BYPASS_HEADER)
 OUTAGE_HEADER = "idempotency_store_waits"  # how often this message went back for a store outage
 # The callbacks self.replace() links to the replacement (registered by celery_idem.replacement).
 REPLACED_TASK, REPLACED_FAILED_TASK = "celery_idem.replaced", "celery_idem.replaced_failed"
+# Set on a task request by Ledger.run_once before its row can commit: this attempt has touched the
+# ledger, so a failure of it may stand on a committed effect.
+LEDGER_ATTEMPT_ATTRIBUTE = "idempotency_ledger_nonce"
 
 
 def request_header(request: Any, name: str) -> Any:

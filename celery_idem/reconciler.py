@@ -116,15 +116,16 @@ class Reconciler:
 
     def _settle_on_evidence(self, record: IdempotencyRecord) -> bool:
         """Settle from the ledger or the result backend; False when neither knows the outcome."""
-        ledger = self.idem.settings.ledger
-        if ledger is not None:
-            entry = ledger.lookup(record.identity)
-            if entry is not None and entry.outcome == State.COMPLETED and entry.fingerprint == record.fingerprint:
-                payload = entry.result or b"null"
-                self._complete(
-                    record, payload, entry.content_type or "application/json", entry.content_encoding, "ledger"
-                )
-                return True
+        try:
+            entry = self.idem.committed(record.identity, record.fingerprint)
+        except Exception as exc:  # noqa: BLE001 - the ledger's database is down
+            # It may hold the effect committed: no other evidence may settle the record before it answers.
+            self._leave(record, f"the ledger could not be asked: {exc}")
+            return True
+        if entry is not None:
+            payload = entry.result or b"null"
+            self._complete(record, payload, entry.content_type or "application/json", entry.content_encoding, "ledger")
+            return True
         backend = self.app.backend
         if isinstance(backend, DisabledBackend):
             return False

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 __all__ = ["IdempotentResult"]
 
+_UNASKED = object()
+
 
 class IdempotentResult(AsyncResult):  # type: ignore[misc]
     """An AsyncResult that knows its idempotency identity and can answer from the store."""
@@ -51,6 +53,7 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
         self.identity = identity
         self.idempotency = idempotency
         self._record = record
+        self._ledger_entry: Any = _UNASKED
 
     def __repr__(self) -> str:
         flag = " deduplicated" if self.deduplicated else ""
@@ -104,9 +107,19 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
                 record = self._watch_store(timeout, interval)
         if record is None:
             return super().get(timeout=timeout, propagate=propagate, interval=interval, **kwargs)
+        if self.idempotency is not None:
+            if record.error is not None and not propagate and self._overruled(record) is None:
+                return rebuild_exception(record.error)
+            return self.idempotency.replay(record)  # the ledger wins over a stored failure
         if record.error is not None and not propagate:
             return rebuild_exception(record.error)
         return replay(record, self._accepted_content_types())
+
+    def _overruled(self, record: IdempotencyRecord) -> Any:
+        """The ledger entry overruling a FAILED record, asked once per result object."""
+        if self._ledger_entry is _UNASKED:
+            self._ledger_entry = None if self.idempotency is None else self.idempotency.overruled(record)
+        return self._ledger_entry
 
     def _accepted_content_types(self) -> frozenset[str]:
         if self.idempotency is not None:
@@ -154,7 +167,8 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
         if record is None:
             record = self._settled_record_or_none()
         if record is not None:
-            return str(states.SUCCESS if record.error is None else states.FAILURE)
+            failed = record.error is not None and self._overruled(record) is None
+            return str(states.FAILURE if failed else states.SUCCESS)
         return str(super().state)
 
     status = state

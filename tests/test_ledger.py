@@ -823,3 +823,74 @@ def test_a_worker_replaying_a_stored_failure_answers_with_the_ledgers_committed_
     # Then: it answers with the ledger's value, without running the body
     assert replayed.get() == {"order": 6, "paid": 600}
     assert len(calls) == 1 and len(db.payment_rows()) == 1
+
+
+def test_get_of_a_stored_failure_answers_with_the_ledgers_committed_value(db: Db, key: str) -> None:
+    calls: list[str] = []
+    store = MemoryStore()
+    # Given: a FAILED record whose effect the ledger holds committed (stored by an app without the ledger)
+    with pytest.raises(PermanentError):
+        committing_then_declining_app(db, calls, store=store).tasks[TASK].apply_async((7, 700), idempotency_key=key)
+    # When: a producer that has the ledger calls again and reads the replayed outcome
+    app = committing_then_declining_app(db, calls, store=store, ledger=db.ledger)
+    duplicate = app.tasks[TASK].apply_async((7, 700), idempotency_key=key)
+    # Then: its result is the ledger's committed value, in every way a result is read
+    assert duplicate.deduplicated
+    assert duplicate.state == "SUCCESS" and duplicate.successful()
+    assert duplicate.get() == {"order": 7, "paid": 700}
+    assert duplicate.get(propagate=False) == {"order": 7, "paid": 700}
+    assert len(calls) == 1 and len(db.payment_rows()) == 1
+
+
+def test_a_failure_after_run_once_while_the_ledger_is_down_is_left_to_the_reconciler(
+    db: Db, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[str] = []
+    now = [1_700_000_000.0]
+    store = MemoryStore(clock=lambda: now[0])
+    app = committing_then_declining_app(db, calls, store=store, ledger=db.ledger, inspect_timeout_seconds=0.1)
+    app.conf.broker_url = "memory://"
+    idem = Idempotency.of(app)
+    down = sa.exc.OperationalError("SELECT", {}, Exception("could not connect to server"))
+
+    def unreachable(identity: Identity, fingerprint: str | None) -> None:
+        raise down
+
+    # Given: the body commits its effect through run_once, raises a permanent error, and the ledger's
+    # database stops answering before the handler can ask whether the effect committed
+    monkeypatch.setattr(db.ledger, "completed", unreachable)
+    with pytest.raises(PermanentError):
+        app.tasks[TASK].apply_async((8, 800), idempotency_key=key)
+    # Then: no outcome is stored (FAILED would answer every duplicate with a failure for the whole TTL)
+    record = idem.get(TASK, key)
+    assert record is not None and record.state is State.IN_PROGRESS
+    now[0] += 3600  # past the lease (and the grace period)
+    # And: while the ledger is still down the reconciler leaves the record, whatever else it knows
+    assert idem.reconcile().left == 1
+    record = idem.get(TASK, key)
+    assert record is not None and record.state is State.IN_PROGRESS
+    # And: once the ledger answers, the reconciler completes the record with the committed value
+    monkeypatch.undo()
+    assert idem.reconcile().completed == 1
+    duplicate = app.tasks[TASK].apply_async((8, 800), idempotency_key=key)
+    assert duplicate.deduplicated and duplicate.get() == {"order": 8, "paid": 800}
+    assert len(calls) == 1 and len(db.payment_rows()) == 1
+
+
+def test_a_failure_before_run_once_while_the_ledger_is_down_is_stored(
+    db: Db, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A body that never reached the ledger made no effect through it: its failure is the outcome.
+    def body(self: Any, order_id: int, amount: int) -> Any:
+        raise PermanentError(f"order {order_id} declined")
+
+    def unreachable(identity: Identity, fingerprint: str | None) -> None:
+        raise sa.exc.OperationalError("SELECT", {}, Exception("could not connect to server"))
+
+    app = body_app(body)
+    Idempotency(app, ledger=db.ledger)
+    monkeypatch.setattr(db.ledger, "completed", unreachable)
+    with pytest.raises(PermanentError):
+        app.tasks[TASK].apply_async((9, 900), idempotency_key=key)
+    record = Idempotency.of(app).get(TASK, key)
+    assert record is not None and record.state is State.FAILED
