@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import redis
 import sqlalchemy as sa
-from celery import Celery, chain
+from celery import Celery, chain, chord
 from conftest import POSTGRES_URL, REDIS_URL, require_server, wipe
 from shop import COUNTER_URL, effects_key, make_app, payments_table
 from workers import BACKEND, Worker, wait_for
@@ -224,6 +224,25 @@ def test_a_requeued_chain_head_continues_its_chain(shop_app, workers, prefix, co
     assert result.parent.get(timeout=GET)["amount"] == 8
     assert _runs(counter, prefix, key) == (2, 1)
     assert int(counter.get(effects_key(prefix, "shop.noted", key))) == 1
+
+
+@pytest.mark.slow
+def test_a_requeued_chord_member_counts_and_the_chord_body_runs_once(shop_app, workers, prefix, counter) -> None:
+    app, key, other = shop_app, f"k-{uuid.uuid4().hex}", f"k-{uuid.uuid4().hex}"
+    doomed = workers()
+    # Given a chord whose first member is killed mid-body (the second runs through)
+    members = [
+        app.tasks["shop.requeued"].s(9).set(idempotency_key=key),
+        app.tasks["shop.requeued"].s(1, hold=0).set(idempotency_key=other),
+    ]
+    result = chord(members)(app.tasks["shop.noted"].s(key))
+    # When the killed member is requeued
+    assert _kill_and_reconcile(app, doomed, workers, key, counter, prefix).requeued == 1
+    # Then it counts as a member of its chord: the chord body runs, once, after both members
+    result.get(timeout=GET)
+    assert int(counter.get(effects_key(prefix, "shop.noted", key))) == 1
+    assert _runs(counter, prefix, key) == (2, 1)
+    assert [answer["amount"] for answer in result.parent.get(timeout=GET)] == [9, 1]
 
 
 @pytest.mark.slow
