@@ -8,6 +8,7 @@
     ├── PayloadMismatchError       same identity, other arguments
     ├── DuplicateTaskError         a duplicate call, with on_duplicate="raise"
     ├── StoreUnavailableError      the store did not answer in time, or refused
+    ├── LedgerUnavailableError     the ledger's database did not answer in time, or refused
     ├── LockLostError              another attempt took over this one's lease
     ├── ReplayedFailureError       a stored failure whose class cannot be rebuilt
     ├── RecordGoneError            get() waits on a record that is gone, with no result backend to ask
@@ -33,6 +34,7 @@ __all__ = [
     "DuplicateTaskError",
     "IdempotencyError",
     "InvalidKeyError",
+    "LedgerUnavailableError",
     "LockLostError",
     "PayloadMismatchError",
     "PermanentError",
@@ -91,6 +93,10 @@ class DuplicateTaskError(IdempotencyError):
 
 class StoreUnavailableError(IdempotencyError):
     """The idempotency store could not be reached, or did not answer within the timeout."""
+
+
+class LedgerUnavailableError(IdempotencyError):
+    """The ledger's database could not be reached, or did not answer within its read timeout."""
 
 
 class LockLostError(IdempotencyError):

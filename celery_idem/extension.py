@@ -249,35 +249,39 @@ class Idempotency:
         """The record of ``(scope, task, key)``; ``task`` is the task or its name."""
         return self.store.get(self._identity(task, key, scope))
 
-    def committed(self, identity: Identity, fingerprint: str | None) -> Any:
-        """The ledger's committed entry of this call (a :class:`~celery_idem.ledger.LedgerEntry`),
-        or None: no ledger, no committed row, or a row of other arguments.
+    def committed(self, identity: Identity, fingerprint: str | None, ledger: Any = None) -> Any:
+        """The committed entry of this call (a :class:`~celery_idem.ledger.LedgerEntry`) in
+        ``ledger`` (default: the app's), or None: no ledger, no committed row, or other arguments.
 
         Raises:
-            sqlalchemy.exc.SQLAlchemyError: the ledger's database could not be asked.
+            LedgerUnavailableError: the ledger's database could not be asked in time.
+            sqlalchemy.exc.SQLAlchemyError: any other database error.
         """
-        ledger = self.settings.ledger
+        ledger = ledger if ledger is not None else self.settings.ledger
         return None if ledger is None else ledger.completed(identity, fingerprint)
 
     def replay(self, record: IdempotencyRecord) -> Any:
         """A settled record's outcome as every reader answers it (a worker's duplicate, ``get()``):
         the stored value or failure, except that a stored failure of a call the ledger holds
         committed answers with the ledger's value. The business database wins over the store."""
-        entry = self.overruled(record)
+        try:
+            entry = self.overruled(record)
+        except Exception as exc:  # noqa: BLE001 - the ledger cannot be asked: the store's outcome stands
+            logger.warning("could not read the ledger for %s: %s; the store's outcome stands", record.identity, exc)
+            entry = None
         if entry is not None:
             return entry.value(self.accepted_content_types)
         return replay(record, self.accepted_content_types)
 
     def overruled(self, record: IdempotencyRecord) -> Any:
-        """The ledger entry that overrules a FAILED record, or None (also when the ledger is down:
-        the store's outcome then stands, and the reader is told so in the log)."""
+        """The app's ledger entry that overrules a FAILED record, or None.
+
+        Raises:
+            LedgerUnavailableError: the ledger's database could not be asked in time.
+        """
         if record.state is not State.FAILED or self.settings.ledger is None:
             return None
-        try:
-            entry = self.committed(record.identity, record.fingerprint)
-        except Exception as exc:  # noqa: BLE001 - the database is down: the store's outcome stands
-            logger.warning("could not read the ledger for %s: %s; the store's outcome stands", record.identity, exc)
-            return None
+        entry = self.committed(record.identity, record.fingerprint)
         if entry is not None:
             logger.warning("%s is FAILED in the store but committed in the ledger: the ledger wins", record.identity)
         return entry

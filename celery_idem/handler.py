@@ -39,6 +39,7 @@ from .errors import (
     DuplicateTaskError,
     IdempotencyError,
     InvalidKeyError,
+    LedgerUnavailableError,
     LockLostError,
     PayloadMismatchError,
     SerializationError,
@@ -52,6 +53,7 @@ from .protocol import (
     BYPASS_HEADER,
     KEY_HEADER,
     LEDGER_ATTEMPT_ATTRIBUTE,
+    LEDGER_USED_ATTRIBUTE,
     OUTAGE_HEADER,
     REPLACED_FAILED_TASK,
     REPLACED_TASK,
@@ -441,7 +443,8 @@ class Handler:
         Retry                 -> PENDING past its countdown (the retry message is this attempt chain)
         Ignore from replace() -> kept IN_PROGRESS for the replacement, whose callbacks settle it
         Reject(requeue=True)  -> PENDING when the message really goes back (acks_late), else freed
-        anything else         -> stored (permanent: Reject, Ignore, PermanentError...) or freed
+        anything else         -> stored (permanent: Reject, Ignore, PermanentError...) or freed,
+                                 unless the ledger holds the call committed (then COMPLETED)
         """
         identity, owner, policy = record.identity, record.owner, self.policy
         if isinstance(exc, Retry):
@@ -457,7 +460,7 @@ class Handler:
             pending = timing.pending_seconds(policy.pending_timeout_seconds, {}, self.task.request.expires)
             self._give_back(identity, owner, pending_seconds=pending if requeued else None)
         else:
-            self._settle_failure(identity, owner, exc, record.fingerprint)
+            self._settle_failure(identity, owner, exc, record.fingerprint, earlier_attempts=record.attempt > 1)
 
     def _settle_value(self, record: IdempotencyRecord, value: Any) -> None:
         """The body returned: the effect happened. Store the value (an unstorable one is stored as a
@@ -580,33 +583,56 @@ class Handler:
         return classify_failure(exc, self.policy, self._autoretry_for)
 
     def _settle_failure(
-        self, identity: Identity, owner: str, exc: BaseException, fingerprint: str | None = None
+        self,
+        identity: Identity,
+        owner: str,
+        exc: BaseException,
+        fingerprint: str | None = None,
+        *,
+        earlier_attempts: bool = False,
     ) -> None:
-        # SystemExit, KeyboardInterrupt...: never an outcome; and a retryable error never freezes a key.
-        if not isinstance(exc, Exception) or self.classify(exc) == "retryable":
+        """Store a permanent failure, or free the key after a retryable one (``SystemExit`` and
+        any other non-``Exception`` too). Where the ledger holds the call committed, the record is
+        completed with the ledger's value instead, whatever was raised: the ledger wins. The
+        exception still propagates (the task did raise); results read through celery-idem answer
+        with the record.
+        """
+        retryable = not isinstance(exc, Exception) or self.classify(exc) == "retryable"
+        request = self.task.request
+        # Whether an effect of this identity may stand committed: this attempt called run_once, or
+        # an earlier attempt (a retry, a redelivery, a takeover) ran and may have.
+        touched = getattr(request, LEDGER_ATTEMPT_ATTRIBUTE, None) is not None or (
+            earlier_attempts and self.idem.settings.ledger is not None
+        )
+        if retryable and not touched:
             self._give_back(identity, owner)
             return
-        store = self.idem.store
         try:
-            entry = self.idem.committed(identity, fingerprint)
-        except Exception as ledger_error:  # noqa: BLE001 - the ledger's database is down
-            if getattr(self.task.request, LEDGER_ATTEMPT_ATTRIBUTE, None) is not None:
-                # This attempt's effect may stand committed: no outcome is stored, the lease runs
+            entry = self.idem.committed(identity, fingerprint, getattr(request, LEDGER_USED_ATTRIBUTE, None))
+        except LedgerUnavailableError as down:
+            if touched:
+                # Unknown is not failed: no outcome is stored and the key is not freed. The lease runs
                 # out and the reconciler settles the record from the ledger once it answers.
                 logger.warning("%s raised %r and the ledger cannot say whether its effect committed (%s): "
-                               "left to the reconciler", identity, exc, ledger_error)  # fmt: skip
+                               "left to the reconciler", identity, exc, down)  # fmt: skip
                 return
-            logger.warning("could not read the ledger for %s: %s; the failure is stored", identity, ledger_error)
+            logger.warning("%s; the failure is stored", down)
             entry = None
+        except Exception as broken:  # noqa: BLE001 - a misconfigured ledger never hides the task's error
+            logger.error("could not read the ledger for %s: %r; the failure stands", identity, broken)
+            entry = None
+        store = self.idem.store
         if entry is not None:
-            # The body raised after its effect committed through the ledger: the ledger wins.
             logger.warning("%s raised %r after its effect committed: completed from the ledger", identity, exc)
             self._write(identity, owner, "-", lambda: store.complete(
                 identity, owner, entry.result or b"null", content_type=entry.content_type or "application/json",
                 content_encoding=entry.content_encoding or "utf-8",
             ))  # fmt: skip
             return
-        self._write(identity, owner, "-", lambda: store.fail(identity, owner, ErrorInfo.from_exception(exc)))
+        if retryable:
+            self._give_back(identity, owner)
+        else:
+            self._write(identity, owner, "-", lambda: store.fail(identity, owner, ErrorInfo.from_exception(exc)))
 
     # ---- shared --------------------------------------------------------------------------------
 

@@ -29,10 +29,11 @@ import uuid
 from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
-from .errors import ConfigurationError, PayloadMismatchError
+from .errors import ConfigurationError, LedgerUnavailableError, PayloadMismatchError
 from .outcome import JSON_ONLY, decode_result, encode_result
-from .protocol import BYPASS_HEADER, LEDGER_ATTEMPT_ATTRIBUTE, request_header
+from .protocol import BYPASS_HEADER, LEDGER_ATTEMPT_ATTRIBUTE, LEDGER_USED_ATTRIBUTE, request_header
 from .records import IdempotencyRecord, Identity, State
+from .stores.deadline import Watchdog, socket_of
 
 try:
     import sqlalchemy as sa
@@ -45,6 +46,9 @@ __all__ = ["Ledger", "LedgerEntry", "ledger_table"]
 
 T = TypeVar("T")
 logger = logging.getLogger("celery_idem.ledger")
+# Errors that say the database is down or unreachable, not that a statement is wrong.
+_DOWN = (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.DisconnectionError, sa_exc.TimeoutError, OSError)
+_WATCHDOG = Watchdog()
 
 # What a task request remembers of its run_once call: the nonce of the row it stands on, or this
 # when that row is known to be committed.
@@ -127,6 +131,8 @@ class Ledger:
         namespace: Separates apps that share the table, as ``key_prefix`` separates them in a
             store: give each app its own (use its ``key_prefix``).
         commit_check_seconds: How long to keep asking the database what an ambiguous COMMIT did.
+        read_timeout_seconds: How long a reader (a duplicate's replay, ``get()``, the handler
+            settling a failure, the reconciler) waits for the ledger before it counts as down.
 
     Use it inside an idempotent task::
 
@@ -145,6 +151,7 @@ class Ledger:
         table_name: str = "celery_idem_ledger",
         namespace: str = "idem",
         commit_check_seconds: float = 10.0,
+        read_timeout_seconds: float = 3.0,
     ) -> None:
         if engine.dialect.name not in ("postgresql", "sqlite"):
             raise ConfigurationError(f"the ledger runs on PostgreSQL and SQLite; got {engine.dialect.name!r}")
@@ -153,10 +160,14 @@ class Ledger:
         self.engine = engine
         self.namespace = namespace
         self.commit_check_seconds = commit_check_seconds
+        if not read_timeout_seconds > 0:
+            raise ConfigurationError(f"the ledger's read_timeout_seconds must be > 0; got {read_timeout_seconds!r}")
+        self.read_timeout_seconds = read_timeout_seconds
         self.metadata = sa.MetaData()
         self.table = ledger_table(self.metadata, table_name)
         self._columns_checked = False
         self._columns_lock = threading.Lock()
+        self._warned = False
 
     # ---- schema ------------------------------------------------------------------------------------
 
@@ -223,16 +234,57 @@ class Ledger:
         """The entry of this very call (``fingerprint``) if its outcome is committed, else None.
 
         The one rule every reader applies where the store and the ledger disagree: the ledger wins.
+        Bounded by ``read_timeout_seconds``, however the database fails to answer.
 
         Raises:
-            sqlalchemy.exc.SQLAlchemyError: the database could not be asked.
+            LedgerUnavailableError: the database could not be reached, or did not answer in time.
+            sqlalchemy.exc.SQLAlchemyError: any other database error (a missing table, a privilege).
         """
         if fingerprint is None:
             return None
-        entry = self.lookup(identity)
+        entry = self._bounded_lookup(identity)
         if entry is None or entry.outcome != State.COMPLETED.value or entry.fingerprint != fingerprint:
             return None
         return entry
+
+    def _bounded_lookup(self, identity: Identity) -> LedgerEntry | None:
+        """:meth:`lookup` within ``read_timeout_seconds``: on a thread of its own, so neither a
+        connect nor a server gone silent holds the caller (a silent PostgreSQL socket is also cut
+        off by the watchdog, which ends the thread)."""
+        answer: list[LedgerEntry | None] = []
+        failure: list[BaseException] = []
+
+        def read() -> None:
+            try:
+                self._check_columns()
+                if not self._columns_checked:  # a mistake, not an outage: never counted as "down"
+                    raise ConfigurationError(
+                        f"the ledger table {self.table.name!r} does not exist: run Ledger.create_schema() "
+                        "(or the migration that creates it)"
+                    )
+                with (
+                    self.engine.connect() as connection,
+                    _WATCHDOG.guard(socket_of(connection), self.read_timeout_seconds),
+                ):
+                    answer.append(self._read(connection, identity))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+                failure.append(exc)
+
+        reader = threading.Thread(target=read, name="celery-idem-ledger-read", daemon=True)
+        reader.start()
+        reader.join(self.read_timeout_seconds)
+        if reader.is_alive():
+            raise LedgerUnavailableError(
+                f"the ledger did not answer about {identity} within {self.read_timeout_seconds:g}s "
+                "(read_timeout_seconds)"
+            )
+        if failure:
+            if isinstance(failure[0], _DOWN):
+                raise LedgerUnavailableError(
+                    f"the ledger could not be asked about {identity}: {failure[0]}"
+                ) from failure[0]
+            raise failure[0]
+        return answer[0]
 
     # ---- run_once ----------------------------------------------------------------------------------
 
@@ -280,6 +332,8 @@ class Ledger:
         # Marked before the row can commit: an attempt whose COMMIT's fate is unknown has touched the
         # ledger, and the handler leaves such an attempt's failure to the reconciler.
         setattr(request, _USED, row["nonce"])
+        setattr(request, LEDGER_USED_ATTRIBUTE, self)
+        self._warn_if_unread(task)
         if session is None:
             committed, value = self._record_and_commit(identity, row, fn, serializer)
             setattr(request, _USED, _COMMITTED)
@@ -305,6 +359,20 @@ class Ledger:
         # the extension and never imports it).
         accept = task.idempotency_handler.idem.accepted_content_types
         return committed.value(accept)  # type: ignore[no-any-return]
+
+    def _warn_if_unread(self, task: Any) -> None:
+        """Once per ledger: the app's readers (duplicates' get(), the reconciler) ask only the
+        ledger given to ``Idempotency(app, ledger=...)``; the worker asks the one run_once used."""
+        if self._warned:
+            return
+        configured = task.idempotency_handler.idem.settings.ledger
+        if configured is not self:
+            self._warned = True
+            logger.warning(
+                "Ledger.run_once of %s writes to a ledger that app %r does not read (%s): pass it as "
+                "Idempotency(app, ledger=...) so duplicates' results and the reconciler answer from it",
+                task.name, task.app.main, "it has none" if configured is None else "it has another",
+            )  # fmt: skip
 
     def _refuse_second_call(self, request: Any, identity: Identity, session: Session | sa.Connection | None) -> None:
         """One ledger row per identity: a second call in an attempt whose first row stands is a bug."""

@@ -11,6 +11,7 @@ __all__ = [
     "BYPASS_HEADER",
     "KEY_HEADER",
     "LEDGER_ATTEMPT_ATTRIBUTE",
+    "LEDGER_USED_ATTRIBUTE",
     "OPTION_HEADERS",
     "OUTAGE_HEADER",
     "REPLACED_FAILED_TASK",
@@ -30,6 +31,7 @@ REPLACED_TASK, REPLACED_FAILED_TASK = "celery_idem.replaced", "celery_idem.repla
 # Set on a task request by Ledger.run_once before its row can commit: this attempt has touched the
 # ledger, so a failure of it may stand on a committed effect.
 LEDGER_ATTEMPT_ATTRIBUTE = "idempotency_ledger_nonce"
+LEDGER_USED_ATTRIBUTE = "idempotency_ledger"  # ...and the Ledger it wrote to, which the handler asks
 
 
 def request_header(request: Any, name: str) -> Any:

@@ -32,6 +32,7 @@ from celery.backends.base import DisabledBackend
 from pydantic import BaseModel, ConfigDict
 
 from .calls import CallRefused, decode_call
+from .errors import LedgerUnavailableError
 from .failures import BODY_MAY_HAVE_RUN, classify_failure
 from .outcome import encode_result
 from .owners import holder_node, node_tag
@@ -82,6 +83,7 @@ class Reconciler:
         self.store = idem.store
         self.dry_run = dry_run
         self.counts = dict.fromkeys(("scanned", "completed", "failed", "released", "requeued", "left"), 0)
+        self._ledger_down: LedgerUnavailableError | None = None  # once per run: every later read would wait too
 
     @functools.cached_property
     def now(self) -> float:
@@ -117,10 +119,14 @@ class Reconciler:
     def _settle_on_evidence(self, record: IdempotencyRecord) -> bool:
         """Settle from the ledger or the result backend; False when neither knows the outcome."""
         try:
+            if self._ledger_down is not None:
+                raise self._ledger_down
             entry = self.idem.committed(record.identity, record.fingerprint)
-        except Exception as exc:  # noqa: BLE001 - the ledger's database is down
-            # It may hold the effect committed: no other evidence may settle the record before it answers.
-            self._leave(record, f"the ledger could not be asked: {exc}")
+        except LedgerUnavailableError as exc:
+            self._ledger_down = exc
+            # It may hold the effect committed: no other evidence may settle the record before it
+            # answers. (Any other ledger error, a missing table say, is a mistake and is raised.)
+            self._leave(record, str(exc))
             return True
         if entry is not None:
             payload = entry.result or b"null"

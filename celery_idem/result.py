@@ -8,6 +8,7 @@ no backend configured) by watching the store.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
     from .records import IdempotencyRecord, Identity
 
 __all__ = ["IdempotentResult"]
+
+logger = logging.getLogger("celery_idem")
 
 _UNASKED = object()
 
@@ -107,19 +110,23 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
                 record = self._watch_store(timeout, interval)
         if record is None:
             return super().get(timeout=timeout, propagate=propagate, interval=interval, **kwargs)
-        if self.idempotency is not None:
-            if record.error is not None and not propagate and self._overruled(record) is None:
-                return rebuild_exception(record.error)
-            return self.idempotency.replay(record)  # the ledger wins over a stored failure
+        entry = self._overruled(record)
+        if entry is not None:  # the ledger wins over a stored failure
+            return entry.value(self._accepted_content_types())
         if record.error is not None and not propagate:
             return rebuild_exception(record.error)
         return replay(record, self._accepted_content_types())
 
     def _overruled(self, record: IdempotencyRecord) -> Any:
-        """The ledger entry overruling a FAILED record, asked once per result object."""
-        if self._ledger_entry is _UNASKED:
-            self._ledger_entry = None if self.idempotency is None else self.idempotency.overruled(record)
-        return self._ledger_entry
+        """The ledger entry overruling a FAILED record; a known answer is kept, an outage is not
+        (the next read asks again), and meanwhile the stored failure stands."""
+        if self._ledger_entry is _UNASKED and self.idempotency is not None:
+            try:
+                self._ledger_entry = self.idempotency.overruled(record)
+            except Exception as exc:  # noqa: BLE001 - the ledger cannot be asked: the store's outcome stands
+                logger.warning("could not read the ledger for %s: %s; the stored failure stands", record.identity, exc)
+                return None
+        return None if self._ledger_entry is _UNASKED else self._ledger_entry
 
     def _accepted_content_types(self) -> frozenset[str]:
         if self.idempotency is not None:
@@ -162,6 +169,12 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
         record = self._record
         if record is None and self._backend_keeps_results():
             backend_state = str(super().state)
+            if backend_state == states.FAILURE and self.identity is not None:
+                # The task raised, but its record may say otherwise: the ledger won on the worker
+                # (COMPLETED), or wins now over a FAILED record.
+                record = self._settled_record_or_none()
+                if record is not None and (record.error is None or self._overruled(record) is not None):
+                    return str(states.SUCCESS)
             if backend_state != states.PENDING:
                 return backend_state
         if record is None:

@@ -20,8 +20,9 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
-__all__ = ["Watchdog"]
+__all__ = ["Watchdog", "socket_of"]
 
 logger = logging.getLogger("celery_idem.stores")
 
@@ -90,3 +91,14 @@ def _shut_down(fd: int) -> None:
         logger.warning("a store call outlived its deadline: its connection was cut off")
     finally:
         duplicate.close()
+
+
+def socket_of(connection: Any) -> int | None:
+    """A SQLAlchemy connection's socket descriptor on PostgreSQL (psycopg's ``pgconn.socket``), else
+    None: SQLite is a file, whose busy timeout bounds every wait."""
+    if connection.dialect.name != "postgresql":
+        return None
+    try:
+        return int(connection.connection.dbapi_connection.pgconn.socket)
+    except Exception:  # noqa: BLE001 - another driver, or a closed connection: no watchdog
+        return None

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 from ..errors import ConfigurationError
 from ..records import Decision, ErrorInfo, IdempotencyRecord, Identity, State, Transition
 from .base import LOST, OK, UNSETTLED, Clock, Fence, Settlement, Store, classify
-from .deadline import Watchdog
+from .deadline import Watchdog, socket_of
 
 try:
     import sqlalchemy as sa
@@ -346,17 +346,8 @@ class SQLStore(Store):
             with self._schema_lock:
                 if not self._schema_ready:
                     self.create_schema()
-        with self._autocommit.connect() as connection, _WATCHDOG.guard(self._socket(connection), self._deadline):
+        with self._autocommit.connect() as connection, _WATCHDOG.guard(socket_of(connection), self._deadline):
             return fetch(connection.execute(statement, params))
-
-    def _socket(self, connection: sa.Connection) -> int | None:
-        """The connection's socket descriptor (PostgreSQL: psycopg's ``pgconn.socket``), or None."""
-        if self.engine.dialect.name != "postgresql":
-            return None  # SQLite is a file: its busy_timeout bounds every wait
-        try:
-            return int(connection.connection.dbapi_connection.pgconn.socket)  # type: ignore[union-attr]
-        except Exception:  # noqa: BLE001 - another driver, or a closed connection: no watchdog
-            return None
 
     def _injected_now(self) -> float | None:
         """The ``:p_now`` of a statement: the injected clock's time, or NULL for the database's own."""
@@ -501,7 +492,7 @@ class SQLStore(Store):
         return float(self._run(self._now_sql, {"p_now": None}, _one)[0])
 
     def _ping(self) -> None:
-        with self._autocommit.connect() as connection, _WATCHDOG.guard(self._socket(connection), self._deadline):
+        with self._autocommit.connect() as connection, _WATCHDOG.guard(socket_of(connection), self._deadline):
             connection.execute(sa.select(1)).one()
 
     def close(self) -> None:
