@@ -429,6 +429,14 @@ class Handler:
             except BaseException as exc:
                 self._settle_exception(record, exc, lease)
                 raise
+            if isinstance(value, Retry):
+                # ``return self.retry(throw=False)``: the retry is sent, so it settles as a raised one.
+                # Eager, Celery's apply runs a returned Retry's retry inline, so it is returned; on a
+                # worker it is raised (state RETRY), where Celery would try to store it as the result.
+                self._settle_exception(record, value, lease)
+                if self.task.request.is_eager:
+                    return value
+                raise value
             self._settle_value(record, value)
             return value
         finally:

@@ -429,6 +429,34 @@ def test_a_task_calling_delay_on_itself_gets_its_own_id_back(shop: Shop, key: st
     assert shop.effects("again", key) == 1
 
 
+def test_a_returned_result_object_is_stored_as_the_backend_stores_it(shop: Shop, key: str) -> None:
+    # Given a task that returns its child's AsyncResult (the backend stores its [id, parent] form)
+    delegating = shop.task("delegating")
+    first = delegating.apply_async((31,), idempotency_key=key)
+    value = first.get(timeout=GET)
+    child_id = value[0][0]
+    assert value == [[child_id, None], None]
+    assert AsyncResult(child_id, app=shop.app).get(timeout=GET) == {"replaced": 31}
+    # Then the record holds that form, and every duplicate gets what the original's get() gave
+    record = shop.idem.get("shop.delegating", key)
+    assert record is not None and record.state is State.COMPLETED
+    again = delegating.apply_async((31,), idempotency_key=key)
+    assert again.deduplicated and again.get(timeout=GET) == value
+    by_name = shop.app.send_task("shop.delegating", (31,), headers={"idempotency_key": key})
+    assert by_name.get(timeout=GET) == value
+    assert shop.effects("delegating", key) == 1
+
+
+def test_a_returned_retry_retries_like_a_raised_one(shop: Shop, key: str) -> None:
+    # Given a task whose first attempt returns self.retry(throw=False) (Celery has sent the retry)
+    result = shop.task("retry_returned").apply_async((12,), idempotency_key=key)
+    # Then the retry message acquires the record and runs: its outcome is the call's
+    assert result.get(timeout=GET) == {"amount": 12, "retries": 1, "task_id": result.id}
+    record = shop.idem.get("shop.retry_returned", key)
+    assert record is not None and record.state is State.COMPLETED
+    assert shop.effects("retry_returned", key) == 2
+
+
 # ---- bad input: clear errors, nothing left IN_PROGRESS ----------------------------------------------
 
 

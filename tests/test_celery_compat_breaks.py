@@ -1,0 +1,113 @@
+"""Plain Celery behaviour that IdempotentTask must keep (issue 11: Celery's own t/unit/tasks suite
+run with IdempotentTask as the default task class). Eager mode and units; the worker side of the
+same cases is in tests/test_worker.py.
+
+Each task counts its executions in a list the body appends to: a side effect outside the library.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from celery import Celery, Task, group
+from celery.backends.base import BaseBackend
+from celery.result import AsyncResult, result_from_tuple
+
+from celery_idem import Idempotency, IdempotentTask, State
+from celery_idem.outcome import prepare_value
+
+
+def make_app(name: str = "compat", **options: Any) -> Celery:
+    app = Celery(name, set_as_current=False, **options)
+    app.conf.task_always_eager = True
+    app.conf.task_eager_propagates = True
+    return app
+
+
+# ---- a returned result object is stored as the result backend stores it ------------------------
+
+
+@pytest.mark.parametrize("serializer", ["json", "pickle", "msgpack", "yaml"])
+def test_results_are_prepared_by_the_result_backends_own_rule(serializer: str) -> None:
+    # outcome.prepare_value restates BaseBackend.prepare_value: held here against Celery's own.
+    app = make_app()
+    backend = BaseBackend(app, serializer=serializer)
+    chained = AsyncResult("child", parent=AsyncResult("parent"))
+    grouped = app.GroupResult("g", [AsyncResult("a"), AsyncResult("b")], parent=AsyncResult("p"))
+    for value in (chained, grouped, AsyncResult("alone"), {"plain": [1, 2]}, None):
+        assert prepare_value(value, serializer) == backend.prepare_value(value)
+
+
+def test_a_task_returning_a_result_object_is_stored_and_duplicates_get_its_backend_form() -> None:
+    app = make_app()
+    idem = Idempotency(app)
+    runs: list[int] = []
+
+    @app.task(shared=False, base=IdempotentTask)
+    def child(x: int) -> int:
+        return x + 1
+
+    @app.task(shared=False, base=IdempotentTask)
+    def parent(x: int) -> Any:
+        runs.append(x)
+        return child.delay(x)
+
+    # Given a body that returns its child's result (eager: Celery hands the object back as it is)
+    first = parent.apply_async((1,), idempotency_key="p-1")
+    child_result = first.get()
+    assert child_result.get() == 2
+    # Then the record is COMPLETED with the backend's form, which every duplicate gets
+    record = idem.get(parent, "p-1")
+    assert record is not None and record.state is State.COMPLETED
+    again = parent.apply_async((1,), idempotency_key="p-1")
+    assert again.deduplicated and again.get() == [[child_result.id, None], None]
+    assert result_from_tuple(again.get(), app).id == child_result.id
+    assert runs == [1]
+
+
+def test_a_returned_group_result_is_stored_in_its_tuple_form() -> None:
+    app = make_app()
+    idem = Idempotency(app)
+
+    @app.task(shared=False, base=IdempotentTask)
+    def double(x: int) -> int:
+        return 2 * x
+
+    @app.task(shared=False, base=IdempotentTask)
+    def fan_out(n: int) -> Any:
+        return group(double.s(i) for i in range(n)).apply_async()
+
+    fan_out.apply_async((2,), idempotency_key="fan-2")
+    replayed = fan_out.apply_async((2,), idempotency_key="fan-2").get()
+    rebuilt = result_from_tuple(replayed, app)
+    assert len(rebuilt.results) == 2
+    assert idem.get(fan_out, "fan-2").state is State.COMPLETED
+
+
+# ---- a returned Retry is a raised one ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("propagate", [True, False], ids=["propagate", "no-propagate"])
+def test_a_returned_retry_runs_the_retry_in_eager_mode_as_plain_celery_does(propagate: bool) -> None:
+    app = make_app()
+    app.conf.task_eager_propagates = propagate
+    idem = Idempotency(app)
+    runs: list[int] = []
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, max_retries=3)
+    def rebill(self: Task, amount: int) -> dict[str, int]:
+        runs.append(self.request.retries)
+        if self.request.retries == 0:
+            return self.retry(countdown=0, throw=False)  # type: ignore[no-any-return]
+        return {"amount": amount, "retries": self.request.retries}
+
+    # When the first attempt returns Celery's Retry instead of raising it
+    result = rebill.apply_async((5,), idempotency_key="rebill-5")
+    # Then Celery's apply runs the retry inline, which takes the record over and completes it
+    assert result.get() == {"amount": 5, "retries": 1}
+    assert runs == [0, 1]
+    record = idem.get(rebill, "rebill-5")
+    assert record is not None and record.state is State.COMPLETED
+    assert rebill.apply_async((5,), idempotency_key="rebill-5").get() == {"amount": 5, "retries": 1}
+    assert runs == [0, 1]
