@@ -88,13 +88,23 @@ class Handler:
             )
         self._run_function: Callable[..., Any] = task.run
         self._autoretry_for: tuple[type[BaseException], ...] = tuple(getattr(task, "autoretry_for", ()) or ())
+        # Celery checks a call against the signature only while the task's typing is on (it
+        # defaults to app.strict_typing): with it off, the call is fingerprinted as given.
+        self._typed = bool(task.app.strict_typing if task.typing is None else task.typing)
         if self.policy.key_args is not None:
             self._check_key_args(self.policy.key_args)
 
     # ---- identity ------------------------------------------------------------------------------
 
     def _check_key_args(self, key_args: Sequence[str]) -> None:
-        """A key_args typo fails at the task's first call, naming the parameters it has."""
+        """A key_args typo fails at the task's first call, naming the parameters it has; so do
+        key_args on a task whose typing is off (its calls are not bound to parameters)."""
+        if not self._typed:
+            raise ConfigurationError(
+                f"task {self.task.name!r} sets key_args, which picks arguments by parameter name, but its "
+                "typing is off (typing=False, or Celery(strict_typing=False)), so its calls are not bound "
+                "to its signature: remove key_args and pass an idempotency_key, or turn typing back on"
+            )
         params = inspect.signature(self._run_function).parameters
         if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
             return
@@ -106,7 +116,8 @@ class Handler:
             )
 
     def fingerprint(self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None) -> str:
-        return fingerprint(self._run_function, args, kwargs, key_args=self.policy.key_args, serializer=self.serializer)
+        return fingerprint(self._run_function, args, kwargs, key_args=self.policy.key_args,
+                           serializer=self.serializer, bind=self._typed)  # fmt: skip
 
     def identify(self, key: Any, scope: Any, fp: str) -> Identity:
         """Validate the caller's key and scope; a call without a key is keyed by its fingerprint."""

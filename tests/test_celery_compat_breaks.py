@@ -14,7 +14,7 @@ from celery import Celery, Task, group
 from celery.backends.base import BaseBackend
 from celery.result import AsyncResult, result_from_tuple
 
-from celery_idem import Idempotency, IdempotentTask, State
+from celery_idem import ConfigurationError, Idempotency, IdempotentTask, State
 from celery_idem.outcome import prepare_value
 
 
@@ -111,3 +111,47 @@ def test_a_returned_retry_runs_the_retry_in_eager_mode_as_plain_celery_does(prop
     assert record is not None and record.state is State.COMPLETED
     assert rebill.apply_async((5,), idempotency_key="rebill-5").get() == {"amount": 5, "retries": 1}
     assert runs == [0, 1]
+
+
+# ---- typing=False: the call is not checked against the signature ------------------------------------
+
+
+@pytest.mark.parametrize("where", ["task", "app"])
+def test_typing_off_publishes_a_call_that_does_not_fit_the_signature(where: str) -> None:
+    # Given typing turned off on the task, or app-wide (Celery(strict_typing=False))
+    app = make_app(strict_typing=where == "task")
+    app.conf.task_eager_propagates = False
+    Idempotency(app)
+    runs: list[Any] = []
+
+    @app.task(shared=False, base=IdempotentTask, **({"typing": False} if where == "task" else {}))
+    def add(*args: Any, **kwargs: Any) -> int:
+        runs.append((args, kwargs))
+        return sum(args) + sum(kwargs.values())
+
+    @app.task(shared=False, base=IdempotentTask, **({"typing": False} if where == "task" else {}))
+    def strict(x: int, y: int) -> int:
+        runs.append((x, y))
+        return x + y
+
+    # When a call does not fit the signature, Celery publishes it and the body's call fails (eager:
+    # a FAILURE result), as for plain Celery; a call that fits runs once per call as given
+    failed = strict.apply_async((1, 2), {"extra": 3})
+    assert failed.state == "FAILURE" and isinstance(failed.result, TypeError)
+    assert strict.delay(1, 2).get() == 3 and strict.delay(1, 2).deduplicated
+    assert add.delay(1, 2, extra=3).get() == 6
+    assert add.delay(1, 2, extra=3).deduplicated
+    assert not add.delay(1, 2, extra=4).deduplicated
+    assert runs == [(1, 2), ((1, 2), {"extra": 3}), ((1, 2), {"extra": 4})]
+
+
+def test_typing_off_with_key_args_is_a_configuration_error_saying_what_to_do() -> None:
+    app = make_app()
+    Idempotency(app)
+
+    @app.task(shared=False, base=IdempotentTask, typing=False, idempotency={"key_args": ["order_id"]})
+    def charge(order_id: int, amount: int) -> None: ...
+
+    with pytest.raises(ConfigurationError, match=r"sets key_args.*typing is off.*remove key_args") as raised:
+        charge.apply_async((1, 2), idempotency_key="k")
+    assert repr(charge.name) in str(raised.value)

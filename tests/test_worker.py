@@ -457,6 +457,22 @@ def test_a_returned_retry_retries_like_a_raised_one(shop: Shop, key: str) -> Non
     assert shop.effects("retry_returned", key) == 2
 
 
+def test_typing_off_publishes_as_given_and_the_worker_fingerprints_the_same_call(shop: Shop, key: str) -> None:
+    untyped = shop.task("untyped")
+    # Given typing=False, a call that does not fit the signature is published (plain Celery does)
+    # and fails on the worker, where the key is given back (a TypeError is retryable by default)
+    misfit = untyped.apply_async((1, 2), {"extra": 3}, idempotency_key=key)
+    with pytest.raises(TypeError, match="extra"):
+        misfit.get(timeout=GET)
+    assert shop.idem.get("shop.untyped", key) is None
+    # A key-less call is keyed by the call as given, on the producer and the worker alike
+    first, second = untyped.delay(5, 6), untyped.delay(5, 6)
+    assert second.deduplicated and second.id == first.id
+    by_name = shop.app.send_task("shop.untyped", (5, 6), headers={"idempotency_key": first.idempotency_key})
+    assert first.get(timeout=GET) == by_name.get(timeout=GET) == {"order": 5, "amount": 6}
+    assert shop.effects("untyped", first.idempotency_key) == 1
+
+
 # ---- bad input: clear errors, nothing left IN_PROGRESS ----------------------------------------------
 
 
