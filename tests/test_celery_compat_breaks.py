@@ -7,6 +7,7 @@ Each task counts its executions in a list the body appends to: a side effect out
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -155,3 +156,34 @@ def test_typing_off_with_key_args_is_a_configuration_error_saying_what_to_do() -
     with pytest.raises(ConfigurationError, match=r"sets key_args.*typing is off.*remove key_args") as raised:
         charge.apply_async((1, 2), idempotency_key="k")
     assert repr(charge.name) in str(raised.value)
+
+
+# ---- one heartbeat thread per extension, stopped by disconnect() ------------------------------------
+
+
+def _heartbeat_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "celery-idem-heartbeat" and t.is_alive()}
+
+
+def test_disconnect_stops_the_heartbeat_thread_of_every_app() -> None:
+    before = _heartbeat_threads()  # other tests' extensions may still run theirs
+    extensions = []
+    for n in range(5):
+        # Given several apps, each with the extension, each having run a task
+        app = make_app(f"hb{n}")
+        idem = Idempotency(app)
+
+        @app.task(shared=False, base=IdempotentTask, name=f"hb{n}.ping")
+        def ping() -> str:
+            return "pong"
+
+        assert ping.delay().get() == "pong"
+        assert idem.heartbeat.running
+        extensions.append(idem)
+    assert len(_heartbeat_threads() - before) == 5
+    # When each is disconnected
+    for idem in extensions:
+        idem.disconnect()
+    # Then no heartbeat thread of theirs is left
+    assert _heartbeat_threads() - before == set()
+    assert not any(idem.heartbeat.running for idem in extensions)
