@@ -7,11 +7,13 @@ Each task counts its executions in a list the body appends to: a side effect out
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
 import pytest
 from celery import Celery, Task, group
+from celery.app.trace import build_tracer
 from celery.backends.base import BaseBackend
 from celery.result import AsyncResult, result_from_tuple
 
@@ -187,3 +189,34 @@ def test_disconnect_stops_the_heartbeat_thread_of_every_app() -> None:
     # Then no heartbeat thread of theirs is left
     assert _heartbeat_threads() - before == set()
     assert not any(idem.heartbeat.running for idem in extensions)
+
+
+# ---- a tracer called without a task id --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "worker-tracer"])
+def test_a_tracer_without_a_task_id_runs_the_body_unprotected_and_warns_once(
+    eager: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a tracer built by hand and called with a request that has no id (Celery's own unit
+    # tests do this; a worker's message always has one)
+    app = make_app()
+    idem = Idempotency(app)
+    seen: list[Any] = []
+
+    @app.task(shared=False, base=IdempotentTask, bind=True)
+    def double(self: Task, x: int) -> int:
+        seen.append((self.request.id, self.request.args))
+        return 2 * x
+
+    tracer = build_tracer(double.name, double, eager=eager, propagate=True, app=app)
+    # When it runs the task twice
+    with caplog.at_level(logging.WARNING, logger="celery_idem"):
+        assert tracer("id-1", (2,), {}, {}).retval == 4
+        assert tracer("id-2", (2,), {}, None).retval == 4
+    # Then the body runs each time in the tracer's request, as plain Celery's task.run does, with
+    # nothing to fence: no record is written, and one warning names the task and says why
+    assert seen == [(None, (2,)), (None, (2,))]
+    assert idem.get(double, double.idempotency_handler.fingerprint((2,), {})) is None
+    warned = [r.getMessage() for r in caplog.records if r.name.startswith("celery_idem")]
+    assert len(warned) == 1 and repr(double.name) in warned[0] and "no task id" in warned[0]
