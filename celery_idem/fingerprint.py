@@ -27,13 +27,13 @@ from typing import Any
 
 from kombu import serialization
 
-from .errors import InvalidKeyError, SerializationError
+from .errors import ConfigurationError, InvalidKeyError, SerializationError
 
 # kombu ships no annotations: name the two calls used here with their real shapes.
 kombu_dumps: Callable[..., tuple[str, str, Any]] = serialization.dumps
 kombu_loads: Callable[..., Any] = serialization.loads
 
-__all__ = ["bind_arguments", "canonical_json", "fingerprint", "validate_key", "validate_scope"]
+__all__ = ["bind_arguments", "canonical_json", "check_key_args", "fingerprint", "validate_key", "validate_scope"]
 
 MAX_KEY_LENGTH = 255
 _RULE = f"1-{MAX_KEY_LENGTH} printable characters without whitespace"
@@ -105,6 +105,30 @@ def bind_arguments(
         raise TypeError(f"{name}{signature}: {exc}") from None
     bound.apply_defaults()
     return dict(bound.arguments)
+
+
+def check_key_args(func: Callable[..., Any], key_args: Sequence[str], *, task_name: str, typed: bool) -> None:
+    """Refuse, at a task's first call, ``key_args`` that name no parameter of ``func`` (unless it
+    takes ``**kwargs``), or any ``key_args`` on a task whose typing is off (calls are not bound).
+
+    Raises:
+        ConfigurationError: saying which names are wrong, or that typing is off, and what to do.
+    """
+    if not typed:
+        raise ConfigurationError(
+            f"task {task_name!r} sets key_args, which picks arguments by parameter name, but its "
+            "typing is off (typing=False, or Celery(strict_typing=False)), so its calls are not bound "
+            "to its signature: remove key_args and pass an idempotency_key, or turn typing back on"
+        )
+    params = _signature(func).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    missing = [name for name in key_args if name not in params]
+    if missing:
+        raise ConfigurationError(
+            f"key_args of task {task_name!r} names {', '.join(map(repr, missing))}, "
+            f"not parameters of {task_name}{_signature(func)}"
+        )
 
 
 def _select(arguments: dict[str, Any], key_args: Iterable[str], func: Callable[..., Any]) -> dict[str, Any]:

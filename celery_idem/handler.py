@@ -20,7 +20,6 @@ Worker (``run``): acquire, then
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import time
 import uuid
@@ -45,7 +44,7 @@ from .errors import (
     StoreUnavailableError,
 )
 from .failures import FailureClass, classify_failure
-from .fingerprint import fingerprint, validate_key, validate_scope
+from .fingerprint import check_key_args, fingerprint, validate_key, validate_scope
 from .outcome import encode_result, replay
 from .owners import worker_token
 from .protocol import (
@@ -92,28 +91,9 @@ class Handler:
         # defaults to app.strict_typing): with it off, the call is fingerprinted as given.
         self._typed = bool(task.app.strict_typing if task.typing is None else task.typing)
         if self.policy.key_args is not None:
-            self._check_key_args(self.policy.key_args)
+            check_key_args(self._run_function, self.policy.key_args, task_name=task.name, typed=self._typed)
 
     # ---- identity ------------------------------------------------------------------------------
-
-    def _check_key_args(self, key_args: Sequence[str]) -> None:
-        """A key_args typo fails at the task's first call, naming the parameters it has; so do
-        key_args on a task whose typing is off (its calls are not bound to parameters)."""
-        if not self._typed:
-            raise ConfigurationError(
-                f"task {self.task.name!r} sets key_args, which picks arguments by parameter name, but its "
-                "typing is off (typing=False, or Celery(strict_typing=False)), so its calls are not bound "
-                "to its signature: remove key_args and pass an idempotency_key, or turn typing back on"
-            )
-        params = inspect.signature(self._run_function).parameters
-        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            return
-        missing = [name for name in key_args if name not in params]
-        if missing:
-            raise ConfigurationError(
-                f"key_args of task {self.task.name!r} names {', '.join(map(repr, missing))}, "
-                f"not parameters of {self.task.name}{inspect.signature(self._run_function)}"
-            )
 
     def fingerprint(self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None) -> str:
         return fingerprint(self._run_function, args, kwargs, key_args=self.policy.key_args,
