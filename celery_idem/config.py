@@ -18,7 +18,8 @@ class IdempotencyPolicy(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
     key_args: list[str] | None = Field(
-        default=None, description="Only these parameters go into the fingerprint (None: all of them)."
+        default=None,
+        description="Only these parameters go into the fingerprint (None: all of them); needs the task's typing on.",
     )
     require_key: bool = Field(default=False, description="Refuse calls without an idempotency_key (InvalidKeyError).")
     ttl_seconds: float = Field(default=86400, gt=0, description="How long an outcome is kept and replayed.")

@@ -145,10 +145,12 @@ class Idempotency:
         return installed if installed is not None else cls(app)
 
     def disconnect(self) -> None:
-        """Disconnect this instance's signal hooks (a replaced instance does this)."""
+        """Disconnect this instance's signal hooks and stop its heartbeat thread (once no attempt
+        of it is running); a replaced instance does this."""
         from .signals import disconnect
 
         disconnect(self._receivers)
+        self.heartbeat.stop()
 
     def __repr__(self) -> str:
         return f"<Idempotency app={self.app.main!r}>"

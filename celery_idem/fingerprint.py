@@ -5,6 +5,12 @@ receive them*: positional and keyword arguments bound to the task's signature wi
 applied, optionally narrowed to ``key_args``, round-tripped through the task's serializer, dumped
 with sorted keys and no whitespace. ``charge(42, 100)``, ``charge(order_id=42, amount=100)`` and
 ``charge(42, amount=100)`` are one call; so are a tuple and a list, and a UUID and its string.
+
+A task whose user turned Celery's argument check off (``typing=False``, ``Celery(strict_typing=
+False)``) is fingerprinted unbound: the call as given, ``{"args": [...], "kwargs": {...}}``, through
+the same serializer round trip. Celery publishes such a call without looking at the signature, so
+binding it here would refuse what Celery sends; spellings and defaults then count, and ``key_args``,
+which picks arguments by parameter name, cannot apply.
 """
 
 from __future__ import annotations
@@ -21,13 +27,13 @@ from typing import Any
 
 from kombu import serialization
 
-from .errors import InvalidKeyError, SerializationError
+from .errors import ConfigurationError, InvalidKeyError, SerializationError
 
 # kombu ships no annotations: name the two calls used here with their real shapes.
 kombu_dumps: Callable[..., tuple[str, str, Any]] = serialization.dumps
 kombu_loads: Callable[..., Any] = serialization.loads
 
-__all__ = ["bind_arguments", "canonical_json", "fingerprint", "validate_key", "validate_scope"]
+__all__ = ["bind_arguments", "canonical_json", "check_key_args", "fingerprint", "validate_key", "validate_scope"]
 
 MAX_KEY_LENGTH = 255
 _RULE = f"1-{MAX_KEY_LENGTH} printable characters without whitespace"
@@ -99,6 +105,30 @@ def bind_arguments(
         raise TypeError(f"{name}{signature}: {exc}") from None
     bound.apply_defaults()
     return dict(bound.arguments)
+
+
+def check_key_args(func: Callable[..., Any], key_args: Sequence[str], *, task_name: str, typed: bool) -> None:
+    """Refuse, at a task's first call, ``key_args`` that name no parameter of ``func`` (unless it
+    takes ``**kwargs``), or any ``key_args`` on a task whose typing is off (calls are not bound).
+
+    Raises:
+        ConfigurationError: saying which names are wrong, or that typing is off, and what to do.
+    """
+    if not typed:
+        raise ConfigurationError(
+            f"task {task_name!r} sets key_args, which picks arguments by parameter name, but its "
+            "typing is off (typing=False, or Celery(strict_typing=False)), so its calls are not bound "
+            "to its signature: remove key_args and pass an idempotency_key, or turn typing back on"
+        )
+    params = _signature(func).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    missing = [name for name in key_args if name not in params]
+    if missing:
+        raise ConfigurationError(
+            f"key_args of task {task_name!r} names {', '.join(map(repr, missing))}, "
+            f"not parameters of {task_name}{_signature(func)}"
+        )
 
 
 def _select(arguments: dict[str, Any], key_args: Iterable[str], func: Callable[..., Any]) -> dict[str, Any]:
@@ -184,6 +214,7 @@ def fingerprint(
     key_args: Iterable[str] | None = None,
     serializer: str = "json",
     skip_first: bool = False,
+    bind: bool = True,
 ) -> str:
     """SHA-256 hex digest of the call's canonical arguments (DESIGN §2).
 
@@ -195,17 +226,25 @@ def fingerprint(
             picked out of ``**kwargs``; the name of the ``**kwargs`` parameter keeps all of it.
         serializer: The task's serializer name; arguments are round-tripped through it.
         skip_first: Drop the first parameter (``self`` of a bound task).
+        bind: Bind the call to ``func``'s signature; False takes it as given (the task's
+            ``typing`` is off), and then ``key_args`` must be None.
 
     Raises:
-        TypeError: the arguments do not fit the signature.
+        TypeError: the arguments do not fit the signature, or ``key_args`` is given with
+            ``bind=False``.
         ValueError: ``key_args`` names a parameter the signature does not have.
         SerializationError: the serializer, or canonical JSON, cannot encode the arguments.
     """
     if isinstance(key_args, str):
         raise TypeError(f"key_args must be a list of parameter names, not a str; got {key_args!r}")
-    arguments = bind_arguments(func, args, kwargs, skip_first=skip_first)
-    if key_args is not None:
-        arguments = _select(arguments, key_args, func)
+    if not bind:
+        if key_args is not None:
+            raise TypeError("key_args needs the call bound to the task's signature; got bind=False")
+        arguments: dict[str, Any] = {"args": list(args or ()), "kwargs": dict(kwargs or {})}
+    else:
+        arguments = bind_arguments(func, args, kwargs, skip_first=skip_first)
+        if key_args is not None:
+            arguments = _select(arguments, key_args, func)
     received = _round_trip(arguments, serializer)
     try:
         text = canonical_json(received)

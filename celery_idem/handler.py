@@ -20,7 +20,6 @@ Worker (``run``): acquire, then
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import time
 import uuid
@@ -46,7 +45,7 @@ from .errors import (
     StoreUnavailableError,
 )
 from .failures import FailureClass, classify_failure
-from .fingerprint import fingerprint, validate_key, validate_scope
+from .fingerprint import check_key_args, fingerprint, validate_key, validate_scope
 from .outcome import encode_result
 from .owners import worker_token
 from .protocol import (
@@ -91,25 +90,17 @@ class Handler:
             )
         self._run_function: Callable[..., Any] = task.run
         self._autoretry_for: tuple[type[BaseException], ...] = tuple(getattr(task, "autoretry_for", ()) or ())
+        # Celery checks a call against the signature only while the task's typing is on (it
+        # defaults to app.strict_typing): with it off, the call is fingerprinted as given.
+        self._typed = bool(task.app.strict_typing if task.typing is None else task.typing)
         if self.policy.key_args is not None:
-            self._check_key_args(self.policy.key_args)
+            check_key_args(self._run_function, self.policy.key_args, task_name=task.name, typed=self._typed)
 
     # ---- identity ------------------------------------------------------------------------------
 
-    def _check_key_args(self, key_args: Sequence[str]) -> None:
-        """A key_args typo fails at the task's first call, naming the parameters it has."""
-        params = inspect.signature(self._run_function).parameters
-        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            return
-        missing = [name for name in key_args if name not in params]
-        if missing:
-            raise ConfigurationError(
-                f"key_args of task {self.task.name!r} names {', '.join(map(repr, missing))}, "
-                f"not parameters of {self.task.name}{inspect.signature(self._run_function)}"
-            )
-
     def fingerprint(self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None) -> str:
-        return fingerprint(self._run_function, args, kwargs, key_args=self.policy.key_args, serializer=self.serializer)
+        return fingerprint(self._run_function, args, kwargs, key_args=self.policy.key_args,
+                           serializer=self.serializer, bind=self._typed)  # fmt: skip
 
     def identify(self, key: Any, scope: Any, fp: str) -> Identity:
         """Validate the caller's key and scope; a call without a key is keyed by its fingerprint."""
@@ -432,6 +423,14 @@ class Handler:
             except BaseException as exc:
                 self._settle_exception(record, exc, lease)
                 raise
+            if isinstance(value, Retry):
+                # ``return self.retry(throw=False)``: the retry is sent, so it settles as a raised one.
+                # Eager, Celery's apply runs a returned Retry's retry inline, so it is returned; on a
+                # worker it is raised (state RETRY), where Celery would try to store it as the result.
+                self._settle_exception(record, value, lease)
+                if self.task.request.is_eager:
+                    return value
+                raise value
             self._settle_value(record, value)
             return value
         finally:

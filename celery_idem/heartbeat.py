@@ -1,10 +1,12 @@
-"""One heartbeat thread per process renews the lease of every attempt that runs in it.
+"""One heartbeat thread per extension and process renews the lease of every attempt that runs in it.
 
 A task shorter than a third of its lease never costs a renewal; a long one renews every lease/3.
 The thread is started lazily, and again whenever it is found not running: after a fork (prefork
-children do not inherit threads), or if it ever died. No error of one renewal, whatever its class
-(a Redis ``BUSY`` or ``READONLY``, a read-only PostgreSQL transaction), stops the renewals: it is
-logged and counted, and the lease is tried again at its next beat.
+children do not inherit threads), if it ever died, or after :meth:`Heartbeat.stop`. No error of one
+renewal, whatever its class (a Redis ``BUSY`` or ``READONLY``, a read-only PostgreSQL transaction),
+stops the renewals: it is logged and counted, and the lease is tried again at its next beat.
+``Idempotency.disconnect()`` stops its extension's thread, never before the last running attempt
+in it is over: stopping never drops a live lease.
 """
 
 from __future__ import annotations
@@ -52,12 +54,14 @@ class Heartbeat:
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self._pid = 0
+        self._stopping = False
         self._on_error = on_error
 
     def add(self, store: Store, identity: Identity, owner: str, seconds: float) -> Lease:
         lease = Lease(store, identity, owner, seconds)
         with self._lock:
             self._leases.add(lease)
+            self._stopping = False
             if not self.running:
                 if self._thread is not None and self._pid == os.getpid():
                     logger.error("the heartbeat thread had stopped; restarting it")
@@ -70,6 +74,21 @@ class Heartbeat:
     def remove(self, lease: Lease) -> None:
         with self._lock:
             self._leases.discard(lease)
+            if self._stopping and not self._leases:
+                self._wake.notify()  # a stopping thread ends with the last lease
+
+    def stop(self, timeout_seconds: float = 5.0) -> None:
+        """End the thread once no attempt is running in this process, waiting up to
+        ``timeout_seconds`` for it when none is; a lease still registered keeps it beating until
+        that attempt removes it. The next :meth:`add` starts it again."""
+        with self._lock:
+            self._stopping = True
+            self._wake.notify()
+            thread, busy = self._thread, bool(self._leases)
+        if busy:
+            logger.info("heartbeat stops once the attempts still running are over")
+        elif thread is not None and thread is not threading.current_thread() and self._pid == os.getpid():
+            thread.join(timeout_seconds)
 
     @property
     def running(self) -> bool:
@@ -84,6 +103,9 @@ class Heartbeat:
                 with self._lock:
                     if self._thread is not me or self._pid != os.getpid():
                         return  # replaced, or a forked child runs its own thread
+                    if self._stopping and not self._leases:
+                        self._thread = None  # stopped: the next add() starts a thread, quietly
+                        return
                     now = time.monotonic()
                     due = [lease for lease in self._leases if lease.due <= now]
                     if not due:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from celery.exceptions import Retry
+from celery.result import ResultBase
 from kombu import serialization
 
 from .errors import ReplayedFailureError, SerializationError
@@ -25,6 +26,7 @@ __all__ = [
     "accepted_content_types",
     "decode_result",
     "encode_result",
+    "prepare_value",
     "rebuild_exception",
     "replay",
 ]
@@ -47,14 +49,28 @@ def accepted_content_types(conf: Any, *, accept_pickle: bool) -> frozenset[str]:
     return frozenset(accepted | {PICKLE_CONTENT_TYPE} if accept_pickle else accepted)
 
 
+def prepare_value(value: Any, serializer: str) -> Any:
+    """A task's return value as Celery's result backend stores it (``BaseBackend.prepare_value``):
+    a result object (``return child.delay(x)``) as its ``(id, parent)`` tuple form, unless the
+    serializer is pickle. So the record holds what the backend holds, and a duplicate gets what the
+    original's ``AsyncResult.get()`` gets: the ``[[id, parent], children]`` lists (rebuild a result
+    object from them with ``celery.result.result_from_tuple``). tests/test_eager.py holds this copy
+    of Celery's rule against the backend's own.
+    """
+    if serializer != "pickle" and isinstance(value, ResultBase):
+        return value.as_tuple()
+    return value
+
+
 def encode_result(value: Any, serializer: str) -> tuple[bytes, str, str]:
-    """Serialize a task's return value as ``(payload, content_type, content_encoding)``.
+    """Serialize a task's return value, prepared as the result backend prepares it
+    (:func:`prepare_value`), as ``(payload, content_type, content_encoding)``.
 
     Raises:
         SerializationError: the serializer cannot encode ``value``.
     """
     try:
-        content_type, encoding, payload = _dumps(value, serializer=serializer)
+        content_type, encoding, payload = _dumps(prepare_value(value, serializer), serializer=serializer)
     except Exception as exc:
         raise SerializationError(
             f"the task's result cannot be encoded with the {serializer!r} serializer: {exc}; "

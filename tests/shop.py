@@ -179,6 +179,26 @@ def make_app(
         counter.incr(effects_key(prefix, "shop.replacement", str(order_id)))
         return {"replaced": order_id}
 
+    @task(name="shop.delegating")
+    def delegating(self: Any, order_id: int) -> Any:
+        """Hands its work on by returning the child's result object, as plain Celery allows."""
+        effect(self)
+        return replacement.delay(order_id)
+
+    @task(name="shop.retry_returned", max_retries=2)
+    def retry_returned(self: Any, amount: int) -> dict[str, Any]:
+        """Retries by returning the Retry (``throw=False``) instead of raising it."""
+        effect(self)
+        if self.request.retries == 0:
+            return self.retry(countdown=0, throw=False)  # type: ignore[no-any-return]
+        return {"amount": amount, "retries": self.request.retries, "task_id": self.request.id}
+
+    @task(name="shop.untyped", typing=False)
+    def untyped(self: Any, order_id: int, amount: int) -> dict[str, Any]:
+        """Celery's argument check is off: calls are published as given, checked by the body's call."""
+        effect(self)
+        return {"order": order_id, "amount": amount}
+
     @task(name="shop.replaced")
     def replaced(self: Any, order_id: int) -> Any:
         effect(self)

@@ -513,3 +513,26 @@ def test_int_and_str_dict_keys_stay_apart_under_pickle() -> None:
 def test_key_args_given_as_one_string_is_refused_with_a_clear_message() -> None:
     with pytest.raises(TypeError, match="key_args must be a list of parameter names, not a str; got 'order_id'"):
         fingerprint(charge, [42, 100], {}, key_args="order_id")  # type: ignore[arg-type]
+
+
+# ---- typing off: the call as given -----------------------------------------------------------------
+
+
+def test_unbound_fingerprint_takes_the_call_as_given_without_the_signature() -> None:
+    # typing=False: Celery does not check the call against the signature, so neither do we
+    extra = fingerprint(charge, (42, 100), {"extra": 3}, bind=False)
+    assert extra != fingerprint(charge, (42, 100), {}, bind=False)
+    # the call as given: its spelling and its defaults count
+    assert fingerprint(charge, (42, 100), {}, bind=False) != fingerprint(
+        charge, (), {"order_id": 42, "amount": 100}, bind=False
+    )
+    assert fingerprint(charge, (42, 100), {}, bind=False) != fingerprint(charge, (42, 100, "EUR"), {}, bind=False)
+    # still through the serializer: a tuple and a list, a UUID and its string are one call
+    order = uuid.uuid4()
+    as_list = fingerprint(charge, [[1, 2], str(order)], None, bind=False)
+    assert fingerprint(charge, ((1, 2), order), {}, bind=False) == as_list
+
+
+def test_unbound_fingerprint_refuses_key_args() -> None:
+    with pytest.raises(TypeError, match="key_args needs the call bound to the task's signature"):
+        fingerprint(charge, (42, 100), {}, key_args=["order_id"], bind=False)

@@ -119,3 +119,34 @@ def test_a_heartbeat_whose_thread_died_is_restarted_by_the_next_add(store: Store
         assert_still_held(store, identity, start, clock)
     finally:
         heartbeat.remove(lease)
+
+
+def test_stop_keeps_a_running_attempts_lease_then_ends_and_the_next_add_starts_again(
+    store: Store, clock: FakeClock
+) -> None:
+    heartbeat = Heartbeat()
+    identity, owner = running(store)
+    start = clock()
+    beating = Beating(store, clock, {})
+    # Given an attempt still running when the heartbeat is told to stop (Idempotency.disconnect)
+    lease = heartbeat.add(beating, identity, owner, LEASE)  # type: ignore[arg-type]
+    first = heartbeat._thread
+    heartbeat.stop(timeout_seconds=0.01)
+    try:
+        # Then its lease is still renewed past its length: stopping never drops a live lease
+        assert beating.renewed.wait(timeout=20), "stop dropped a running attempt's lease"
+        assert_still_held(store, identity, start, clock)
+    finally:
+        heartbeat.remove(lease)
+    # And the thread ends once that attempt is over
+    deadline = time.monotonic() + 20
+    while heartbeat.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not heartbeat.running and first is not None and not first.is_alive()
+    # When the next attempt adds its lease, a new thread beats for it; stop() with none left joins it
+    lease = heartbeat.add(store, identity, owner, LEASE)
+    second = heartbeat._thread
+    assert heartbeat.running and second is not first
+    heartbeat.remove(lease)
+    heartbeat.stop()
+    assert not heartbeat.running and second is not None and not second.is_alive()

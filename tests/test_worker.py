@@ -429,6 +429,50 @@ def test_a_task_calling_delay_on_itself_gets_its_own_id_back(shop: Shop, key: st
     assert shop.effects("again", key) == 1
 
 
+def test_a_returned_result_object_is_stored_as_the_backend_stores_it(shop: Shop, key: str) -> None:
+    # Given a task that returns its child's AsyncResult (the backend stores its [id, parent] form)
+    delegating = shop.task("delegating")
+    first = delegating.apply_async((31,), idempotency_key=key)
+    value = first.get(timeout=GET)
+    child_id = value[0][0]
+    assert value == [[child_id, None], None]
+    assert AsyncResult(child_id, app=shop.app).get(timeout=GET) == {"replaced": 31}
+    # Then the record holds that form, and every duplicate gets what the original's get() gave
+    record = shop.idem.get("shop.delegating", key)
+    assert record is not None and record.state is State.COMPLETED
+    again = delegating.apply_async((31,), idempotency_key=key)
+    assert again.deduplicated and again.get(timeout=GET) == value
+    by_name = shop.app.send_task("shop.delegating", (31,), headers={"idempotency_key": key})
+    assert by_name.get(timeout=GET) == value
+    assert shop.effects("delegating", key) == 1
+
+
+def test_a_returned_retry_retries_like_a_raised_one(shop: Shop, key: str) -> None:
+    # Given a task whose first attempt returns self.retry(throw=False) (Celery has sent the retry)
+    result = shop.task("retry_returned").apply_async((12,), idempotency_key=key)
+    # Then the retry message acquires the record and runs: its outcome is the call's
+    assert result.get(timeout=GET) == {"amount": 12, "retries": 1, "task_id": result.id}
+    record = shop.idem.get("shop.retry_returned", key)
+    assert record is not None and record.state is State.COMPLETED
+    assert shop.effects("retry_returned", key) == 2
+
+
+def test_typing_off_publishes_as_given_and_the_worker_fingerprints_the_same_call(shop: Shop, key: str) -> None:
+    untyped = shop.task("untyped")
+    # Given typing=False, a call that does not fit the signature is published (plain Celery does)
+    # and fails on the worker, where the key is given back (a TypeError is retryable by default)
+    misfit = untyped.apply_async((1, 2), {"extra": 3}, idempotency_key=key)
+    with pytest.raises(TypeError, match="extra"):
+        misfit.get(timeout=GET)
+    assert shop.idem.get("shop.untyped", key) is None
+    # A key-less call is keyed by the call as given, on the producer and the worker alike
+    first, second = untyped.delay(5, 6), untyped.delay(5, 6)
+    assert second.deduplicated and second.id == first.id
+    by_name = shop.app.send_task("shop.untyped", (5, 6), headers={"idempotency_key": first.idempotency_key})
+    assert first.get(timeout=GET) == by_name.get(timeout=GET) == {"order": 5, "amount": 6}
+    assert shop.effects("untyped", first.idempotency_key) == 1
+
+
 # ---- bad input: clear errors, nothing left IN_PROGRESS ----------------------------------------------
 
 
