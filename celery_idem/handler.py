@@ -60,7 +60,7 @@ from .protocol import (
     request_header,
 )
 from .records import Decision, ErrorInfo, IdempotencyRecord, Identity, Transition
-from .stores.base import Fence
+from .stores.base import Fence, new_token
 
 if TYPE_CHECKING:
     from .config import IdempotencyPolicy
@@ -150,6 +150,7 @@ class Handler:
         options["task_id"] = task_id
         options["headers"] = {**headers, KEY_HEADER: identity.key, **({SCOPE_HEADER: scope} if scope else {})}
         policy = self.policy
+        claim_token = new_token()
         try:
             claimed = self.idem.store.claim(
                 identity,
@@ -157,10 +158,14 @@ class Handler:
                 task_id,
                 pending_seconds=timing.pending_seconds(policy.pending_timeout_seconds, options, self.task.expires),
                 ttl_seconds=policy.ttl_seconds,
+                owner=claim_token,
                 call=self._call(args, kwargs, options),
             )
         except StoreUnavailableError:
             if not self._proceed_unprotected("claim", identity, task_id):
+                # The claim may have landed with only its reply lost: a PENDING record under a task
+                # id no message will carry would hand every retry of the key that id. Give it back.
+                self._give_back(identity, claim_token, settled_is_fine=True)
                 raise
             return self._result(send(args, kwargs, options), identity, deduplicated=False)
         self.idem.count("claims")
@@ -299,6 +304,7 @@ class Handler:
         pause = 0.02
         call = self._call(args, kwargs)
         while True:
+            owner = worker_token(getattr(request, "hostname", None))
             try:
                 taken = store.acquire(
                     identity,
@@ -306,12 +312,15 @@ class Handler:
                     task_id,
                     lease_seconds=policy.lease_seconds,
                     ttl_seconds=policy.ttl_seconds,
-                    owner=worker_token(getattr(request, "hostname", None)),
+                    owner=owner,
                     call=call,
                 )
             except StoreUnavailableError:
                 if self._proceed_unprotected("acquire", identity, task_id):
                     return self._run_function(*args, **kwargs)
+                # The acquire may have landed with only its reply lost: hand the record back to
+                # PENDING for the message kept below, or its copy would wait out a lease nobody holds.
+                self._give_back(identity, owner, policy.pending_timeout_seconds, settled_is_fine=True)
                 raise self._keep_message(args, kwargs) from None
             record = taken.record
             assert record is not None

@@ -32,7 +32,7 @@ from celery.backends.base import DisabledBackend
 from pydantic import BaseModel, ConfigDict
 
 from .calls import CallRefused, decode_call
-from .errors import LedgerUnavailableError
+from .errors import LedgerUnavailableError, StoreUnavailableError
 from .failures import BODY_MAY_HAVE_RUN, classify_failure
 from .outcome import encode_result
 from .owners import holder_node, node_tag
@@ -249,7 +249,13 @@ class Reconciler:
 
     def _write(self, record: IdempotencyRecord, outcome: str, why: str, write: Any) -> bool:
         if not self.dry_run:
-            answer = write()
+            try:
+                answer = write()
+            except StoreUnavailableError as exc:
+                # One record the store would not write (or whose reply was lost) stays for the next
+                # run; the rest of this run goes on, so a failing record never blocks the others.
+                self._leave(record, f"the store failed the write ({why}): {exc}")
+                return False
             if answer.decision is not Decision.OK:
                 # Someone moved the record after our scan (a worker finished, another reconciler):
                 # they win, and we touch nothing.

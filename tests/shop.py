@@ -281,10 +281,18 @@ def payments_table(prefix: str) -> sa.Table:
 
 
 if os.environ.get("SHOP_BROKER"):
+    _store: Any = os.environ["SHOP_STORE"]
+    if os.environ.get("CELERY_IDEM_FAULTS"):  # a worker subprocess under fault injection (tests/faults.py)
+        from faults import install_from_env
+
+        from celery_idem.stores import store_from_url
+
+        _store = store_from_url(_store, key_prefix=os.environ["SHOP_PREFIX"])
+        install_from_env(_store)
     app = make_app(
         broker=os.environ["SHOP_BROKER"],
         backend=os.environ.get("SHOP_BACKEND") or None,
-        store=os.environ["SHOP_STORE"],
+        store=_store,
         prefix=os.environ["SHOP_PREFIX"],
         queue=os.environ["SHOP_QUEUE"],
         ledger_url=os.environ.get("SHOP_LEDGER") or None,

@@ -34,7 +34,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from typing import ClassVar, Literal, NamedTuple
 
-from ..errors import ResultTooLargeError, StoreUnavailableError
+from ..errors import IdempotencyError, ResultTooLargeError, StoreUnavailableError
 from ..records import Decision, ErrorInfo, IdempotencyRecord, Identity, State, Transition
 
 __all__ = ["Clock", "Fence", "Settlement", "Store", "new_token"]
@@ -101,16 +101,36 @@ class Store(ABC):
 
     @contextlib.contextmanager
     def _guard(self, operation: str, identity: Identity | None = None) -> Iterator[None]:
+        """Turn whatever the backend raises into StoreUnavailableError (our own errors pass).
+
+        Past the store's own connection and timeout errors, any other error of a store call (a
+        driver's surprise, a reply no mapping knows) also leaves the caller not knowing whether the
+        operation was applied: every caller handles that one way, as an outage, never as a raw
+        error that would consume a message or fail a task whose effect happened.
+        """
         try:
             yield
-        except self._unavailable as exc:
+        except IdempotencyError:
+            raise
+        except Exception as exc:
             where = f" for {identity}" if identity else ""
+            if self._is_outage(exc):
+                message = (
+                    f"{self!r} did not complete {operation}{where} within {self.timeout_seconds:g}s: {exc}; "
+                    "check that the store is up, or set on_store_error='proceed' to run unprotected"
+                )
+            else:
+                message = (
+                    f"{self!r} failed {operation}{where} with an unexpected {type(exc).__name__}: {exc}; "
+                    "whether it was applied is unknown, so it is handled as an outage (see the cause)"
+                )
             raise StoreUnavailableError(
-                f"{self!r} did not complete {operation}{where} within {self.timeout_seconds:g}s: {exc}; "
-                "check that the store is up, or set on_store_error='proceed' to run unprotected",
-                key=identity.key if identity else None,
-                task_name=identity.task_name if identity else None,
+                message, key=identity.key if identity else None, task_name=identity.task_name if identity else None
             ) from exc
+
+    def _is_outage(self, exc: Exception) -> bool:
+        """Whether ``exc`` says the store is down, slow or refusing writes (its ``_unavailable``)."""
+        return isinstance(exc, self._unavailable)
 
     # ---- public operations -------------------------------------------------------------------
 

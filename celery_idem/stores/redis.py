@@ -111,6 +111,15 @@ class RedisStore(Store):
         redis.exceptions.OutOfMemoryError,  # a full Redis under noeviction: the store cannot take writes
         OSError,
     )
+    # Error replies redis-py leaves as a plain ResponseError that still mean "cannot take this write
+    # now": a script running past lua-time-limit (BUSY), too few replicas (NOREPLICAS). READONLY,
+    # LOADING and MASTERDOWN have classes of their own, above.
+    _unavailable_replies = ("BUSY ", "NOREPLICAS ")
+
+    def _is_outage(self, exc: Exception) -> bool:
+        if isinstance(exc, redis.exceptions.ResponseError) and str(exc).startswith(self._unavailable_replies):
+            return True
+        return super()._is_outage(exc)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisStore:

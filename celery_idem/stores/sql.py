@@ -185,6 +185,14 @@ class SQLStore(Store):
     """
 
     _unavailable = (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError)
+    # A hot standby (or default_transaction_read_only) refuses writes with SQLSTATE 25006, which
+    # psycopg classes an InternalError: the store is up but cannot take writes, an outage.
+    _READ_ONLY_SQLSTATE = "25006"
+
+    def _is_outage(self, exc: Exception) -> bool:
+        if isinstance(exc, sa_exc.InternalError) and getattr(exc.orig, "sqlstate", None) == self._READ_ONLY_SQLSTATE:
+            return True
+        return super()._is_outage(exc)
 
     def __init__(
         self,

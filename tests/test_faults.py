@@ -1,0 +1,444 @@
+"""Fault injection at every store call (tests/faults.py), through a real worker where one is involved.
+
+Every cell of (call site, fault kind, on_store_error) checks, with the side effect counted outside the
+library (an INCR in the task body; rows of a business table for the ledger task):
+
+(a) the effect happened at most once (exactly once where the call succeeds, or with the ledger);
+(b) the caller saw the outcome or a documented error within a bounded ``get`` (never a hang);
+(c) once the store is healthy again, one reconciler run leaves no record PENDING or IN_PROGRESS.
+
+The reconciler of (c) runs "later": on a second store over the same data whose injected clock is
+ahead by more than any lease of these tasks, so no test waits for a lease to run out.
+
+Cells: claim (producer), acquire, renew (heartbeat), complete, fail, release by owner token (a
+Celery retry) and release by task id (the task_revoked hook) through one in-process worker per
+on_store_error value on Redis, and a ledger task there; the reconciler's writes directly; every fault
+kind (the SQL ones too) on every store operation directly on Redis, SQLite and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import redis
+import sqlalchemy as sa
+from celery import signals
+from celery.contrib.testing.worker import start_worker
+from celery.exceptions import TaskRevokedError
+from conftest import REDIS_URL, require_server
+from faults import REDIS_FAULTS, SQL_FAULTS, Fault, Injector, Plan
+from shop import COUNTER_URL, effects_key, make_app, payments_table
+
+from celery_idem import Idempotency, IdempotentTask, PermanentError, State, StoreUnavailableError
+from celery_idem.reconciler import Reconciler
+from celery_idem.records import Identity
+from celery_idem.stores import RedisStore, SQLStore, Store
+
+BROKER = "redis://127.0.0.1:6379/14"
+BACKEND = "redis://127.0.0.1:6379/13"
+GET = 20  # seconds a caller waits for an outcome: a bound, not a benchmark
+LEASE = 0.9  # seconds: the heartbeat renews every 0.3 s
+LATER = 7200  # seconds the "later" reconciler's clock is ahead: past every lease and PENDING timeout
+UNSETTLED = (State.PENDING, State.IN_PROGRESS)
+
+
+# ---- the cells ---------------------------------------------------------------------------------------
+
+# site -> (store method the fault hits, does on_store_error decide what happens there)
+SITES = {
+    "claim": ("claim", True),
+    "acquire": ("acquire", True),
+    "renew": ("renew", False),
+    "complete": ("complete", False),
+    "fail": ("fail", False),
+    "release_owner": ("release", False),
+    "release_task_id": ("release", False),
+}
+
+
+@dataclass(frozen=True)
+class Cell:
+    site: str
+    fault: Fault
+    on_store_error: str
+
+    @property
+    def method(self) -> str:
+        return SITES[self.site][0]
+
+    def __str__(self) -> str:
+        # Lost replies are named as what they are: the store ran the call, the caller never heard.
+        fault = "ran_but_reply_lost" if self.fault is Fault.LOST_REPLY else self.fault.value
+        return f"{self.site}-{fault}-{self.on_store_error}"
+
+
+def cells(sites: Any, faults: Any, modes: Any = ("raise", "proceed")) -> list[Any]:
+    """Every (site, fault, mode) where the mode matters; elsewhere only the default, "raise"."""
+    out = []
+    for mode in modes:  # outermost: the cells of one worker run together, so it starts once
+        for site in sites:
+            if mode == "raise" or SITES[site][1]:
+                for fault in faults:
+                    cell = Cell(site, fault, mode)
+                    out.append(pytest.param(cell, id=str(cell)))
+    return out
+
+
+# ---- one worker per on_store_error, on Redis -----------------------------------------------------------
+
+
+@dataclass
+class World:
+    app: Any
+    idem: Idempotency
+    store: Store
+    faults: Injector
+    prefix: str
+    counter: redis.Redis
+    published: list[str]
+    later: Store  # the same data, read by a clock LATER seconds ahead
+    later_faults: Injector | None = None
+    payments: sa.Table | None = None
+    ledger_engine: sa.Engine | None = None
+
+    def task(self, name: str) -> Any:
+        return self.app.tasks[name]
+
+    def effects(self, task: str, key: str) -> int:
+        return int(self.counter.get(effects_key(self.prefix, task, key)) or 0)
+
+    def payments_for(self, order_id: int) -> int:
+        assert self.payments is not None and self.ledger_engine is not None
+        with self.ledger_engine.connect() as connection:
+            query = sa.select(sa.func.count()).select_from(self.payments).where(self.payments.c.order_id == order_id)
+            return int(connection.execute(query).scalar_one())
+
+    def reconcile_later(self) -> Any:
+        """One reconciler run at a time past every lease (the store is healthy)."""
+        reconciler = Reconciler(self.idem)
+        reconciler.store = self.later
+        return reconciler.run()
+
+    def unsettled(self, task: str, key: str) -> State | None:
+        record = self.store.get(Identity("", task, key))
+        return record.state if record is not None and record.state in UNSETTLED else None
+
+
+def _register_tasks(app: Any, prefix: str, counter: redis.Redis) -> None:
+    task = functools.partial(app.task, shared=False, base=IdempotentTask, bind=True)
+    policy = {"lease_seconds": LEASE, "pending_timeout_seconds": 60}
+
+    def effect(self: Any) -> None:
+        counter.incr(effects_key(prefix, self.name, self.request.idempotency_key))
+
+    @task(name="faults.work", idempotency=policy)
+    def work(self: Any, order_id: int, hold: float = 0.0) -> dict[str, Any]:
+        time.sleep(hold)
+        effect(self)
+        return {"order": order_id, "task_id": self.request.id}
+
+    @task(name="faults.declined", idempotency=policy)
+    def declined(self: Any, order_id: int) -> None:
+        effect(self)
+        raise PermanentError(f"card declined for order {order_id}")
+
+    @task(name="faults.retried", idempotency=policy, autoretry_for=(ConnectionError,), max_retries=2,
+          default_retry_delay=0)  # fmt: skip
+    def retried(self: Any, order_id: int) -> dict[str, Any]:
+        if self.request.retries == 0:
+            raise ConnectionError("payment provider unreachable")  # before the effect: a Celery retry
+        effect(self)
+        return {"order": order_id, "retries": self.request.retries}
+
+
+def _world(app: Any, store: Store, later: Store, prefix: str, injector: Injector) -> Iterator[World]:
+    counter = redis.Redis.from_url(COUNTER_URL)
+    _register_tasks(app, prefix, counter)
+    published: list[str] = []
+
+    def sent(sender: Any = None, headers: Any = None, **_: Any) -> None:
+        published.append(headers["id"])
+
+    signals.before_task_publish.connect(sent, weak=False)
+    try:
+        with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False, shutdown_timeout=20):
+            yield World(app, Idempotency.of(app), store, injector, prefix, counter, published, later)
+    finally:
+        signals.before_task_publish.disconnect(sent)
+
+
+def _redis_world(mode: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    require_server("redis")
+    prefix = f"f{uuid.uuid4().hex[:10]}"
+    store = RedisStore.from_url(REDIS_URL, key_prefix=prefix)
+    skew = store.now() - time.time()  # leases are the server's time: "later" is later than the server
+    later = RedisStore(store.client, key_prefix=prefix, clock=lambda: time.time() + skew + LATER)
+    injector = Injector(store)
+    ledger_url = f"sqlite:///{tmp_path_factory.mktemp('ledger')}/ledger.db"
+    app = make_app(broker=BROKER, backend=BACKEND, store=store, prefix=prefix, queue=prefix, ledger_url=ledger_url,
+                   on_store_error=mode, inspect_timeout_seconds=0.5)  # fmt: skip
+    ledger = Idempotency.of(app).settings.ledger
+    ledger.create_schema()
+    payments = payments_table(prefix)
+    payments.create(ledger.engine)
+    for world in _world(app, store, later, prefix, injector):
+        world.payments, world.ledger_engine = payments, ledger.engine
+        world.later_faults = Injector(later)
+        yield world
+    wipe_redis(store)
+
+
+@pytest.fixture(scope="module")
+def raise_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    """A worker with on_store_error="raise" (the default)."""
+    yield from _redis_world("raise", tmp_path_factory)
+
+
+def wipe_redis(store: RedisStore) -> None:
+    keys = list(store.client.scan_iter(match=f"{{{store.key_prefix}:*", count=1000))
+    if keys:
+        store.client.delete(*keys)
+    store.close()
+
+
+@pytest.fixture
+def key() -> str:
+    return f"k-{uuid.uuid4().hex}"
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_plans(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    for name in ("raise_world",):
+        if name in request.fixturenames:
+            request.getfixturevalue(name).faults.clear()
+
+
+def _call(task: Any, args: tuple[Any, ...], key: str) -> tuple[Any, Any]:
+    """(result, what the caller saw): the outcome, a documented error, or StoreUnavailableError at
+    publish (result None). A get past GET seconds fails the test: that is a hang."""
+    try:
+        result = task.apply_async(args, idempotency_key=key)
+    except StoreUnavailableError as exc:
+        assert exc.key == key
+        return None, exc
+    try:
+        return result, result.get(timeout=GET)
+    except (PermanentError, TaskRevokedError) as exc:
+        return result, exc
+
+
+def _drive(world: World, cell: Cell, key: str) -> None:
+    """The whole life of one cell: call (and call again if the caller was refused), then check (a)-(c)."""
+    assert cell.on_store_error == world.idem.settings.on_store_error
+    plan = world.faults.arm(Plan(cell.method, cell.fault, key=key))
+    name, args, expected_effects = {
+        "fail": ("faults.declined", (1,), 1),
+        "release_owner": ("faults.retried", (1,), 1),
+        "renew": ("faults.work", (1, LEASE * 0.7), 1),
+    }.get(cell.site, ("faults.work", (1,), 1))
+    task = world.task(name)
+
+    if cell.site == "release_task_id":
+        _drive_revoked(world, task, key, plan)
+        return
+
+    result, seen = _call(task, args, key)
+    # (b) the caller saw a clear error or the outcome
+    if cell.site == "claim" and cell.on_store_error == "raise":
+        assert isinstance(seen, StoreUnavailableError), seen
+        # The caller retries the same call: it runs, under a task id a message carries.
+        result, seen = _call(task, args, key)
+    assert result is not None
+    assert result.id in world.published, "the caller holds a task id no message carries"
+    if cell.site == "fail":
+        assert isinstance(seen, PermanentError)
+    else:
+        assert isinstance(seen, dict) and seen["order"] == 1, seen
+    assert plan.fired == 1, f"the fault never fired ({plan})"
+    # (a) once
+    assert world.effects(name, key) == expected_effects
+    # (c) nothing stuck after one reconciler run, with the store healthy again
+    world.reconcile_later()
+    assert world.unsettled(name, key) is None
+    # and a later duplicate never runs the body again
+    again, seen_again = _call(task, args, key)
+    assert again is not None and again.deduplicated
+    assert world.effects(name, key) == expected_effects
+
+
+def _drive_revoked(world: World, task: Any, key: str, plan: Plan) -> None:
+    """The task_revoked hook releases by task id: a message revoked before it runs."""
+    from celery.worker import state
+
+    task_id = str(uuid.uuid4())
+    state.revoked.add(task_id)  # what the revoke command does in the (in-process) worker, without a broadcast
+    result = task.apply_async((1,), idempotency_key=key, task_id=task_id)
+    with pytest.raises(TaskRevokedError):
+        result.get(timeout=GET)
+    _until(lambda: plan.fired == 1)
+    assert world.effects(task.name, key) == 0
+    world.reconcile_later()
+    assert world.unsettled(task.name, key) is None
+    # the key is free again: a new call runs once
+    result, seen = _call(task, (1,), key)
+    assert isinstance(seen, dict) and world.effects(task.name, key) == 1
+
+
+def _until(predicate: Any, seconds: float = GET) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("cell", cells(SITES, REDIS_FAULTS, ("raise",)))
+def test_a_fault_at_a_store_call_never_doubles_loses_or_hangs(raise_world: World, cell: Cell, key: str) -> None:
+    _drive(raise_world, cell, key)
+
+
+# ---- the ledger: exactly once ------------------------------------------------------------------------
+
+LEDGER_CELLS = [
+    pytest.param(site, fault, id=str(Cell(site, fault, "raise")))
+    for site in ("claim", "acquire", "complete")
+    for fault in (Fault.REFUSED, Fault.LOST_REPLY, Fault.UNEXPECTED)
+]
+
+
+@pytest.mark.parametrize(("site", "fault"), LEDGER_CELLS)
+def test_a_fault_around_a_ledger_task_leaves_exactly_one_payment(
+    raise_world: World, site: str, fault: Fault, key: str
+) -> None:
+    world = raise_world
+    plan = world.faults.arm(Plan(SITES[site][0], fault, key=key))
+    order = int(uuid.uuid4().int % 1_000_000_000)
+    pay = world.task("shop.pay")
+    result, seen = _call(pay, (order, 100), key)
+    if site == "claim":
+        assert isinstance(seen, StoreUnavailableError)
+        result, seen = _call(pay, (order, 100), key)  # the caller retries
+    assert seen == {"paid": 100, "order": order}
+    assert plan.fired == 1
+    # exactly once, in the business database and in the body's own count
+    assert world.payments_for(order) == 1
+    assert world.effects("shop.pay", key) == 1
+    world.reconcile_later()
+    assert world.unsettled("shop.pay", key) is None
+
+
+# ---- every fault kind on every store operation, directly: the store's own mapping ---------------------
+
+OPERATIONS = ("claim", "acquire", "renew", "complete", "fail", "release", "get")
+
+
+def _stores() -> list[Any]:
+    return [pytest.param(kind, fault, id=f"{kind}-{fault.value}")
+            for kind, faults in (("redis", REDIS_FAULTS), ("sqlite", SQL_FAULTS), ("postgresql", SQL_FAULTS))
+            for fault in faults]  # fmt: skip
+
+
+@pytest.mark.parametrize(("kind", "fault"), _stores())
+def test_every_fault_at_every_store_operation_is_store_unavailable(
+    kind: str, fault: Fault, tmp_path: Any, prefix: str
+) -> None:
+    from conftest import make_store, wipe
+
+    from celery_idem.errors import StoreUnavailableError as Unavailable
+    from celery_idem.records import ErrorInfo
+
+    store = make_store(kind, tmp_path, prefix)
+    if isinstance(store, SQLStore):
+        store.create_schema()
+    faults = Injector(store)
+    try:
+        for operation in OPERATIONS:
+            identity = Identity("", "faults.direct", f"{operation}-{uuid.uuid4().hex[:8]}")
+            taken = store.acquire(identity, "fp", "t1", lease_seconds=30, ttl_seconds=60)
+            assert taken.record is not None
+            owner = taken.record.owner
+            call = {
+                "claim": lambda i=identity: store.claim(Identity("", i.task_name, i.key + "c"), "fp", "t2",
+                                                        pending_seconds=30, ttl_seconds=60),
+                "acquire": lambda i=identity: store.acquire(Identity("", i.task_name, i.key + "a"), "fp", "t3",
+                                                            lease_seconds=30, ttl_seconds=60),
+                "renew": lambda i=identity, o=owner: store.renew(i, o, lease_seconds=30),
+                "complete": lambda i=identity, o=owner: store.complete(i, o, b"1"),
+                "fail": lambda i=identity, o=owner: store.fail(i, o, ErrorInfo.from_exception(ValueError("x"))),
+                "release": lambda i=identity, o=owner: store.release(i, o),
+                "get": lambda i=identity: store.get(i),
+            }[operation]  # fmt: skip
+            plan = faults.arm(Plan(operation, fault))
+            with pytest.raises(Unavailable) as caught:
+                call()
+            assert plan.fired == 1 and caught.value.__cause__ is not None
+            faults.clear()
+            if fault is Fault.LOST_REPLY and operation in ("complete", "fail", "release"):
+                # the server ran it: the record moved although the caller heard nothing
+                after = store.get(identity)
+                assert after is None or after.state.settled
+            else:
+                assert call() is not None  # healthy again: the next call answers
+    finally:
+        faults.clear()
+        wipe(store)
+
+
+# ---- the reconciler's writes ----------------------------------------------------------------------------
+
+
+RECONCILER_CELLS = [pytest.param("complete", fault, id=f"complete-{fault.value}") for fault in REDIS_FAULTS] + [
+    # a release waits for inspect replies (0.5 s a run): the kinds that take different paths only
+    pytest.param("release", fault, id=f"release-{fault.value}")
+    for fault in (Fault.REFUSED, Fault.LOST_REPLY, Fault.BUSY, Fault.UNEXPECTED)
+]
+
+
+@pytest.mark.parametrize(("write", "fault"), RECONCILER_CELLS)
+def test_a_fault_at_a_reconciler_write_never_stops_the_run_nor_sticks(
+    raise_world: World, write: str, fault: Fault
+) -> None:
+    world = raise_world
+    # Given two stale records of dead attempts: one whose backend holds SUCCESS, one with no evidence
+    records = []
+    for n in range(2):
+        key, task_id = f"rk-{uuid.uuid4().hex}", str(uuid.uuid4())
+        identity = Identity("", "faults.work", key)
+        taken = world.store.acquire(identity, "fp", task_id, lease_seconds=LEASE, ttl_seconds=86400)
+        assert taken.record is not None
+        if write == "complete":
+            world.app.backend.store_result(task_id, {"order": n}, "SUCCESS")
+        records.append(identity)
+    assert world.later_faults is not None
+    plan = world.later_faults.arm(Plan(write, fault, key=records[0].key))
+    # When one reconciler run's write of the first fails
+    report = world.reconcile_later()
+    # Then the run ends with a report, the second record is settled in that same run
+    assert plan.fired == 1
+    assert world.unsettled("faults.work", records[1].key) is None
+    assert report.scanned >= 2
+    # and one more run, with the store healthy, leaves nothing PENDING or IN_PROGRESS
+    world.reconcile_later()
+    assert all(world.unsettled("faults.work", identity.key) is None for identity in records)
+    world.later_faults.clear()
+
+
+def test_a_worker_process_installs_faults_from_its_environment(prefix: str) -> None:
+    from faults import FAULTS_ENV, install_from_env
+
+    require_server("redis")
+    store = RedisStore.from_url(REDIS_URL, key_prefix=prefix)
+    try:
+        injector = install_from_env(store, {FAULTS_ENV: '[{"method": "get", "fault": "busy"}]'})
+        assert injector is not None
+        with pytest.raises(StoreUnavailableError, match="BUSY"):
+            store.get(Identity("", "faults.env", "k"))
+        assert store.get(Identity("", "faults.env", "k")) is None
+    finally:
+        wipe_redis(store)
