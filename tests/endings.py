@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
-
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "concepts.md"
 START, END = "<!-- endings-table:start -->", "<!-- endings-table:end -->"
@@ -62,33 +61,41 @@ REDELIVERED = Seen("`COMPLETED`", "`COMPLETED`", VALUE, "2")
 
 ENDINGS: tuple[Ending, ...] = (
     Ending("returns a value", "returns", "", same(Seen("`COMPLETED`", "`COMPLETED`", VALUE, "1"))),
-    Ending("raises a permanent error (`PermanentError`)", "permanent", "stored and replayed as the same class",
+    Ending("raises a permanent error (`PermanentError`)", "permanent",
+           "stored; replayed to every duplicate as the same exception class",
            same(Seen("`FAILED` (`PermanentError`)", "`FAILED` (`PermanentError`)",
                      "deduplicated: raises `PermanentError`", "1"))),
     Ending("raises a retryable error, no retry", "retryable",
-           "a transient error is never frozen as the answer to a key",
+           "a transient error is never frozen as the answer to a key: released, so a new call runs",
            same(Seen("none", "none", RUNS, "1, then 2"))),
-    Ending("`self.retry()`, then returns", "retries", "the retry is the same attempt chain (`PENDING` between)",
+    Ending("`self.retry()`, then returns", "retries",
+           "the retry is the same attempt chain: `PENDING` under the same task id meanwhile (lease "
+           "`pending_timeout_seconds` + countdown, never past the expiry the retry message inherits + 5 s)",
            same(Seen("`COMPLETED`", "`COMPLETED`", VALUE, "2"))),
     Ending("`autoretry_for`, a retry left, then returns", "autoretried", "as `self.retry()`",
            same(Seen("`COMPLETED`", "`COMPLETED`", VALUE, "2")), args=(1,)),
     Ending("`autoretry_for`, retries exhausted", "autoretried", "as a retryable error with no retry left",
            same(Seen("none", "none", RUNS, "2, then 3")), args=(2,)),
     Ending("`self.replace(sig)`", "replaced",
-           "the body handed its work on: the replacement's outcome settles the record (callbacks fenced by the "
-           "owner token), under the original task id",
+           "the body handed its work on and must not run again: the record stays `IN_PROGRESS` (lease "
+           "`pending_timeout_seconds` + `lease_seconds`) until callbacks linked to the replacement settle it with "
+           "its outcome, fenced by the owner token; duplicates get the original task id, whose result is the "
+           "replacement's",
            same(Seen("`COMPLETED`", "`COMPLETED`", VALUE, "1 (+ 1 replacement)"))),
     Ending("`Reject(requeue=True)`", "rejects",
            "with `acks_late` the broker redelivers the message (`PENDING` meanwhile); without, Celery acked it "
            "already and it is gone, so the key is freed",
            by_ack(REDELIVERED, Seen("none", "none", RUNS, "1, then 2")), args=(True,)),
     Ending("`Reject(requeue=False)`", "rejects",
-           "the task said this message must not be processed; `forget` the key to process it again",
+           "the task said this message must not be processed: a duplicate message is rejected too; to process it "
+           "again (say, from a dead-letter queue), `forget` the key first",
            same(Seen("`FAILED` (`Reject`)", "`FAILED` (`Reject`)", "deduplicated: raises `Reject`", "1")),
            args=(False,)),
-    Ending("`Ignore`", "ignores", "ended on purpose without a result; a duplicate message is acknowledged quietly",
+    Ending("`Ignore`", "ignores",
+           "ended on purpose without a result: a duplicate message is acknowledged quietly, as the original was; a "
+           "caller's `get()` raises `Ignore` instead of waiting for a result that never comes",
            same(Seen("`FAILED` (`Ignore`)", "`FAILED` (`Ignore`)", "deduplicated: raises `Ignore`", "1"))),
-    Ending("revoked before it ran", "returns", "the `task_revoked` hook frees the `PENDING` claim",
+    Ending("revoked before it ran", "returns", "the worker's `task_revoked` hook frees the `PENDING` claim",
            same(Seen("none", "none", RUNS, "0, then 1")), act="revoke_first", first=True),
     Ending("`expires` passed when the worker received it", "returns",
            "the worker revokes it: the same hook frees the claim",
@@ -98,11 +105,14 @@ ENDINGS: tuple[Ending, ...] = (
            "at the expiry + 5 s, and the reconciler releases it (no worker holds it)",
            same(Seen("`PENDING`", "none", RUNS, "0, then 1")), options=_past, worker="idle"),
     Ending("`revoke(terminate=True)` while it runs (SIGTERM)", "hangs",
-           "the attempt sees `SystemExit` and releases its record under its owner token",
+           "the child gets SIGTERM: the attempt sees `SystemExit` (never an outcome) and releases its record under "
+           "its owner token",
            same(Seen("none", "none", RUNS, "1, then 2")), act="terminate"),
-    Ending("`revoke(terminate=True, signal=\"SIGKILL\")` while it runs", "hangs", "as a SIGKILL of the child",
+    Ending("`revoke(terminate=True, signal=\"SIGKILL\")` while it runs", "hangs",
+           "as a SIGKILL of the child (below)",
            same(KILLED), act="terminate_kill"),
-    Ending("soft time limit", "hangs", "`SoftTimeLimitExceeded` is retryable (unlisted)",
+    Ending("soft time limit", "hangs",
+           "`SoftTimeLimitExceeded` is raised in the body: an unlisted error, retryable by default",
            same(Seen("none", "none", RUNS, "1, then 2")), options=lambda: {"soft_time_limit": 1}),
     Ending("hard time limit", "hangs",
            "billiard sends the child SIGTERM, then SIGKILL 0.1 s later: the attempt's `SystemExit` path releases "
@@ -110,15 +120,20 @@ ENDINGS: tuple[Ending, ...] = (
            "reconciler releases it (`TimeLimitExceeded` is retryable)",
            same(Seen("none or `IN_PROGRESS`", "none", RUNS, "1, then 2")), options=lambda: {"time_limit": 1}),
     Ending("SIGKILL of its prefork child", "hangs",
-           "the parent's hook may free only a `PENDING` claim or an expired lease: a live record under that id "
-           "may be a copy running elsewhere", same(KILLED), act="sigkill"),
+           "no heartbeat renews the lease now; the parent's hook (fenced by the task id) may free only a `PENDING` "
+           "claim or an expired lease, as a live record under that id may be a copy running elsewhere; once the "
+           "lease ran out, the reconciler releases it on the result backend's `WorkerLostError` (retryable), and "
+           "a redelivery or the next call takes over", same(KILLED), act="sigkill"),
     Ending("SIGKILL of its child, `task_reject_on_worker_lost`", "hangs_reject_lost",
-           "with `acks_late` the message is requeued: the copy waits for the dead attempt's lease, then runs",
+           "with `acks_late` the message goes back to the broker: the copy waits for the dead attempt's lease "
+           "(`busy_wait_seconds`), then runs; without, the message is gone (as above)",
            by_ack(REDELIVERED, KILLED), act="sigkill"),
     Ending("SIGKILL of its child, `task_retry_on_worker_lost`", "hangs_retry_lost",
-           "Celery sends a retry under the same id: it waits for the dead attempt's lease, then runs",
+           "Celery sends a retry under the same task id, with either ack: it waits for the dead attempt's lease, "
+           "then runs",
            same(REDELIVERED), act="sigkill"),
-    Ending("warm shutdown (SIGTERM to the worker) while it runs", "hangs", "the worker finishes the task first",
+    Ending("warm shutdown (SIGTERM to the worker) while it runs", "hangs",
+           "the worker finishes its running tasks before it exits",
            same(Seen("`COMPLETED`", "`COMPLETED`", VALUE, "1")), args=(2,), act="warm_shutdown", worker="warm"),
     Ending("returns a value, `spawn` pool", "returns", "settings given in code reach spawned children",
            same(Seen("`COMPLETED`", "`COMPLETED`", VALUE, "1")), worker="spawn"),

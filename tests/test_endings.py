@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -32,9 +33,8 @@ from endings import BROKERS, ENDINGS, VARIANTS, Ending, Seen, docs_block, render
 from endings_app import executions_key, make_app
 from kombu import Connection
 from shop import COUNTER_URL
-from test_worker import BACKEND
+from test_worker import BACKEND, require_rabbitmq
 from test_worker import BROKERS as BROKER_URLS
-from test_worker import require_rabbitmq
 from workers import Worker, wait_for
 
 from celery_idem import Idempotency, State
@@ -44,7 +44,7 @@ GET = 30
 INSPECT = 3  # seconds the reconciler waits for workers busy with this matrix to answer inspect
 WORKERS = {"shared": 8, "warm": 2, "spawn": 2}  # concurrency of each worker of a broker's run
 OBSERVED: dict[tuple[str, str, str], Seen] = {}
-ARTEFACT = Path(os.environ.get("CELERY_IDEM_ENDINGS_JSON", Path(__file__).parent.parent / ".endings.json"))
+ARTEFACT = Path(__file__).resolve().parent.parent / "build" / "endings.json"  # what the last run saw
 
 
 @dataclass
@@ -54,6 +54,7 @@ class Cell:
     key: str
     result: Any = None
     end: str = ""
+    late_hook: bool = False  # the parent's hook came after the lease had run out, and freed it
     executions: int = 0
 
     @property
@@ -137,7 +138,9 @@ def act(run: Run, cell: Cell) -> None:
     elif ending.act == "terminate":
         run.app.control.revoke(cell.result.id, terminate=True, destination=[getattr(worker, "name", "")])
     elif ending.act == "terminate_kill":
-        run.app.control.revoke(cell.result.id, terminate=True, signal="SIGKILL", destination=[getattr(worker, "name", "")])
+        run.app.control.revoke(
+            cell.result.id, terminate=True, signal="SIGKILL", destination=[getattr(worker, "name", "")]
+        )
     elif ending.act == "warm_shutdown":
         run.warm_started.wait(timeout=GET)
 
@@ -185,6 +188,9 @@ def _end(run: Run, cell: Cell) -> None:
         # The record as the parent's hook left it, once the child that ran the body is gone.
         worker = run.workers[cell.ending.worker]
         until(lambda: f"of task {cell.result.id}: record" in worker.output(), "the parent's hook", GET)
+        # The hook frees an IN_PROGRESS record only once its lease ran out (its fence): on a machine
+        # too loaded for the kill and the hook to come within the lease, that is what it must do.
+        cell.late_hook = bool(re.search(rf"failure of task {cell.result.id}: record \S+ released", worker.output()))
         pid = run.counter.get(executions_key(run.prefix, cell.key) + ":pid")
         if pid is not None:
             until(lambda: not alive(int(pid)), "the child to be gone", GET)
@@ -230,15 +236,39 @@ def test_every_ending_through_real_workers(run: Run, caplog: pytest.LogCaptureFi
     report = run.idem.reconcile()
     settled = {c.key: run.record(c) for c in cells}
     with ThreadPoolExecutor(len(cells)) as pool:
-        duplicates = dict(zip([c.key for c in cells], pool.map(lambda c: phase_duplicate(run, c), cells)))
+        duplicates = dict(zip([c.key for c in cells], pool.map(lambda c: phase_duplicate(run, c), cells), strict=True))
     print(f"{broker}: endings {ends - started:.1f}s, reconcile {report}, total {time.monotonic() - started:.1f}s")
     failures = []
     for cell in cells:
         dup, executions = duplicates[cell.key]
         seen = Seen(cell.end, settled[cell.key], dup, executions)
-        OBSERVED[(cell.ending.label, broker, cell.variant)] = seen
-        want = cell.ending.expect(broker, cell.variant)
-        if not all(saw in wanted.split(" or ") for saw, wanted in zip(seen, want, strict=True)):
+        want = documented = cell.ending.expect(broker, cell.variant)
+        if cell.late_hook and want.end == "`IN_PROGRESS`":
+            print(f"{cell.ending.label} ({cell.variant}): the hook came after the lease ran out")
+            want = want._replace(end="none")
+        met = all(saw in wanted.split(" or ") for saw, wanted in zip(seen, want, strict=True))
+        if not met:
             failures.append(f"{cell.ending.label} ({cell.variant}): saw {seen}, expected {want}")
+        # As the docs say it: the expectation it met ("A or B" where either is right), else what it saw.
+        OBSERVED[(cell.ending.label, broker, cell.variant)] = documented if met else seen
     reconciled = "\n".join(r.getMessage() for r in caplog.records if r.name == "celery_idem.reconciler")
     assert not failures, "\n".join([*failures, "reconciler:", reconciled])
+
+
+def test_the_docs_table_is_what_the_matrix_saw() -> None:
+    """docs/concepts.md shows the matrix as the runs above saw it; with CELERY_IDEM_WRITE_ENDINGS=1
+    this rewrites the table instead (after the runs: ``python -m pytest tests/test_endings.py``)."""
+    ARTEFACT.parent.mkdir(exist_ok=True)
+    ARTEFACT.write_text(json.dumps([{"ending": label, "broker": broker, "acks_late": variant == "late",
+                                     **seen._asdict()} for (label, broker, variant), seen in OBSERVED.items()],
+                                   indent=1))  # fmt: skip
+    missing = [(e.label, b, v) for e in ENDINGS for b in BROKERS for v in VARIANTS if (e.label, b, v) not in OBSERVED]
+    if missing:
+        pytest.skip(f"the matrix did not run on every broker here ({len(missing)} cells missing)")
+    table = render(OBSERVED)
+    if os.environ.get("CELERY_IDEM_WRITE_ENDINGS"):
+        write_docs_block(table)
+    assert docs_block() == table, (
+        "docs/concepts.md's endings table is not what the matrix saw; rewrite it with "
+        "CELERY_IDEM_WRITE_ENDINGS=1 python -m pytest tests/test_endings.py"
+    )
