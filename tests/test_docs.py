@@ -25,3 +25,14 @@ def test_every_runnable_block_in_the_docs_runs() -> None:
     run = subprocess.run([sys.executable, "docs/run_snippets.py"], cwd=REPO, capture_output=True, text=True,
                          timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+
+
+def test_the_endings_table_in_the_docs_is_the_matrix() -> None:
+    # The table between the endings-table markers in docs/concepts.md is rendered from the cells the
+    # endings matrix asserts (tests/endings.py); tests/test_endings.py checks it against what it saw.
+    from endings import docs_block, expected, render
+
+    assert docs_block() == render(expected()), (
+        "docs/concepts.md's endings table differs from tests/endings.py; rewrite it with "
+        "CELERY_IDEM_WRITE_ENDINGS=1 python -m pytest tests/test_endings.py"
+    )
