@@ -7,7 +7,7 @@ import datetime
 from collections.abc import Mapping
 from typing import Any
 
-from celery.utils.time import maybe_iso8601, subtract_datetimes
+from celery.utils.time import maybe_iso8601
 
 __all__ = ["EXPIRY_GRACE_SECONDS", "delay_seconds", "pending_seconds"]
 
@@ -22,7 +22,12 @@ def _seconds_until(when: datetime.datetime | str) -> float:
     UTC (the worker's Request and send_task make it aware with ``naive_as_utc``), whatever the
     process's local zone or the app's ``timezone``."""
     moment: datetime.datetime = maybe_iso8601(when)
-    return float(subtract_datetimes(moment, datetime.datetime.now(datetime.timezone.utc)).total_seconds())
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=datetime.timezone.utc)
+    # Both in UTC before subtracting: two datetimes of one zone subtract as wall clocks (wrong
+    # across a DST change), which Celery 5.7's subtract_datetimes fixes and 5.3-5.6 lack.
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return (moment.astimezone(datetime.timezone.utc) - now).total_seconds()
 
 
 def delay_seconds(options: Mapping[str, Any]) -> float:
