@@ -13,8 +13,8 @@ sdist (see ``run.py``). It does three things:
 from __future__ import annotations
 
 import functools
-import os
 import re
+import threading
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ HERE = Path(__file__).resolve().parent
 EXPECTED_FAILURES = HERE / "expected_failures.txt"
 _SECTION = re.compile(r"^\[(?P<version>\d+\.\d+\.\d+)(?P<title>.*)\]$")
 _expected = pytest.StashKey[dict[str, str]]()
+_installed: list[Any] = []  # the Idempotency instances of the apps built since the last teardown
 _failed = pytest.StashKey[bool]()
 
 
@@ -97,7 +98,7 @@ def _install_celery_idem(config: pytest.Config) -> None:
         if task_cls is None and type(self).task_cls == Celery.task_cls:
             task_cls = IdempotentTask
         original(self, *args, task_cls=task_cls, **kwargs)
-        Idempotency(self, store=os.environ.get("CELERY_IDEM_COMPAT_STORE", "memory://"))
+        _installed.append(Idempotency(self, store="memory://"))
 
     Celery.__init__ = __init__  # type: ignore[method-assign]
     config.add_cleanup(functools.partial(setattr, Celery, "__init__", original))
@@ -133,3 +134,30 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
             f"[XPASS(strict)] listed in {EXPECTED_FAILURES.name} for celery {celery.__version__} "
             f"({reason}) but passed: delete its entry"
         )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _installed.clear()  # apps built before this test (at import, by an earlier test) are not its own
+
+
+def _alive_threads() -> list[threading.Thread]:
+    # As t/unit/conftest.py's alive_threads(), whose list its threads_not_lingering fixture compares.
+    return [t for t in threading.enumerate() if not t.name.startswith("pytest_timeout ") and t.is_alive()]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, Any, None]:
+    if item.config.getoption("--idem-baseline"):
+        yield
+        return
+    # The test is over: shut celery-idem down on the apps it built, as an app's owner does when the
+    # app goes (before Celery's fixtures check that no thread was left behind).
+    while _installed:
+        _installed.pop().disconnect()
+    yield
+    # A thread left behind fails the test that left it (threads_not_lingering, in the teardown just
+    # run), not every later test too: later tests compare against the threads alive now.
+    session: Any = item.session
+    if hasattr(session, "_threads_at_startup"):
+        session._threads_at_startup = _alive_threads()
