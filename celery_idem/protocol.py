@@ -39,7 +39,8 @@ def request_header(request: Any, name: str) -> Any:
     as an attribute (workers merge message headers into the request), or as a message property
     (a key given as a ``send_task`` option by a producer without celery-idem; only transports that
     keep unknown properties deliver it, Redis does, AMQP drops it)."""
-    value = (request.headers or {}).get(name, getattr(request, name, None))
+    headers = request.headers if isinstance(request.headers, Mapping) else {}  # Celery never checks its type
+    value = headers.get(name, getattr(request, name, None))
     if value is None:
         value = (getattr(request, "properties", None) or {}).get(name)
     return value

@@ -220,3 +220,22 @@ def test_a_tracer_without_a_task_id_runs_the_body_unprotected_and_warns_once(
     assert idem.get(double, double.idempotency_handler.fingerprint((2,), {})) is None
     warned = [r.getMessage() for r in caplog.records if r.name.startswith("celery_idem")]
     assert len(warned) == 1 and repr(double.name) in warned[0] and "no task id" in warned[0]
+
+
+# ---- headers that are not a dict ------------------------------------------------------------------
+
+
+def test_headers_that_are_not_a_dict_carry_no_key_and_break_nothing() -> None:
+    # Celery never checks the type of headers (its own tests pass headers=123 as a marker).
+    app = make_app()
+    Idempotency(app)
+    runs: list[int] = []
+
+    @app.task(base=IdempotentTask, shared=False)
+    def add(x: int, y: int) -> int:
+        runs.append(1)
+        return x + y
+
+    assert add.apply((1, 2), headers=123).get() == 3
+    assert add.apply((1, 2), headers=123).get() == 3  # keyed by its fingerprint: deduplicated
+    assert runs == [1]
