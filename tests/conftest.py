@@ -121,6 +121,15 @@ def store(store_kind: str, tmp_path: Any, prefix: str, clock: FakeClock) -> Iter
     wipe(instance)
 
 
+@pytest.fixture(scope="session")
+def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A private 3-master Redis Cluster for the whole session (tests/redis_servers.py)."""
+    from redis_servers import redis_cluster
+
+    with redis_cluster(tmp_path_factory.mktemp("cluster")) as url:
+        yield url
+
+
 # The celery_app / celery_worker fixtures users test their own tasks with (tests/test_contrib_pytest.py).
 pytest_plugins = ("celery.contrib.pytest",)
 

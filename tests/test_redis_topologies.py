@@ -4,9 +4,6 @@ Sentinel, each started by these tests from the machine's redis-server."""
 from __future__ import annotations
 
 import contextlib
-import secrets
-import shutil
-import socket
 import subprocess
 import time
 import uuid
@@ -15,48 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import IN_CI, REDIS_URL, require_server, wipe
+from conftest import REDIS_URL, require_server, wipe
+from redis_servers import free_port, need_redis_server, wait_until
 
 from celery_idem import StoreUnavailableError
 from celery_idem.records import Decision, Identity, State
 from celery_idem.stores import store_from_url
 
 FP = "c" * 64
-
-
-def _free_port(*, with_bus: bool = False) -> int:
-    """A free loopback port; ``with_bus``: port + 10000 free too (a cluster node's bus port)."""
-    for candidate in range(21000 + secrets.randbelow(9000), 32000):
-        try:
-            for port in (candidate, candidate + 10000) if with_bus else (candidate,):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return candidate
-    raise RuntimeError("no free port pair for a cluster node")
-
-
-def _need_redis_server() -> str:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        message = "redis-server is not installed: cannot start a cluster or sentinel"
-        if IN_CI:
-            pytest.fail(message)
-        pytest.skip(message)
-    return binary
-
-
-def _wait(predicate: Any, what: str, seconds: float = 20) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            if predicate():
-                return
-        except Exception:  # noqa: BLE001 - not up yet
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{what} did not come up within {seconds}s")
 
 
 def _walk_one_identity(store: Any, identity: Identity) -> None:
@@ -137,43 +100,8 @@ def test_key_layout_keeps_a_record_and_its_index_shard_in_one_cluster_slot(real_
 # ---- Redis Cluster ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    binary = _need_redis_server()
-    root: Path = tmp_path_factory.mktemp("cluster")
-    ports: list[int] = []
-    while len(ports) < 3:
-        port = _free_port(with_bus=True)
-        if not {port, port + 10000} & {q for p in ports for q in (p, p + 10000)}:
-            ports.append(port)
-    nodes = [
-        subprocess.Popen(
-            [binary, "--port", str(p), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-             "--cluster-config-file", f"nodes-{p}.conf", "--save", "", "--appendonly", "no", "--dir", str(root)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        for p in ports
-    ]  # fmt: skip
-    try:
-        import redis
-
-        for p in ports:
-            _wait(lambda p=p: redis.Redis(port=p).ping(), f"cluster node {p}")
-        subprocess.run(
-            ["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports], "--cluster-yes"],
-            check=True, capture_output=True, timeout=60,
-        )  # fmt: skip
-        _wait(lambda: redis.Redis(port=ports[0]).cluster("INFO").get("cluster_state") == "ok", "cluster")
-        yield f"redis+cluster://127.0.0.1:{ports[0]}"
-    finally:
-        for node in nodes:
-            node.terminate()
-        for node in nodes:
-            node.wait(timeout=10)
-
-
-def test_redis_cluster_runs_every_transition_across_nodes(cluster: str, prefix: str) -> None:
-    store = store_from_url(cluster, key_prefix=prefix)
+def test_redis_cluster_runs_every_transition_across_nodes(redis_cluster_url: str, prefix: str) -> None:
+    store = store_from_url(redis_cluster_url, key_prefix=prefix)
     identities = [Identity("", "shop.charge", f"order-{n}") for n in range(40)]
     for identity in identities:
         _walk_one_identity(store, identity)
@@ -194,13 +122,13 @@ def test_redis_cluster_runs_every_transition_across_nodes(cluster: str, prefix: 
 
 @pytest.fixture(scope="module")
 def sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    binary = _need_redis_server()
+    binary = need_redis_server()
     require_server("redis")
     from urllib.parse import urlsplit
 
     main = urlsplit(REDIS_URL)
     root: Path = tmp_path_factory.mktemp("sentinel")
-    port = _free_port()
+    port = free_port()
     config = root / "sentinel.conf"
     config.write_text(
         f"port {port}\nbind 127.0.0.1\ndir {root}\n"
@@ -211,7 +139,7 @@ def sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     try:
         import redis
 
-        _wait(lambda: redis.Redis(port=port).execute_command("SENTINEL MASTERS"), "sentinel")
+        wait_until(lambda: redis.Redis(port=port).execute_command("SENTINEL MASTERS"), "sentinel")
         yield f"redis+sentinel://127.0.0.1:{port}/idemtest{main.path or '/0'}"
     finally:
         node.terminate()
@@ -231,8 +159,8 @@ def test_sentinel_url_finds_the_master_and_runs_every_transition(sentinel: str, 
 
 def test_a_full_redis_is_store_unavailable_not_a_raw_error(tmp_path: Path, prefix: str) -> None:
     # Given a Redis with no memory left and no eviction
-    binary = _need_redis_server()
-    port = _free_port()
+    binary = need_redis_server()
+    port = free_port()
     node = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                              "--maxmemory", "2mb", "--maxmemory-policy", "noeviction", "--dir", str(tmp_path)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
@@ -240,7 +168,7 @@ def test_a_full_redis_is_store_unavailable_not_a_raw_error(tmp_path: Path, prefi
         import redis
 
         client = redis.Redis(port=port)
-        _wait(client.ping, "redis")
+        wait_until(client.ping, "redis")
         with pytest.raises(redis.exceptions.OutOfMemoryError):
             for n in range(10_000):
                 client.set(f"filler:{n}", "x" * 10_000)

@@ -503,6 +503,17 @@ def test_a_kept_call_survives_acquire_and_is_dropped_by_nothing_but_a_new_call(s
     assert store.get(Identity("", "shop.charge", "none")) is None
 
 
+def test_acquire_answers_the_record_as_stored_including_the_claims_kept_call(store: Store) -> None:
+    # Found by the model test (tests/test_model_stores.py): Redis and SQL answered a run with the
+    # call they were sent (None), while the record they stored kept the claim's call.
+    call = b'{"args":[42,100],"kwargs":{}}'
+    store.claim(ID, FP, "task-1", pending_seconds=PENDING_S, ttl_seconds=TTL_S, call=call)
+    taken = store.acquire(ID, FP, "task-1", lease_seconds=LEASE_S, ttl_seconds=TTL_S)
+    assert taken.decision is Decision.RUN and taken.record is not None
+    assert taken.record.call == call
+    assert taken.record == store.get(ID)
+
+
 def test_records_filters_by_state_and_task_newest_first(store: Store, clock) -> None:
     for n in range(3):
         store.claim(Identity("", "shop.charge", f"p{n}"), FP, f"t{n}", pending_seconds=PENDING_S, ttl_seconds=TTL_S)

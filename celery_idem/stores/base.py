@@ -95,6 +95,7 @@ class Store(ABC):
         # Without an injected clock a store times leases by its server's clock (Redis TIME, the
         # database's clock), so clients whose clocks disagree still agree on every lease.
         self._injected_clock = clock is not None
+        self._time_offset = 0.0  # tests only: see advance_clock_for_tests
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} prefix={self.key_prefix!r}>"
@@ -295,7 +296,27 @@ class Store(ABC):
             return self._server_now()
 
     def _server_now(self) -> float:
-        return self.clock()
+        return self._clock_now()
+
+    def _clock_now(self) -> float:
+        """The injected (or local) clock, plus the test-only shift."""
+        return self.clock() + self._time_offset
+
+    def advance_clock_for_tests(self, seconds: float) -> None:
+        """TESTS ONLY: move this store's "now" ``seconds`` forward, for this store object alone.
+
+        The shift is added to the server's own clock (Redis ``TIME``, the database's clock) inside
+        every script and statement, so a test moves time through the production path instead of
+        replacing it with an injected clock. Never called in production (the offset is 0 there).
+
+        Raises:
+            ValueError: ``seconds`` is negative. Time only moves forward: Redis expires keys in real
+                time, relative to the shifted clock of their last write, so a key may outlive its
+                logical expiry (every script treats it as absent) but never dies before it.
+        """
+        if not seconds >= 0:
+            raise ValueError(f"the test clock only moves forward; got {seconds!r} seconds")
+        self._time_offset += float(seconds)
 
     def ping(self) -> None:
         """Round-trip to the store; raises StoreUnavailableError if it does not answer in time."""

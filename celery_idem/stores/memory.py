@@ -35,7 +35,7 @@ class MemoryStore(Store):
 
     def __len__(self) -> int:
         with self._lock:
-            now = self.clock()
+            now = self._clock_now()
             return sum(1 for r in self._by_identity.values() if r.expires_at > now)
 
     def _live(self, identity: Identity, now: float) -> IdempotencyRecord | None:
@@ -67,7 +67,7 @@ class MemoryStore(Store):
         call: bytes | None,
     ) -> Transition:  # fmt: skip
         with self._lock:
-            now = self.clock()
+            now = self._clock_now()
             record = self._live(identity, now)
             if record is not None:
                 if record.fingerprint != fingerprint:
@@ -97,7 +97,7 @@ class MemoryStore(Store):
         call: bytes | None,
     ) -> Transition:  # fmt: skip
         with self._lock:
-            now = self.clock()
+            now = self._clock_now()
             record = self._live(identity, now)
             if record is not None:
                 if record.fingerprint != fingerprint and record.task_id != task_id:
@@ -131,7 +131,7 @@ class MemoryStore(Store):
 
     def _settle(self, identity: Identity, token: str, outcome: Settlement) -> Transition:
         with self._lock:
-            now = self.clock()
+            now = self._clock_now()
             record = self._owned(identity, "owner", token, now)
             if record is None:
                 return LOST
@@ -153,7 +153,7 @@ class MemoryStore(Store):
         self, identity: Identity, fence: Fence, token: str, lease: float | None, new_owner: str, expired_only: bool
     ) -> Transition:
         with self._lock:
-            now = self.clock()
+            now = self._clock_now()
             record = self._owned(identity, fence, token, now)
             if record is None:
                 return LOST
@@ -177,7 +177,7 @@ class MemoryStore(Store):
 
     def _renew(self, identity: Identity, token: str, lease: float) -> Transition:
         with self._lock:
-            now = self.clock()
+            now = self._clock_now()
             record = self._owned(identity, "owner", token, now)
             if record is None or record.state is not State.IN_PROGRESS:
                 return LOST
@@ -187,18 +187,18 @@ class MemoryStore(Store):
 
     def _get(self, identity: Identity) -> IdempotencyRecord | None:
         with self._lock:
-            return self._live(identity, self.clock())
+            return self._live(identity, self._clock_now())
 
     def _forget(self, identity: Identity) -> bool:
         with self._lock:
-            if self._live(identity, self.clock()) is None:
+            if self._live(identity, self._clock_now()) is None:
                 return False
             del self._by_identity[identity]
             return True
 
     def _expired_leases(self, limit: int) -> list[IdempotencyRecord]:
         with self._lock:
-            now = self.clock()
+            now = self._clock_now()
             due: list[tuple[float, str, IdempotencyRecord]] = []
             for record in list(self._by_identity.values()):
                 if record.expires_at <= now:
@@ -210,7 +210,7 @@ class MemoryStore(Store):
 
     def _purge_expired(self, limit: int) -> int:
         with self._lock:
-            now = self.clock()
+            now = self._clock_now()
             gone = [identity for identity, r in self._by_identity.items() if r.expires_at <= now][:limit]
             for identity in gone:
                 del self._by_identity[identity]
@@ -218,7 +218,7 @@ class MemoryStore(Store):
 
     def _records(self, state: State | None, task_name: str | None, limit: int) -> list[IdempotencyRecord]:
         with self._lock:
-            now = self.clock()
+            now = self._clock_now()
             found = [
                 r for r in self._by_identity.values()
                 if r.expires_at > now and state in (None, r.state) and task_name in (None, r.task_name)
@@ -227,7 +227,7 @@ class MemoryStore(Store):
 
     def _count_by_state(self) -> dict[State, int]:
         with self._lock:
-            now = self.clock()
+            now = self._clock_now()
             counts = dict.fromkeys(State, 0)
             for record in self._by_identity.values():
                 if record.expires_at > now:

@@ -186,7 +186,11 @@ class RedisStore(Store):
         return f"{{{self.key_prefix}:{shard}}}"
 
     def _now(self) -> str:
-        return f"{self.clock():.6f}" if self._injected_clock else ""
+        """ARGV "now" of a script: the injected clock's time, '' for the server's clock, or
+        '+<seconds>' for the server's clock shifted by a test (:meth:`advance_clock_for_tests`)."""
+        if self._injected_clock:
+            return f"{self._clock_now():.6f}"
+        return f"+{self._time_offset!r}" if self._time_offset else ""
 
     # ---- primitives ----------------------------------------------------------------------------
 
@@ -208,7 +212,8 @@ class RedisStore(Store):
             state=State.PENDING if claimed else State.IN_PROGRESS, task_id=task_id, owner=owner,
             attempt=0 if claimed else int(answer[3]), lease_expires_at=now + lease,
             created_at=now if claimed else float(answer[4]), updated_at=now, expires_at=now + lease + ttl,
-            ttl_seconds=ttl, result=None, content_type=None, content_encoding=None, error=None, call=call,
+            ttl_seconds=ttl, result=None, content_type=None, content_encoding=None, error=None,
+            call=call if claimed else answer[5] or None,  # a run without a call keeps the claim's
         )  # fmt: skip
         return Transition(decision, record)
 
@@ -256,8 +261,11 @@ class RedisStore(Store):
         if not flat:
             return None
         record = _record([item for pair in flat.items() for item in pair])
-        # With the server clock Redis expiry removes the key; an injected clock is checked here.
-        return None if self._injected_clock and record.expires_at <= self.clock() else record
+        # With the server clock Redis expiry removes the key; an injected or shifted clock runs
+        # ahead of that expiry, so it is checked here.
+        if (self._injected_clock or self._time_offset) and record.expires_at <= self._server_now():
+            return None
+        return record
 
     def _get(self, identity: Identity) -> IdempotencyRecord | None:
         return self._live(self.client.hgetall(self.keys_for(identity)[0]))
@@ -315,9 +323,9 @@ class RedisStore(Store):
 
     def _server_now(self) -> float:
         if self._injected_clock:
-            return self.clock()
+            return self._clock_now()
         seconds, microseconds = self.client.time()
-        return float(seconds) + float(microseconds) / 1_000_000
+        return float(seconds) + float(microseconds) / 1_000_000 + self._time_offset
 
     def _ping(self) -> None:
         self.client.ping()

@@ -11,7 +11,8 @@ one transaction and one round trip.
   (unsettled)``, judged by the row count.
 
 Time is the database's: every statement reads the server clock itself (``:p_now`` is NULL unless a
-test injected a clock), so clients whose clocks disagree still agree on every lease and expiry.
+test injected a clock; a test that shifts the clock adds ``:p_shift`` to it), so clients whose
+clocks disagree still agree on every lease and expiry.
 The store runs on a private pool derived from the engine it is given, whose connections carry its
 timeouts (statement and lock timeouts on PostgreSQL, the busy timeout on SQLite); the caller's own
 sessions on that engine are untouched.
@@ -220,7 +221,17 @@ class SQLStore(Store):
         self._schema_lock = threading.Lock()
         # The injected clock when there is one, else the database's clock, in every statement.
         self._now = sa.func.coalesce(sa.bindparam("p_now", type_=sa.Double), _server_clock(engine.dialect.name))
+        self._shifting = False  # tests only: whether the statements add :p_shift to the server clock
         self._build_statements(_INSERTS[engine.dialect.name])
+
+    def advance_clock_for_tests(self, seconds: float) -> None:
+        if not self._shifting and not self._injected_clock:
+            # Production statements never carry the shift: it is built in on a test's first call.
+            server = _server_clock(self.engine.dialect.name) + sa.bindparam("p_shift", type_=sa.Double)
+            self._now = sa.func.coalesce(sa.bindparam("p_now", type_=sa.Double), server)
+            self._build_statements(_INSERTS[self.engine.dialect.name])
+            self._shifting = True
+        super().advance_clock_for_tests(seconds)
 
     def _build_statements(self, insert: Callable[[sa.Table], Any]) -> None:
         t, c, now = self.table, self.table.c, self._now
@@ -243,7 +254,7 @@ class SQLStore(Store):
             changes = {name: ins.excluded[name] for name in (*_DATA, *_TIMES)} | special
             statement: sa.Executable = ins.on_conflict_do_update(
                 index_elements=[c.namespace, c.scope, c.task_name, c.key], set_=changes, where=take
-            ).returning(c.fingerprint, c.attempt, *(c[name] for name in _TIMES))
+            ).returning(c.fingerprint, c.attempt, c.call, *(c[name] for name in _TIMES))
             return statement
 
         # claim takes an absent record, or one whose lease ran out under the same fingerprint.
@@ -357,14 +368,17 @@ class SQLStore(Store):
         with self._autocommit.connect() as connection, _WATCHDOG.guard(socket_of(connection), self._deadline):
             return fetch(connection.execute(statement, params))
 
-    def _injected_now(self) -> float | None:
-        """The ``:p_now`` of a statement: the injected clock's time, or NULL for the database's own."""
-        return self.clock() if self._injected_clock else None
+    def _clock_params(self) -> dict[str, float | None]:
+        """``:p_now`` of a statement: the injected clock's time, or NULL for the database's own
+        (plus ``:p_shift``, the test-only shift of the database's clock, once a test set one)."""
+        if self._injected_clock:
+            return {"p_now": self._clock_now()}
+        return {"p_now": None, "p_shift": self._time_offset} if self._shifting else {"p_now": None}
 
     def _params(self, identity: Identity, **more: Any) -> dict[str, Any]:
         scope, task_name, key = identity
         named = {"ns": self.key_prefix, "scope": scope, "task_name": task_name, "key": key, **more}
-        return {f"p_{name}": value for name, value in named.items()} | {"p_now": self._injected_now()}
+        return {f"p_{name}": value for name, value in named.items()} | self._clock_params()
 
     def _record(self, row: Any) -> IdempotencyRecord:
         return IdempotencyRecord(
@@ -403,10 +417,12 @@ class SQLStore(Store):
         for _ in range(_TAKE_TRIES):
             taken = self._run(statement, params, _one_or_none)
             if taken is not None:
-                # The row as written: the database computed its times and kept a chain's fingerprint.
+                # The row as written: the database computed its times, kept a chain's fingerprint
+                # and (a run without a call) the claim's call.
+                written = taken._asdict() | {"call": None if taken.call is None else bytes(taken.call)}
                 record = IdempotencyRecord(
                     scope=identity.scope, task_name=identity.task_name, key=identity.key,
-                    **(values | {"state": State(values["state"])} | taken._asdict()),
+                    **(values | {"state": State(values["state"])} | written),
                 )  # fmt: skip
                 return Transition(Decision.NEW if claiming else Decision.RUN, record)
             held, now = self._read(identity)
@@ -468,11 +484,11 @@ class SQLStore(Store):
         return any(row.live for row in self._run(self._forget_sql, self._params(identity), _all))
 
     def _expired_leases(self, limit: int) -> list[IdempotencyRecord]:
-        params = {"p_ns": self.key_prefix, "p_now": self._injected_now(), "p_limit": limit}
+        params = {"p_ns": self.key_prefix, "p_limit": limit, **self._clock_params()}
         return [self._record(row) for row in self._run(self._due_sql, params, _all)]
 
     def _purge_expired(self, limit: int) -> int:
-        params = {"p_ns": self.key_prefix, "p_now": self._injected_now(), "p_limit": limit}
+        params = {"p_ns": self.key_prefix, "p_limit": limit, **self._clock_params()}
         return self._run(self._purge_sql, params, _rowcount)
 
     def _live_rows(self) -> sa.ColumnElement[bool]:
@@ -487,17 +503,17 @@ class SQLStore(Store):
         if task_name is not None:
             query = query.where(c.task_name == task_name)
         query = query.order_by(c.updated_at.desc()).limit(limit)
-        return [self._record(row) for row in self._run(query, {"p_now": self._injected_now()}, _all)]
+        return [self._record(row) for row in self._run(query, self._clock_params(), _all)]
 
     def _count_by_state(self) -> dict[State, int]:
         c = self.table.c
         query = sa.select(c.state, sa.func.count()).where(self._live_rows()).group_by(c.state)
-        return {State(state): int(n) for state, n in self._run(query, {"p_now": self._injected_now()}, _all)}
+        return {State(state): int(n) for state, n in self._run(query, self._clock_params(), _all)}
 
     def _server_now(self) -> float:
         if self._injected_clock:
-            return self.clock()
-        return float(self._run(self._now_sql, {"p_now": None}, _one)[0])
+            return self._clock_now()
+        return float(self._run(self._now_sql, self._clock_params(), _one)[0])
 
     def _ping(self) -> None:
         with self._autocommit.connect() as connection, _WATCHDOG.guard(socket_of(connection), self._deadline):

@@ -12,10 +12,15 @@
 -- A record whose `expires` has passed is absent, even while Redis still holds the key.
 
 local function now_of(arg)
-  -- ARGV "now": a number from an injected clock, or '' for the server's clock.
-  if arg ~= '' then return tonumber(arg) end
+  -- ARGV "now": a number from an injected clock, '' for the server's clock, or '+<seconds>' for the
+  -- server's clock shifted forward (tests only: Store.advance_clock_for_tests).
+  local shift = 0
+  if arg ~= '' then
+    if string.sub(arg, 1, 1) ~= '+' then return tonumber(arg) end
+    shift = tonumber(string.sub(arg, 2))
+  end
   local t = redis.call('TIME')
-  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000 + shift
 end
 
 local function fmt(x)

@@ -4,7 +4,7 @@
 -- ARGV[5] lease seconds            ARGV[6] ttl seconds   ARGV[7] scope  ARGV[8] task name  ARGV[9] key
 -- ARGV[10] the serialized call ('' = keep the claim's, if any)
 -- Returns {decision, flat record} for BUSY, REPLAY or MISMATCH (untouched), and
--- {'RUN', now, fingerprint, attempt, created} when the IN_PROGRESS record was written.
+-- {'RUN', now, fingerprint, attempt, created, call} when the IN_PROGRESS record was written.
 -- The same task id is the same attempt chain (a Celery retry): it runs even with other arguments,
 -- and the record keeps the fingerprint of the caller's call.
 local now = now_of(ARGV[1])
@@ -29,4 +29,4 @@ if call ~= '' then
   table.insert(fields, call)
 end
 write_fresh(KEYS[1], KEYS[2], fields, lease, expires, now, existed)
-return {'RUN', fmt(now), fp, tostring(attempt), fmt(created)}
+return {'RUN', fmt(now), fp, tostring(attempt), fmt(created), call}
