@@ -224,3 +224,16 @@ def test_a_store_built_from_a_plain_engine_honours_its_timeout_on_a_held_lock(ki
         store.forget(identity)
         store.close()
         engine.dispose()
+
+
+def test_a_soft_time_limit_raised_inside_a_store_call_stays_a_soft_time_limit(store: Store, monkeypatch: Any) -> None:
+    # Every other error of a store call is an outage (StoreUnavailableError); the soft time limit is
+    # raised into whatever the body was doing, and the task's own handling of it must see it.
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        raise SoftTimeLimitExceeded()
+
+    monkeypatch.setattr(store, "_claim", interrupted)
+    with pytest.raises(SoftTimeLimitExceeded):
+        store.claim(Identity("", "t", "k"), "f" * 64, "task-1", pending_seconds=30, ttl_seconds=60)

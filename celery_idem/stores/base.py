@@ -34,6 +34,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from typing import ClassVar, Literal, NamedTuple
 
+from celery.exceptions import SoftTimeLimitExceeded
+
 from ..errors import IdempotencyError, ResultTooLargeError, StoreUnavailableError
 from ..records import Decision, ErrorInfo, IdempotencyRecord, Identity, State, Transition
 
@@ -111,8 +113,8 @@ class Store(ABC):
         """
         try:
             yield
-        except IdempotencyError:
-            raise
+        except (IdempotencyError, SoftTimeLimitExceeded):
+            raise  # ours; and the soft time limit, raised into whatever the task was doing
         except Exception as exc:
             where = f" for {identity}" if identity else ""
             if self._is_outage(exc):
