@@ -130,7 +130,13 @@ class Idempotency:
         install(self)
         install_replacement_callbacks(self)
         if settings:
-            self.settings  # noqa: B018 - explicit settings are validated at construction
+            # Explicit settings are validated at construction, on their own: reading app.conf here
+            # would configure the app now, and an on_after_configure handler connected after this
+            # line (Celery's documented way to add periodic tasks) would never run.
+            try:
+                IdempotencySettings(**settings)
+            except ValidationError as exc:
+                raise _invalid(f"celery-idem settings of app {app.main!r}", exc) from None
         # Settings given in code travel with the app's conf, which is all a pool child started with
         # spawn gets (the pickled app rebuilds from it); here the keywords still win.
         for name, value in settings.items():

@@ -378,7 +378,9 @@ def test_construction_does_no_network_io_and_first_use_fails_closed(monkeypatch:
     with pytest.raises(StoreUnavailableError):
         charge.apply_async((42, 100), idempotency_key="order-42")
     assert connects, "the first use should have tried the store"
-    assert idem.metrics()["store_errors"] == 1
+    # Two store calls failed: the claim, and the give-back of a claim that may have run with its
+    # reply lost (tests/test_faults.py)
+    assert idem.metrics()["store_errors"] == 2
 
 
 def test_a_misspelt_app_conf_setting_is_refused_with_a_suggestion() -> None:
@@ -387,3 +389,20 @@ def test_a_misspelt_app_conf_setting_is_refused_with_a_suggestion() -> None:
     app.conf.idempotency_ttl = 600  # meant idempotency_ttl_seconds
     with pytest.raises(ConfigurationError, match=r"idempotency_ttl \(did you mean idempotency_ttl_seconds\?\)"):
         Idempotency(app).settings  # noqa: B018
+
+
+def test_installing_the_extension_does_not_configure_the_app_before_its_on_after_configure_handlers() -> None:
+    # Celery's documented way to add periodic tasks connects on_after_configure after the app is
+    # built; Idempotency(app, ...) with settings must not finalize app.conf before that.
+    app = Celery("late-config", set_as_current=False)
+    Idempotency(app, store="memory://", ttl_seconds=60)
+    assert not app.configured
+    fired: list[Any] = []
+
+    @app.on_after_configure.connect
+    def setup_periodic_tasks(sender: Any, **kwargs: Any) -> None:
+        fired.append(sender)
+
+    assert app.conf.task_serializer == "json"  # the app configures itself at first use
+    assert fired == [app]
+    assert Idempotency.of(app).settings.ttl_seconds == 60
