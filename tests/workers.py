@@ -42,6 +42,9 @@ class Worker:
         pool: str = "prefork",
         queue: str | None = None,
         name: str | None = None,
+        app_module: str = "shop",
+        concurrency: int = 2,
+        env: dict[str, str] | None = None,
         **settings: Any,
     ) -> None:
         self.name = name or f"{prefix}-{uuid.uuid4().hex[:4]}@{socket.gethostname()}"
@@ -56,9 +59,10 @@ class Worker:
             "SHOP_SETTINGS": json.dumps(settings),
             "SHOP_LEDGER": ledger_url or "",
             "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")]),
+            **(env or {}),
         }
         command = [
-            sys.executable, "-m", "celery", "-A", "shop", "worker", "-P", pool, "-c", "2",
+            sys.executable, "-m", "celery", "-A", app_module, "worker", "-P", pool, "-c", str(concurrency),
             "-Q", queue or prefix, "-n", self.name, "-l", "INFO",
             "--without-gossip", "--without-mingle", "--without-heartbeat",
         ]  # fmt: skip

@@ -1,0 +1,191 @@
+"""Chaos against real services: private Redis and PostgreSQL servers killed, restarted, slowed down and
+cut off, worker processes frozen and shut down, a worker whose clock runs ahead, while real ``celery
+worker`` processes run the tasks.
+
+Every server a test breaks is its own (tests/services.py), never the machine's shared ones; the
+broker, the result backend and the counter stay on the shared Redis, the ledger on the shared
+PostgreSQL. Effects are counted outside the library: business rows written through the ledger, and
+INCRs on the counter Redis (tests/chaos_shop.py). Leases are 2 s, so every scenario ends in seconds.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import sqlalchemy as sa
+from chaos_shop import make_chaos_app
+from conftest import POSTGRES_URL, require_server
+from services import RedisServer
+from shop import COUNTER_URL, effects_key, payments_table
+from workers import BACKEND, Worker, wait_for
+
+from celery_idem import Idempotency, LockLostError, State, StoreUnavailableError
+
+pytestmark = [pytest.mark.chaos, pytest.mark.slow]
+
+BROKER = "redis://127.0.0.1:6379/14"  # shared: the tests break the store, never the broker
+GET = 30  # seconds a caller waits for a result
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"x{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def counter() -> Iterator[redis.Redis]:
+    require_server("redis")
+    client = redis.Redis.from_url(COUNTER_URL)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def business(prefix: str) -> Iterator[sa.Engine]:
+    """The business database: the ledger and the payments table on the shared PostgreSQL."""
+    require_server("postgresql")
+    engine = sa.create_engine(POSTGRES_URL, poolclass=sa.pool.NullPool)
+    yield engine
+    with engine.begin() as connection:
+        connection.exec_driver_sql(f"DROP TABLE IF EXISTS payments_{prefix}, ledger_{prefix}")
+    engine.dispose()
+
+
+@pytest.fixture
+def workers(tmp_path: Path, prefix: str) -> Iterator[Callable[..., Worker]]:
+    """Start ``celery -A chaos_shop worker`` subprocesses; ``conf`` goes to app.conf (CHAOS_CONF)."""
+    started: list[Worker] = []
+
+    def start(store: str, *, broker: str = BROKER, conf: dict[str, Any] | None = None, **options: Any) -> Worker:
+        env = {"CHAOS_CONF": json.dumps(conf or {}), **options.pop("env", {})}
+        worker = Worker(tmp_path, broker, store, prefix, app_module="chaos_shop", env=env, **options)
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop()
+
+
+# The callers' apps live as long as the session, as other test modules' apps do: the shop's counter
+# client is not reachable to close, and its sockets must not be collected unclosed mid-session.
+_APPS: list[Any] = []
+
+
+def producer(store: str, prefix: str, *, broker: str = BROKER, ledger: bool = False, **settings: Any) -> Any:
+    """The test's own app (the callers' side), closed when the test ends."""
+    app = make_chaos_app(broker=broker, backend=BACKEND, store=store, prefix=prefix, queue=prefix,
+                         ledger_url=POSTGRES_URL if ledger else None, **settings)  # fmt: skip
+    if ledger:
+        engine = sa.create_engine(POSTGRES_URL, poolclass=sa.pool.NullPool)
+        Idempotency.of(app).settings.ledger.create_schema()
+        payments_table(prefix).metadata.create_all(engine)
+        engine.dispose()
+    _APPS.append(app)
+    return app
+
+
+def close_backends(results: list[Any]) -> None:
+    """Celery's app.backend is one per thread: close those the caller threads made, whose sockets
+    would otherwise be collected unclosed once their thread is gone. The results go first (an
+    AsyncResult's __del__ unsubscribes, which would reconnect a closed backend)."""
+    backends = {id(r.backend): r.backend for r in results}.values()
+    results.clear()
+    gc.collect()
+    for backend in backends:
+        backend.result_consumer.stop()
+        backend.client.connection_pool.disconnect()
+
+
+def rows(engine: sa.Engine, prefix: str) -> dict[int, int]:
+    """Business rows per order id."""
+    table = payments_table(prefix)
+    query = sa.select(table.c.order_id, sa.func.count()).group_by(table.c.order_id)
+    with engine.connect() as connection:
+        return {int(order): int(n) for order, n in connection.execute(query)}
+
+
+def count(counter: redis.Redis, prefix: str, task: str, key: str, suffix: str = "") -> int:
+    return int(counter.get(effects_key(prefix, task, key) + suffix) or 0)
+
+
+def publish_through_outage(task: Any, args: tuple[Any, ...], key: str, seconds: float = 20) -> Any:
+    """A caller that retries while the store is down (fail closed raises StoreUnavailableError)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return task.apply_async(args, idempotency_key=key)
+        except StoreUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+# ---- 1. the Redis store SIGKILLed and restarted mid-storm -----------------------------------------
+
+
+@pytest.mark.parametrize("persistent", [True, False], ids=["appendfsync-always", "no-persistence"])
+def test_redis_store_killed_and_restarted_mid_storm_leaves_one_business_row_per_key(
+    tmp_path, prefix, counter, business, workers, persistent
+) -> None:
+    # Given a private Redis store (with or without an fsynced AOF), a real worker, a ledger
+    server = RedisServer(tmp_path, persistent=persistent)
+    try:
+        app = producer(server.url(), prefix, ledger=True)
+        workers(server.url(), ledger_url=POSTGRES_URL)
+        pay = app.tasks["chaos.pay"]
+        keys = {f"k{order}-{uuid.uuid4().hex[:8]}": order for order in range(4)}
+        results: list[tuple[str, Any]] = []
+        go = threading.Event()
+
+        def caller(offset: int) -> None:
+            go.wait()
+            for n in range(8):
+                key = list(keys)[(n + offset) % len(keys)]
+                results.append((key, publish_through_outage(pay, (keys[key], 100, 0.0, 0.3), key)))
+                time.sleep(0.05)
+
+        # When 6 callers storm the 4 keys and the store is SIGKILLed mid-storm, then restarted
+        threads = [threading.Thread(target=caller, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        go.set()
+        wait_for(lambda: any(count(counter, prefix, "chaos.pay", k, ":entered") for k in keys), "a first execution")
+        server.kill()
+        time.sleep(1.0)
+        server.start()
+        for t in threads:
+            t.join(timeout=60)
+        # Then every caller got the committed outcome (or, where the store forgot a running attempt,
+        # that attempt's LockLostError), and the ledger kept one business row per key
+        for key, result in results:
+            try:
+                assert result.get(timeout=GET) == {"paid": 100, "order": keys[key]}
+            except LockLostError:
+                assert not persistent, f"a durable store lost the lease of {key}"
+        ids = {result.id for _, result in results}
+        close_backends([result for _, result in results])
+        results.clear()
+        assert rows(business, prefix) == {order: 1 for order in keys.values()}
+        idem = Idempotency.of(app)
+        settled = {k: getattr(idem.get("chaos.pay", k), "state", None) for k in keys}
+        if persistent:
+            # The records survived the kill: one task id per key, and the body went past the
+            # ledger once per key
+            assert set(settled.values()) == {State.COMPLETED}
+            assert len(ids) == len(keys)
+            assert {count(counter, prefix, "chaos.pay", k) for k in keys} == {1}
+        else:
+            # A record the restart forgot is COMPLETED by a later call, or absent: never stuck
+            assert set(settled.values()) <= {State.COMPLETED, None}
+    finally:
+        server.stop()
