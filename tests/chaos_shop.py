@@ -35,23 +35,30 @@ def _add_tasks(app: Celery, prefix: str) -> None:
     policy = {"key_args": ["order_id", "amount"], "lease_seconds": LEASE}
 
     @app.task(name="chaos.pay", shared=False, base=IdempotentTask, bind=True, acks_late=True, idempotency=policy)
-    def pay(self: Any, order_id: int, amount: int, hold_first: float = 0.0, work: float = 0.0) -> Any:
+    def pay(
+        self: Any, order_id: int, amount: int, hold_first: float = 0.0, work: float = 0.0, inside: bool = False
+    ) -> Any:
         """A payment through the ledger. Every execution records its pid and sleeps ``work``; the
-        first one also sleeps ``hold_first`` (a window to kill or freeze it) before its transaction.
-        ``effects`` counts the executions that got past run_once; the business rows are the truth."""
+        first one also sleeps ``hold_first`` (a window to kill or freeze it) before its transaction,
+        or with ``inside`` after its insert, holding the transaction open (``:in_tx`` says when).
+        The effects counter counts executions that got past run_once; business rows are the truth."""
         ledger = idem.settings.ledger
         assert ledger is not None, "chaos.pay needs the ledger (SHOP_LEDGER)"
         key = effects_key(prefix, self.name, self.request.idempotency_key)
         pipe = counter.pipeline()
         pipe.incr(f"{key}:entered")
         pipe.set(f"{key}:pid", os.getpid())
-        if pipe.execute()[0] == 1:
+        first = pipe.execute()[0] == 1
+        if first and not inside:
             time.sleep(hold_first)
         time.sleep(work)
         payments = payments_table(prefix)
 
         def charge_card(session: Any) -> dict[str, int]:
             session.execute(payments.insert().values(order_id=order_id, amount=amount))
+            if first and inside:
+                counter.incr(f"{key}:in_tx")
+                time.sleep(hold_first)
             return {"paid": amount, "order": order_id}
 
         outcome = ledger.run_once(self, charge_card)

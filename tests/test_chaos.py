@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import gc
 import json
+import os
+import signal
 import threading
 import time
 import uuid
@@ -22,8 +24,9 @@ from typing import Any
 import pytest
 import redis
 import sqlalchemy as sa
+from celery.result import AsyncResult
 from chaos_shop import make_chaos_app
-from conftest import POSTGRES_URL, require_server
+from conftest import POSTGRES_URL, REDIS_URL, require_server
 from services import RedisServer
 from shop import COUNTER_URL, effects_key, payments_table
 from workers import BACKEND, Worker, wait_for
@@ -189,3 +192,50 @@ def test_redis_store_killed_and_restarted_mid_storm_leaves_one_business_row_per_
             assert set(settled.values()) <= {State.COMPLETED, None}
     finally:
         server.stop()
+
+
+# ---- 2. a worker child frozen past its lease, then resumed ----------------------------------------
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["before-its-transaction", "inside-its-transaction"])
+def test_child_frozen_past_its_lease_is_fenced_out_and_the_takeover_outcome_stands(
+    prefix, counter, business, workers, inside
+) -> None:
+    # Given a worker child that SIGSTOP froze before its payment (or inside its open transaction,
+    # holding the ledger's row), and that stayed frozen past its lease
+    app = producer(REDIS_URL, prefix, ledger=True)
+    workers(REDIS_URL, ledger_url=POSTGRES_URL)
+    idem, pay, key = Idempotency.of(app), app.tasks["chaos.pay"], f"k-{uuid.uuid4().hex}"
+    first = pay.apply_async((1, 100, 1.0), {"inside": inside}, idempotency_key=key)
+    marker = ":in_tx" if inside else ":entered"
+    wait_for(lambda: count(counter, prefix, "chaos.pay", key, marker), "the first attempt to get there")
+    frozen = count(counter, prefix, "chaos.pay", key, ":pid")
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        held = idem.get("chaos.pay", key)
+        assert held is not None and held.state is State.IN_PROGRESS and held.task_id == first.id
+        wait_for(lambda: idem.store.now() > held.lease_expires_at + 0.1, "the frozen attempt's lease to run out")
+        # When the call comes again and takes over (completing while the first child is frozen, or
+        # waiting on the frozen transaction's row until it is resumed)
+        second = pay.apply_async((1, 100), idempotency_key=key)
+        assert not second.deduplicated and second.id != first.id
+        if inside:
+            wait_for(lambda: count(counter, prefix, "chaos.pay", key, ":entered") == 2, "the takeover to start")
+            time.sleep(0.3)  # into run_once, where the frozen transaction's row holds it
+        else:
+            assert second.get(timeout=GET) == {"paid": 100, "order": 1}
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+    assert second.get(timeout=GET) == {"paid": 100, "order": 1}
+    # Then the resumed attempt is fenced out: its completion is LOST and its task ends with
+    # LockLostError (the ledger answered its run_once with the committed payment), while its caller,
+    # like every caller of the key, gets the takeover's stored outcome
+    fenced = AsyncResult(first.id, app=app)
+    wait_for(fenced.ready, "the resumed attempt to end")
+    assert isinstance(fenced.result, LockLostError)
+    assert first.get(timeout=GET) == {"paid": 100, "order": 1}
+    assert rows(business, prefix) == {1: 1}
+    record = idem.get("chaos.pay", key)
+    assert record is not None and record.state is State.COMPLETED and record.task_id == second.id
+    assert idem.replay(record) == {"paid": 100, "order": 1}
+    assert count(counter, prefix, "chaos.pay", key, ":entered") == 2
