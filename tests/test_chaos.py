@@ -84,9 +84,12 @@ def workers(tmp_path: Path, prefix: str) -> Iterator[Callable[..., Worker]]:
 _APPS: list[Any] = []
 
 
-def producer(store: str, prefix: str, *, broker: str = BROKER, ledger: bool = False, **settings: Any) -> Any:
-    """The test's own app (the callers' side), closed when the test ends."""
-    app = make_chaos_app(broker=broker, backend=BACKEND, store=store, prefix=prefix, queue=prefix,
+def producer(
+    store: str, prefix: str, *, broker: str = BROKER, conf: dict[str, Any] | None = None, ledger: bool = False,
+    **settings: Any,
+) -> Any:
+    """The test's own app (the callers' side)."""
+    app = make_chaos_app(conf=conf, broker=broker, backend=BACKEND, store=store, prefix=prefix, queue=prefix,
                          ledger_url=POSTGRES_URL if ledger else None, **settings)  # fmt: skip
     if ledger:
         engine = sa.create_engine(POSTGRES_URL, poolclass=sa.pool.NullPool)
@@ -239,3 +242,37 @@ def test_child_frozen_past_its_lease_is_fenced_out_and_the_takeover_outcome_stan
     assert record is not None and record.state is State.COMPLETED and record.task_id == second.id
     assert idem.replay(record) == {"paid": 100, "order": 1}
     assert count(counter, prefix, "chaos.pay", key, ":entered") == 2
+
+
+# ---- 3. the Redis broker redelivers a long acks_late task past its visibility timeout ---------------
+
+VISIBILITY = {"visibility_timeout": 2, "unacked_restore_interval": 1, "unacked_restore_throttle": 1}
+
+
+def test_visibility_timeout_redelivery_of_a_long_task_runs_once_and_its_id_ends_success(
+    tmp_path, prefix, counter, workers
+) -> None:
+    # Given a private Redis broker that redelivers an unacked message after 2 s, and a task of 6 s
+    broker_server = RedisServer(tmp_path)
+    try:
+        broker, conf = broker_server.url(), {"broker_transport_options": VISIBILITY}
+        app = producer(REDIS_URL, prefix, broker=broker, conf=conf)
+        workers(REDIS_URL, broker=broker, conf=conf)
+        key = f"k-{uuid.uuid4().hex}"
+        result = app.tasks["chaos.work"].apply_async((6.0,), idempotency_key=key)
+        watched = AsyncResult(result.id, app=app)
+        seen: list[str] = []
+        # When the broker redelivers it (more than once) while it runs
+        while not seen or seen[-1] not in ("SUCCESS", "FAILURE"):
+            seen.append(watched.state)
+            time.sleep(0.1)
+        time.sleep(VISIBILITY["visibility_timeout"] + 1)  # a copy restored late gets its turn too
+        seen.append(AsyncResult(result.id, app=app).state)
+        # Then the body ran once, and the task id went to SUCCESS and stayed there, never FAILURE
+        assert count(counter, prefix, "chaos.work", key) == 1
+        assert "FAILURE" not in seen and seen[-1] == "SUCCESS", seen
+        assert result.get(timeout=GET) == "worked 6.0"
+        record = Idempotency.of(app).get("chaos.work", key)
+        assert record is not None and record.state is State.COMPLETED and record.attempt == 1
+    finally:
+        broker_server.stop()
