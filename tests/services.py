@@ -11,6 +11,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -107,12 +108,12 @@ def _postgres_bin(name: str) -> str:
 class PostgresServer:
     """A private PostgreSQL cluster (initdb + pg_ctl) in a tmp directory, on a free port.
 
-    initdb refuses to run as root, so as root every command runs as the ``postgres`` user."""
+    initdb refuses to run as root, so as root every command runs as the ``postgres`` user, in a
+    directory of its own under the system's tmp (pytest's tmp_path is private to the user)."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self) -> None:
         self.port = free_port()
-        self.root = tmp / f"pg-{self.port}"
-        self.root.mkdir()
+        self.root = Path(tempfile.mkdtemp(prefix="celery-idem-pg-"))
         self.data = self.root / "data"
         self.as_user: list[str] = []
         if os.geteuid() == 0:
@@ -153,3 +154,4 @@ class PostgresServer:
             self.kill()
         with contextlib.suppress(Exception):
             os.kill(self.pid(), signal.SIGKILL)
+        shutil.rmtree(self.root, ignore_errors=True)

@@ -27,7 +27,7 @@ import sqlalchemy as sa
 from celery.result import AsyncResult
 from chaos_shop import make_chaos_app
 from conftest import POSTGRES_URL, REDIS_URL, require_server
-from services import RedisServer
+from services import PostgresServer, RedisServer
 from shop import COUNTER_URL, effects_key, payments_table
 from workers import BACKEND, Worker, wait_for
 
@@ -85,7 +85,12 @@ _APPS: list[Any] = []
 
 
 def producer(
-    store: str, prefix: str, *, broker: str = BROKER, conf: dict[str, Any] | None = None, ledger: bool = False,
+    store: str,
+    prefix: str,
+    *,
+    broker: str = BROKER,
+    conf: dict[str, Any] | None = None,
+    ledger: bool = False,
     **settings: Any,
 ) -> Any:
     """The test's own app (the callers' side)."""
@@ -110,6 +115,17 @@ def close_backends(results: list[Any]) -> None:
     for backend in backends:
         backend.result_consumer.stop()
         backend.client.connection_pool.disconnect()
+
+
+def server_time_after_restart(store: Any) -> float:
+    """The store server's time once it answers again: each pooled connection to the old server
+    fails once (StoreUnavailableError) before the pool reconnects."""
+    for _ in range(20):
+        try:
+            return float(store.now())
+        except StoreUnavailableError:
+            time.sleep(0.05)
+    return float(store.now())
 
 
 def rows(engine: sa.Engine, prefix: str) -> dict[int, int]:
@@ -276,3 +292,36 @@ def test_visibility_timeout_redelivery_of_a_long_task_runs_once_and_its_id_ends_
         assert record is not None and record.state is State.COMPLETED and record.attempt == 1
     finally:
         broker_server.stop()
+
+
+# ---- 4. the PostgreSQL store restarted while long tasks run --------------------------------------
+
+
+def test_postgresql_store_restarted_under_long_tasks_renews_again_and_nothing_runs_twice(
+    tmp_path, prefix, counter, workers
+) -> None:
+    # Given a private PostgreSQL store and two long tasks running on a real worker
+    server = PostgresServer()
+    try:
+        app = producer(server.url, prefix)
+        workers(server.url, concurrency=4)
+        idem, work = Idempotency.of(app), app.tasks["chaos.work"]
+        keys = [f"k{n}-{uuid.uuid4().hex}" for n in range(2)]
+        results = [work.apply_async((6.0,), idempotency_key=key) for key in keys]
+        wait_for(lambda: all(count(counter, prefix, "chaos.work", k) for k in keys), "both tasks to start")
+        # When the server is killed mid-run (every connection cut) and started again
+        server.kill()
+        time.sleep(1.0)
+        server.start()
+        restarted = server_time_after_restart(idem.store)
+        # Then each running attempt's heartbeat renews its lease again on the new server
+        wait_for(lambda: all(idem.get("chaos.work", k).updated_at > restarted for k in keys), "a renewal", 10)
+        # and a copy of each call sent now waits for the running attempt instead of running again
+        copies = [app.send_task("chaos.work", (6.0,), headers={"idempotency_key": k}) for k in keys]
+        assert [r.get(timeout=GET) for r in results] == ["worked 6.0"] * 2
+        assert [AsyncResult(c.id, app=app).get(timeout=GET) for c in copies] == ["worked 6.0"] * 2
+        assert [count(counter, prefix, "chaos.work", k) for k in keys] == [1, 1]
+        records = [idem.get("chaos.work", k) for k in keys]
+        assert [(r.state, r.attempt) for r in records] == [(State.COMPLETED, 1)] * 2
+    finally:
+        server.stop()
