@@ -29,6 +29,7 @@ from chaos_shop import make_chaos_app
 from conftest import POSTGRES_URL, REDIS_URL, require_server
 from services import PostgresServer, RedisServer
 from shop import COUNTER_URL, effects_key, payments_table
+from test_worker import RABBITMQ_URL, require_rabbitmq
 from workers import BACKEND, Worker, wait_for
 
 from celery_idem import Idempotency, LockLostError, State, StoreUnavailableError
@@ -325,3 +326,37 @@ def test_postgresql_store_restarted_under_long_tasks_renews_again_and_nothing_ru
         assert [(r.state, r.attempt) for r in records] == [(State.COMPLETED, 1)] * 2
     finally:
         server.stop()
+
+
+# ---- 5. warm and cold shutdown of a worker mid-task -----------------------------------------------
+
+
+@pytest.mark.parametrize("shutdown", ["warm", "cold"])
+def test_worker_shut_down_mid_task_runs_the_payment_once_and_leaves_nothing_stuck(
+    prefix, counter, business, workers, shutdown
+) -> None:
+    # RabbitMQ gives an unacked (acks_late) message back as soon as the worker's connection drops.
+    require_rabbitmq()
+    conf = {"task_reject_on_worker_lost": True}
+    app = producer(REDIS_URL, prefix, broker=RABBITMQ_URL, conf=conf, ledger=True)
+    idem, key = Idempotency.of(app), f"k-{uuid.uuid4().hex}"
+    worker = workers(REDIS_URL, broker=RABBITMQ_URL, conf=conf, ledger_url=POSTGRES_URL)
+    # Given a payment held mid-task on a real worker
+    result = app.tasks["chaos.pay"].apply_async((1, 100, 1.5), idempotency_key=key)
+    wait_for(lambda: count(counter, prefix, "chaos.pay", key, ":entered"), "the payment to start")
+    # When the worker gets a warm shutdown (SIGTERM: finish what runs) or a cold one (SIGQUIT: now)
+    worker.process.send_signal(signal.SIGTERM if shutdown == "warm" else signal.SIGQUIT)
+    worker.process.wait(timeout=30)
+    if shutdown == "cold":
+        # and another worker takes the message the broker got back
+        workers(REDIS_URL, broker=RABBITMQ_URL, conf=conf, ledger_url=POSTGRES_URL)
+    # Then the payment ran to completion once (warm) or was redelivered and ran once (cold)
+    assert result.get(timeout=GET) == {"paid": 100, "order": 1}
+    assert rows(business, prefix) == {1: 1}
+    assert count(counter, prefix, "chaos.pay", key) == 1
+    assert count(counter, prefix, "chaos.pay", key, ":entered") == (1 if shutdown == "warm" else 2)
+    # and one reconcile leaves no record stuck
+    idem.reconcile()
+    record = idem.get("chaos.pay", key)
+    assert record is not None and record.state is State.COMPLETED
+    assert list(idem.store.expired_leases(limit=100)) == []
