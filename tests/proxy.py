@@ -4,6 +4,8 @@ cut it.
 ``delay`` holds every chunk that goes either way for that many seconds, so a request-reply round
 trip takes at least twice as long. ``cut(seconds)`` closes every open connection and refuses new
 ones (accepted, then closed at once) until the time is up: what a client sees when a link drops.
+``mute(seconds)`` lets requests through but drops the server's replies meanwhile: a request that
+the server carried out, whose answer the client never gets.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class Proxy:
         self.delay = delay
         self.port = free_port()
         self._cut_until = 0.0
+        self._mute_until = 0.0
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
         self._listener = socket.create_server(("127.0.0.1", self.port))
@@ -46,6 +49,10 @@ class Proxy:
                 sock.shutdown(socket.SHUT_RDWR)
             sock.close()
 
+    def mute(self, seconds: float) -> None:
+        """Drop what the server sends for ``seconds``; requests still reach it."""
+        self._mute_until = time.monotonic() + seconds
+
     def close(self) -> None:
         self._closed = True
         self._listener.close()
@@ -67,10 +74,10 @@ class Proxy:
                 continue
             with self._lock:
                 self._open.update((client, server))
-            for source, target in ((client, server), (server, client)):
-                threading.Thread(target=self._pipe, args=(source, target), daemon=True).start()
+            for source, target, replies in ((client, server, False), (server, client, True)):
+                threading.Thread(target=self._pipe, args=(source, target, replies), daemon=True).start()
 
-    def _pipe(self, source: socket.socket, target: socket.socket) -> None:
+    def _pipe(self, source: socket.socket, target: socket.socket, replies: bool) -> None:
         try:
             while True:
                 chunk = source.recv(65536)
@@ -80,6 +87,8 @@ class Proxy:
                     time.sleep(self.delay)
                 if self._is_cut():
                     break
+                if replies and time.monotonic() < self._mute_until:
+                    continue
                 target.sendall(chunk)
         except OSError:
             pass

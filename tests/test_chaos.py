@@ -27,6 +27,7 @@ import sqlalchemy as sa
 from celery.result import AsyncResult
 from chaos_shop import make_chaos_app
 from conftest import POSTGRES_URL, REDIS_URL, require_server
+from proxy import Proxy
 from services import PostgresServer, RedisServer
 from shop import COUNTER_URL, effects_key, payments_table
 from test_worker import RABBITMQ_URL, require_rabbitmq
@@ -360,3 +361,90 @@ def test_worker_shut_down_mid_task_runs_the_payment_once_and_leaves_nothing_stuc
     record = idem.get("chaos.pay", key)
     assert record is not None and record.state is State.COMPLETED
     assert list(idem.store.expired_leases(limit=100)) == []
+
+
+# ---- 7. a slow store link, and a cut one --------------------------------------------------------
+
+
+@pytest.fixture
+def linked_store(tmp_path: Path) -> Iterator[tuple[RedisServer, Proxy]]:
+    """A private Redis store behind a TCP proxy the test slows down or cuts."""
+    server = RedisServer(tmp_path)
+    proxy = Proxy(server.port)
+    yield server, proxy
+    proxy.close()
+    server.stop()
+
+
+def test_store_link_of_300ms_per_round_trip_runs_every_call_once(prefix, counter, workers, linked_store) -> None:
+    # Given a store 300 ms of round trip away from the worker and the callers
+    _, proxy = linked_store
+    proxy.delay = 0.15
+    app = producer(proxy.url(), prefix)
+    workers(proxy.url())
+    work, keys = app.tasks["chaos.work"], [f"k{n}-{uuid.uuid4().hex}" for n in range(3)]
+    # When each call is made twice and runs for longer than its lease (renewed over the slow link)
+    results = [work.apply_async((3.0,), idempotency_key=key) for key in keys for _ in range(2)]
+    # Then each body ran once and both calls of a key got its one outcome
+    assert [r.get(timeout=GET) for r in results] == ["worked 3.0"] * 6
+    assert [r.deduplicated for r in results] == [False, True] * 3
+    assert [count(counter, prefix, "chaos.work", k) for k in keys] == [1, 1, 1]
+
+
+def test_store_link_cut_for_3s_keeps_every_message_and_no_caller_hangs(
+    prefix, counter, business, workers, linked_store
+) -> None:
+    _, proxy = linked_store
+    app = producer(proxy.url(), prefix, ledger=True)
+    workers(proxy.url(), ledger_url=POSTGRES_URL)
+    idem, pay = Idempotency.of(app), app.tasks["chaos.pay"]
+    keys = {f"k{order}-{uuid.uuid4().hex}": order for order in range(4)}
+    # Given four payments published, more than the worker runs at once
+    results = [pay.apply_async((order, 100, 0.0, 1.0), idempotency_key=key) for key, order in keys.items()]
+    wait_for(lambda: count(counter, prefix, "chaos.pay", next(iter(keys)), ":entered"), "the first payment to start")
+    # When the store link is cut for 3 s, longer than a lease (2 s)
+    proxy.cut(3.0)
+    # Then a caller meanwhile is refused (fail closed) instead of hanging
+    refused: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            pay.apply_async((9, 100), idempotency_key=f"late-{uuid.uuid4().hex}")
+        except StoreUnavailableError as exc:
+            refused.append(exc)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    caller.join(timeout=idem.settings.store_timeout_seconds + 10)  # a hang, not a performance bound
+    assert not caller.is_alive() and len(refused) == 1
+    # and no message is lost: each payment runs once the link is back, and its callers calling
+    # again get the one payment. The attempts that ran through the cut could not settle their
+    # records while their lease lasted, so a call again may run the body again: the ledger holds
+    # the business effect to one row per key.
+    assert [r.get(timeout=GET) for r in results] == [{"paid": 100, "order": o} for o in keys.values()]
+    again = [pay.apply_async((order, 100), idempotency_key=key) for key, order in keys.items()]
+    assert [r.get(timeout=GET) for r in again] == [{"paid": 100, "order": o} for o in keys.values()]
+    assert rows(business, prefix) == {order: 1 for order in keys.values()}
+    idem.reconcile()
+    assert [idem.get("chaos.pay", k).state for k in keys] == [State.COMPLETED] * 4
+
+
+def test_a_claim_whose_reply_is_lost_does_not_hand_later_calls_an_unpublished_task_id(
+    prefix, counter, workers, linked_store
+) -> None:
+    # Given a store link that carries the claim to the server but loses its reply
+    _, proxy = linked_store
+    app = producer(proxy.url(), prefix)
+    work, key = app.tasks["chaos.work"], f"k-{uuid.uuid4().hex}"
+    workers(proxy.url())
+    # (a first call opens the caller's connection and loads the claim script: only a reply goes)
+    assert work.apply_async((0.1,), idempotency_key=f"{key}-first").get(timeout=GET) == "worked 0.1"
+    proxy.mute(1.0)
+    # When the caller's apply_async fails closed (nothing published) and the caller calls again
+    with pytest.raises(StoreUnavailableError):
+        work.apply_async((0.1,), idempotency_key=key)
+    again = work.apply_async((0.1,), idempotency_key=key)
+    # Then the second call is not handed the task id of the first, never published: it runs
+    assert not again.deduplicated
+    assert again.get(timeout=GET) == "worked 0.1"
+    assert count(counter, prefix, "chaos.work", key) == 1
