@@ -168,6 +168,13 @@ class Handler:
             )
         except StoreUnavailableError:
             if not self._proceed_unprotected("claim", identity, task_id):
+                if not awaited_id:
+                    # The claim may have landed with only its reply lost. Nothing is published under
+                    # this fresh task id, so a PENDING claim with it is given back (fenced by the id):
+                    # later calls are never handed an id whose message does not exist. (A duplicate
+                    # of an id the caller chose is published anyway, so it cannot get stuck.)
+                    with contextlib.suppress(IdempotencyError):  # the outage is counted once
+                        self.idem.store.release(identity, task_id, fence="task_id")
                 raise
             return self._result(send(args, kwargs, options), identity, deduplicated=False)
         self.idem.count("claims")
