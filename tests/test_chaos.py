@@ -13,11 +13,13 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import signal
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -448,3 +450,39 @@ def test_a_claim_whose_reply_is_lost_does_not_hand_later_calls_an_unpublished_ta
     assert not again.deduplicated
     assert again.get(timeout=GET) == "worked 0.1"
     assert count(counter, prefix, "chaos.work", key) == 1
+
+
+# ---- 6. a worker whose clock runs 45 s ahead --------------------------------------------------------
+
+SKEWED_CLOCK = Path(__file__).parent / "skewed_clock"  # its sitecustomize shifts time.time()
+
+
+@pytest.mark.parametrize("kind", ["redis", "postgresql"])
+def test_a_worker_45s_ahead_neither_takes_over_a_live_lease_nor_expires_a_record_early(
+    prefix, counter, workers, kind
+) -> None:
+    # Given records that live 30 s, a worker on the true clock and one whose clock is 45 s ahead
+    require_server(kind)
+    store = {"redis": REDIS_URL, "postgresql": POSTGRES_URL}[kind]
+    app = producer(store, prefix, ttl_seconds=30)
+    workers(store, ttl_seconds=30)
+    path = os.pathsep.join([str(SKEWED_CLOCK), str(Path(__file__).parent), str(Path(__file__).parent.parent)])
+    ahead = workers(store, queue=f"{prefix}-ahead", ttl_seconds=30,
+                    env={"PYTHONPATH": path, "CHAOS_CLOCK_SHIFT_SECONDS": "45"})  # fmt: skip
+    logged = re.search(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)", ahead.output(), re.M)
+    assert logged and datetime.fromisoformat(logged[1]).timestamp() > time.time() + 30, "the clock is not ahead"
+    work, key = app.tasks["chaos.work"], f"k-{uuid.uuid4().hex}"
+    first = work.apply_async((3.0,), idempotency_key=key)
+    wait_for(lambda: count(counter, prefix, "chaos.work", key), "the call to start on the true clock")
+    # When the worker ahead gets a copy of the call while it runs, and another once it is done
+    running = app.send_task("chaos.work", (3.0,), headers={"idempotency_key": key}, queue=f"{prefix}-ahead")
+    assert first.get(timeout=GET) == "worked 3.0"
+    done = app.send_task("chaos.work", (3.0,), headers={"idempotency_key": key}, queue=f"{prefix}-ahead")
+    # Then by the store's clock the lease was live and the record is not expired: both copies are
+    # answered with the one outcome, and the body ran once
+    assert [AsyncResult(r.id, app=app).get(timeout=GET) for r in (running, done)] == ["worked 3.0"] * 2
+    assert count(counter, prefix, "chaos.work", key) == 1
+    assert "BUSY" in ahead.output() and "REPLAY" in ahead.output()
+    record = Idempotency.of(app).get("chaos.work", key)
+    assert record is not None and record.state is State.COMPLETED and record.attempt == 1
+    assert record.expires_at - record.updated_at == pytest.approx(30, abs=1)
