@@ -506,7 +506,9 @@ class Handler:
 
     def _write(self, identity: Identity, owner: str, task_id: str, write: Callable[[], Transition]) -> bool | None:
         """Settle the record through ``write``: True (written), False (LOST: another attempt owns it),
-        None (the store did not answer while the lease lasted; the heartbeat keeps it meanwhile)."""
+        None (the store did not answer while the lease lasted: the heartbeat thread goes on trying,
+        so the outcome lands as soon as the store is back, before a duplicate can take the lease
+        that ran out meanwhile)."""
         deadline = time.monotonic() + self.policy.lease_seconds
         pause = 0.05
         retried = False
@@ -519,7 +521,11 @@ class Handler:
                 retried = True
                 self.idem.count("store_errors")
                 if time.monotonic() + pause >= deadline:
-                    logger.error("could not settle %s (task %s) while its lease lasted: %s", identity, task_id, exc)
+                    logger.error("could not settle %s (task %s) while its lease lasted: %s; the heartbeat "
+                                 "goes on trying", identity, task_id, exc)  # fmt: skip
+                    self.idem.heartbeat.defer(
+                        identity, write, lambda: self._settled_by(identity, owner), seconds=self.policy.ttl_seconds
+                    )
                     return None
                 logger.warning("settling %s (task %s) failed, retrying in %gs: %s", identity, task_id, pause, exc)
                 time.sleep(pause)

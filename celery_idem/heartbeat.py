@@ -7,6 +7,12 @@ renewal, whatever its class (a Redis ``BUSY`` or ``READONLY``, a read-only Postg
 stops the renewals: it is logged and counted, and the lease is tried again at its next beat.
 ``Idempotency.disconnect()`` stops its extension's thread, never before the last running attempt
 in it is over: stopping never drops a live lease.
+
+The same thread finishes what a store outage interrupted: an outcome an attempt could not write
+while its lease lasted is handed over (:meth:`Heartbeat.defer`) and tried again every second until
+it lands, is refused (another attempt owns the record) or the record's TTL is over. The first write
+after the store comes back is then, almost always, this one, not a duplicate's takeover of the
+lease that ran out during the outage.
 """
 
 from __future__ import annotations
@@ -18,10 +24,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .records import Identity
+from .records import Identity, Transition
 from .stores.base import Store
 
-__all__ = ["Heartbeat", "Lease"]
+__all__ = ["Heartbeat", "Lease", "Settlement"]
+
+SETTLE_RETRY_SECONDS = 1.0  # how often a deferred outcome is tried again
 
 logger = logging.getLogger("celery_idem.heartbeat")
 
@@ -40,6 +48,18 @@ class Lease:
         self.due = time.monotonic() + self.seconds / 3
 
 
+@dataclass(eq=False)
+class Settlement:
+    """An outcome write the store did not answer while its attempt's lease lasted."""
+
+    identity: Identity
+    write: Callable[[], Transition]
+    landed: Callable[[], bool]  # whether an earlier try was written and only its reply was lost
+    until: float  # monotonic: past it the record has expired anyway
+    due: float = field(default=0.0)
+    tries: int = 0
+
+
 class Heartbeat:
     """Renews the registered leases; a lease whose renewal comes back LOST is dropped (the attempt's
     next write is refused by its token, which is where the loss is reported).
@@ -50,6 +70,7 @@ class Heartbeat:
 
     def __init__(self, on_error: Callable[[], None] | None = None) -> None:
         self._leases: set[Lease] = set()
+        self._settlements: set[Settlement] = set()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
@@ -61,30 +82,52 @@ class Heartbeat:
         lease = Lease(store, identity, owner, seconds)
         with self._lock:
             self._leases.add(lease)
-            self._stopping = False
-            if not self.running:
-                if self._thread is not None and self._pid == os.getpid():
-                    logger.error("the heartbeat thread had stopped; restarting it")
-                self._pid = os.getpid()
-                self._thread = threading.Thread(target=self._run, name="celery-idem-heartbeat", daemon=True)
-                self._thread.start()
-            self._wake.notify()
+            self._start()
         return lease
+
+    def defer(
+        self, identity: Identity, write: Callable[[], Transition], landed: Callable[[], bool], *, seconds: float
+    ) -> Settlement:
+        """Keep trying ``write`` (an attempt's outcome) for up to ``seconds``, from this thread."""
+        settlement = Settlement(identity, write, landed, until=time.monotonic() + seconds)
+        settlement.due = time.monotonic() + SETTLE_RETRY_SECONDS
+        with self._lock:
+            self._settlements.add(settlement)
+            self._start()
+        return settlement
+
+    @property
+    def deferred(self) -> int:
+        """How many outcomes wait for the store to answer."""
+        with self._lock:
+            return len(self._settlements)
+
+    def _start(self) -> None:
+        """With the lock held: (re)start this process's thread if it is not running, and wake it."""
+        self._stopping = False
+        if not self.running:
+            if self._thread is not None and self._pid == os.getpid():
+                logger.error("the heartbeat thread had stopped; restarting it")
+            self._pid = os.getpid()
+            self._thread = threading.Thread(target=self._run, name="celery-idem-heartbeat", daemon=True)
+            self._thread.start()
+        self._wake.notify()
 
     def remove(self, lease: Lease) -> None:
         with self._lock:
             self._leases.discard(lease)
             if self._stopping and not self._leases:
-                self._wake.notify()  # a stopping thread ends with the last lease
+                self._wake.notify()  # a stopping thread ends with the last lease (and late outcome)
 
     def stop(self, timeout_seconds: float = 5.0) -> None:
         """End the thread once no attempt is running in this process, waiting up to
         ``timeout_seconds`` for it when none is; a lease still registered keeps it beating until
-        that attempt removes it. The next :meth:`add` starts it again."""
+        that attempt removes it, and a deferred outcome until it lands or its record expires. The
+        next :meth:`add` starts it again."""
         with self._lock:
             self._stopping = True
             self._wake.notify()
-            thread, busy = self._thread, bool(self._leases)
+            thread, busy = self._thread, bool(self._leases or self._settlements)
         if busy:
             logger.info("heartbeat stops once the attempts still running are over")
         elif thread is not None and thread is not threading.current_thread() and self._pid == os.getpid():
@@ -103,20 +146,42 @@ class Heartbeat:
                 with self._lock:
                     if self._thread is not me or self._pid != os.getpid():
                         return  # replaced, or a forked child runs its own thread
-                    if self._stopping and not self._leases:
+                    if self._stopping and not self._leases and not self._settlements:
                         self._thread = None  # stopped: the next add() starts a thread, quietly
                         return
                     now = time.monotonic()
                     due = [lease for lease in self._leases if lease.due <= now]
-                    if not due:
-                        wait = min((lease.due for lease in self._leases), default=now + 60) - now
-                        self._wake.wait(timeout=max(wait, 0.01))
+                    settle = [item for item in self._settlements if item.due <= now]
+                    if not due and not settle:
+                        upcoming = [lease.due for lease in self._leases] + [item.due for item in self._settlements]
+                        self._wake.wait(timeout=max(min(upcoming, default=now + 60) - now, 0.01))
                         continue
                 for lease in due:
                     self._renew(lease)
+                for item in settle:
+                    self._settle(item)
             except Exception:  # noqa: BLE001 - the loop outlives any one bad iteration
                 logger.exception("heartbeat iteration failed; renewals go on")
                 time.sleep(0.1)
+
+    def _settle(self, item: Settlement) -> None:
+        item.due = time.monotonic() + SETTLE_RETRY_SECONDS
+        item.tries += 1
+        try:
+            answer = item.write()
+            ok = answer.ok or item.landed()
+        except Exception as exc:  # noqa: BLE001 - the store is still down: try again at the next second
+            if time.monotonic() < item.until:
+                return
+            logger.error("gave up settling %s: the store did not answer before its record expired (%r)",
+                         item.identity, exc)  # fmt: skip
+            ok = None
+        with self._lock:
+            self._settlements.discard(item)
+        if ok:
+            logger.warning("settled %s after the store came back (try %d)", item.identity, item.tries)
+        elif ok is not None:
+            logger.warning("late outcome of %s was LOST: another attempt owns the record", item.identity)
 
     def _renew(self, lease: Lease) -> None:
         lease.due = time.monotonic() + lease.seconds / 3

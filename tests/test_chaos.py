@@ -431,6 +431,31 @@ def test_store_link_cut_for_3s_keeps_every_message_and_no_caller_hangs(
     assert [idem.get("chaos.pay", k).state for k in keys] == [State.COMPLETED] * 4
 
 
+def test_an_outcome_the_cut_kept_from_the_store_lands_when_the_link_is_back_and_no_call_runs_twice(
+    prefix, counter, workers, linked_store
+) -> None:
+    # Given bodies with no ledger that run through a cut longer than their lease (2 s): they could
+    # not store their outcome while the lease lasted
+    _, proxy = linked_store
+    app = producer(proxy.url(), prefix)
+    workers(proxy.url())
+    idem, work = Idempotency.of(app), app.tasks["chaos.work"]
+    keys = [f"k{n}-{uuid.uuid4().hex}" for n in range(2)]
+    results = [work.apply_async((1.0,), idempotency_key=key) for key in keys]
+    wait_for(lambda: all(count(counter, prefix, "chaos.work", k) for k in keys), "both bodies to start")
+    proxy.cut(3.5)
+    time.sleep(3.6)
+    # When the link is back, Then each outcome lands within a few seconds (the worker's heartbeat
+    # thread kept trying it), not only when the reconciler runs: before, a call in between ran the
+    # body again on the lease that ran out during the cut
+    wait_for(lambda: all((r := idem.get("chaos.work", k)) is not None and r.state is State.COMPLETED for k in keys),
+             "the deferred outcomes to land", seconds=8)  # fmt: skip
+    again = [work.apply_async((1.0,), idempotency_key=key) for key in keys]
+    assert [r.get(timeout=GET) for r in results + again] == ["worked 1.0"] * 4
+    assert all(r.deduplicated for r in again)
+    assert [count(counter, prefix, "chaos.work", k) for k in keys] == [1, 1]
+
+
 def test_a_claim_whose_reply_is_lost_does_not_hand_later_calls_an_unpublished_task_id(
     prefix, counter, workers, linked_store
 ) -> None:

@@ -150,3 +150,66 @@ def test_stop_keeps_a_running_attempts_lease_then_ends_and_the_next_add_starts_a
     heartbeat.remove(lease)
     heartbeat.stop()
     assert not heartbeat.running and second is not None and not second.is_alive()
+
+
+# ---- outcomes deferred through a store outage -----------------------------------------------------
+
+
+def test_an_outcome_the_store_did_not_take_lands_from_the_heartbeat_once_the_store_answers(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from celery_idem import StoreUnavailableError
+    from celery_idem import heartbeat as heartbeat_module
+
+    monkeypatch.setattr(heartbeat_module, "SETTLE_RETRY_SECONDS", 0.05)
+    identity, owner = running(store)
+    down = {"left": 3}
+
+    def complete() -> Transition:
+        if down["left"]:
+            down["left"] -= 1
+            raise StoreUnavailableError("the store is down")
+        return store.complete(identity, owner, b'"done"', content_type="application/json", content_encoding="utf-8")
+
+    heartbeat = Heartbeat()
+    # When an attempt hands over the outcome it could not write while its lease lasted
+    heartbeat.defer(identity, complete, lambda: False, seconds=60)
+    # Then the heartbeat keeps trying, and it lands once the store answers
+    deadline = time.monotonic() + 10
+    while heartbeat.deferred and time.monotonic() < deadline:
+        time.sleep(0.02)
+    record = store.get(identity)
+    assert heartbeat.deferred == 0 and down["left"] == 0
+    assert record is not None and record.state is State.COMPLETED and record.result == b'"done"'
+    heartbeat.stop()
+
+
+def test_a_deferred_outcome_refused_by_the_owner_token_is_dropped_and_one_past_its_deadline_is_given_up(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from celery_idem import StoreUnavailableError
+    from celery_idem import heartbeat as heartbeat_module
+
+    monkeypatch.setattr(heartbeat_module, "SETTLE_RETRY_SECONDS", 0.05)
+    identity, _ = running(store)
+    tries = {"lost": 0, "down": 0}
+
+    def lost() -> Transition:  # another attempt took the record over meanwhile
+        tries["lost"] += 1
+        return store.complete(identity, "not-the-owner", b"1", content_type="application/json")
+
+    def down() -> Transition:
+        tries["down"] += 1
+        raise StoreUnavailableError("the store is down")
+
+    heartbeat = Heartbeat()
+    heartbeat.defer(identity, lost, lambda: False, seconds=60)
+    heartbeat.defer(identity, down, lambda: False, seconds=0.3)
+    deadline = time.monotonic() + 10
+    while heartbeat.deferred and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert heartbeat.deferred == 0
+    assert tries["lost"] == 1 and tries["down"] >= 2
+    record = store.get(identity)
+    assert record is not None and record.state is State.IN_PROGRESS  # neither write changed it
+    heartbeat.stop()
