@@ -320,7 +320,8 @@ class Handler:
                     return self._run_function(*args, **kwargs)
                 # The acquire may have landed with only its reply lost: hand the record back to
                 # PENDING for the message kept below, or its copy would wait out a lease nobody holds.
-                self._give_back(identity, owner, policy.pending_timeout_seconds, settled_is_fine=True)
+                pending = timing.pending_seconds(policy.pending_timeout_seconds, {}, request.expires)
+                self._give_back(identity, owner, pending, settled_is_fine=True)
                 raise self._keep_message(args, kwargs) from None
             record = taken.record
             assert record is not None

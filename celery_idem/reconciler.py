@@ -32,12 +32,13 @@ from celery.backends.base import DisabledBackend
 from pydantic import BaseModel, ConfigDict
 
 from .calls import CallRefused, decode_call
-from .errors import LedgerUnavailableError, StoreUnavailableError
+from .errors import ConfigurationError, LedgerUnavailableError, ResultTooLargeError, StoreUnavailableError
 from .failures import BODY_MAY_HAVE_RUN, classify_failure
 from .outcome import encode_result
 from .owners import holder_node, node_tag
 from .protocol import KEY_HEADER, SCOPE_HEADER
 from .records import Decision, ErrorInfo, IdempotencyRecord, State
+from .timing import EXPIRY_GRACE_SECONDS
 
 if TYPE_CHECKING:
     from .config import IdempotencyPolicy
@@ -94,11 +95,11 @@ class Reconciler:
         started = time.monotonic()
         stale = self.store.expired_leases(limit=limit or DEFAULT_LIMIT)
         self.counts["scanned"] = len(stale)
-        undecided = [record for record in stale if not self._settle_on_evidence(record)]
+        undecided = [record for record in stale if not self._guarded(self._settle_on_evidence, record)]
         if undecided:
             holders = self._live_task_ids([record.task_id for record in undecided])
             for record in undecided:
-                self._settle_on_liveness(record, holders)
+                self._guarded(self._settle_on_liveness, record, holders)
         purged = 0 if self.dry_run else self.store.purge_expired(limit=limit or DEFAULT_LIMIT)
         report = ReconcileReport(**self.counts, purged=purged, seconds=time.monotonic() - started, dry_run=self.dry_run)
         logger.info("reconciled: %s", report.model_dump_json())
@@ -106,6 +107,18 @@ class Reconciler:
             for name in ("completed", "failed", "released"):
                 self.idem.count(f"reconciled_{name}", self.counts[name])
         return report
+
+    def _guarded(self, settle: Any, record: IdempotencyRecord, *args: Any) -> bool:
+        """``settle(record)``; whatever one record raises is logged and the record left, so one bad
+        record never stops the run for every record behind it (a mistake in the setup still does)."""
+        try:
+            return bool(settle(record, *args))
+        except ConfigurationError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one record's surprise is that record's alone
+            logger.exception("could not settle key=%s task=%s task_id=%s", record.key, record.task_name, record.task_id)
+            self._leave(record, f"settling it raised {exc!r}")
+            return True
 
     # ---- evidence --------------------------------------------------------------------------------
 
@@ -206,6 +219,16 @@ class Reconciler:
     def _complete(
         self, record: IdempotencyRecord, payload: bytes, content_type: str, encoding: str | None, why: str
     ) -> None:
+        if len(payload) > self.store.max_result_bytes:
+            # As a worker stores it: the effect happened, so the key is never freed; the error says why.
+            error = ResultTooLargeError(
+                f"the {why}'s result of {record.identity} is {len(payload)} bytes, over max_result_bytes "
+                f"({self.store.max_result_bytes})", key=record.key, task_name=record.task_name, task_id=record.task_id,
+            )  # fmt: skip
+            info = ErrorInfo.from_exception(error)
+            self._write(record, "failed", f"{why}: result too large",
+                        lambda: self.store.fail(record.identity, record.owner, info))  # fmt: skip
+            return
         self._write(record, "completed", why, lambda: self.store.complete(
             record.identity, record.owner, payload, content_type=content_type, content_encoding=encoding or "utf-8"
         ))  # fmt: skip
@@ -228,9 +251,11 @@ class Reconciler:
         if expires_at is not None and expires_at <= self.now:
             self._release(record, "provably dead, not requeued: its message has expired")
             return
-        policy = self._policy(record)
+        pending = self._policy(record).pending_timeout_seconds
+        if expires_at is not None:  # a claim never outlives its message
+            pending = min(pending, expires_at - self.now + EXPIRY_GRACE_SECONDS)
         written = self._write(record, "requeued", "provably dead: requeued", lambda: self.store.release(
-            record.identity, record.owner, pending_seconds=policy.pending_timeout_seconds, expired_only=True
+            record.identity, record.owner, pending_seconds=pending, expired_only=True
         ))  # fmt: skip
         if not written or self.dry_run:
             return

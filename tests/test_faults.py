@@ -442,3 +442,50 @@ def test_a_worker_process_installs_faults_from_its_environment(prefix: str) -> N
         assert store.get(Identity("", "faults.env", "k")) is None
     finally:
         wipe_redis(store)
+
+
+# ---- a lost reply's give-back is bounded like every claim ------------------------------------------
+
+
+def test_an_acquire_whose_reply_was_lost_gives_the_record_back_no_longer_than_its_message_lives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import datetime
+
+    from celery import Celery
+    from celery import Task as CeleryTask
+    from celery.contrib.testing.mocks import TaskMessage
+    from celery.worker.request import Request
+
+    from celery_idem import MemoryStore
+
+    store = MemoryStore()
+    app = Celery("lost-acquire-expiry", set_as_current=False, broker="memory://")
+    Idempotency(app, store=store)
+
+    @app.task(base=IdempotentTask, shared=False)
+    def echo(x: int) -> int:
+        return x
+
+    real = store._acquire
+
+    def reply_lost(*args: Any, **kwargs: Any) -> Any:
+        real(*args, **kwargs)  # applied on the server, then its reply is lost
+        raise ConnectionError("connection reset while reading the reply")
+
+    monkeypatch.setattr(store, "_acquire", reply_lost)
+    republished: list[Any] = []
+    monkeypatch.setattr(CeleryTask, "apply_async", lambda task, *a, **k: republished.append(task.request.expires))
+    app.finalize()
+    # Given a message that expires in 10 s, executed as a worker executes it
+    expires = (datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=10)).isoformat()
+    message = TaskMessage(echo.name, args=(1,), id="t-exp", expires=expires, idempotency_key="k")
+    message.properties = {}
+    message.delivery_info = {"exchange": "", "routing_key": "celery"}
+    Request(message, app=app).execute()
+    # Then the message went back to the broker, and the record it was given back as (PENDING) does
+    # not outlive it by more than the grace: RabbitMQ drops an expired message without telling anyone
+    assert republished and republished[0]
+    record = store.get(Identity("", echo.name, "k"))
+    assert record is not None and record.state is State.PENDING
+    assert record.lease_expires_at is not None and record.lease_expires_at - time.time() <= 10 + 5 + 1

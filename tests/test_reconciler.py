@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import redis
 import sqlalchemy as sa
-from celery import Celery, chain, chord
+from celery import Celery, chain, chord, states
 from conftest import POSTGRES_URL, REDIS_URL, require_server, wipe
 from shop import COUNTER_URL, effects_key, make_app, payments_table
 from workers import BACKEND, Worker, wait_for
@@ -26,6 +26,7 @@ from celery_idem import (
     Idempotency,
     IdempotentTask,
     LockLostError,
+    MemoryStore,
     ReconcileReport,
     State,
     StoreUnavailableError,
@@ -563,3 +564,52 @@ def test_the_reconcile_task_and_its_beat_entry_are_registered(prefix: str) -> No
     without = Celery("nobeat", broker="memory://", set_as_current=False)
     Idempotency(without, store=REDIS_URL, key_prefix=prefix)
     assert BEAT_ENTRY not in (without.conf.beat_schedule or {})
+
+
+# ---- one bad record never stops the run ------------------------------------------------------------
+
+
+def test_oversized_evidence_is_stored_as_a_failure_and_never_blocks_the_records_behind_it() -> None:
+    now = [1_700_000_000.0]
+    store = MemoryStore(clock=lambda: now[0], max_result_bytes=64)
+    app = Celery("reconcile-oversized", set_as_current=False, broker="memory://", backend="cache+memory://")
+    idem = Idempotency(app, store=store)
+    big, small = Identity("", "t.t", "big"), Identity("", "t.t", "small")
+    # Given two stale claims whose bodies ran: the first's SUCCESS is larger than the store takes
+    store.claim(big, "f" * 64, "task-big", pending_seconds=10, ttl_seconds=3600)
+    now[0] += 1
+    store.claim(small, "e" * 64, "task-small", pending_seconds=10, ttl_seconds=3600)
+    app.backend.store_result("task-big", "x" * 1000, states.SUCCESS)
+    app.backend.store_result("task-small", "ok", states.SUCCESS)
+    now[0] += 60
+    # When the reconciler runs
+    report = idem.reconcile()
+    # Then the oversized one is FAILED with ResultTooLargeError, as a worker stores it (the body ran:
+    # the key is never freed), and the one behind it is completed in the same run
+    assert (report.failed, report.completed) == (1, 1)
+    failed, done = store.get(big), store.get(small)
+    assert failed is not None and failed.state is State.FAILED and failed.error is not None
+    assert failed.error.type == "ResultTooLargeError" and "over max_result_bytes (64)" in failed.error.message
+    assert done is not None and done.state is State.COMPLETED
+
+
+def test_a_record_whose_settling_raises_is_left_and_the_run_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [1_700_000_000.0]
+    store = MemoryStore(clock=lambda: now[0])
+    app = Celery("reconcile-raises", set_as_current=False, broker="memory://", backend="cache+memory://")
+    idem = Idempotency(app, store=store)
+    for name in ("bad", "good"):
+        store.claim(Identity("", "t.t", name), "f" * 64, f"task-{name}", pending_seconds=10, ttl_seconds=3600)
+        app.backend.store_result(f"task-{name}", name, states.SUCCESS)
+        now[0] += 1
+    now[0] += 60
+    real_get_task_meta = app.backend.get_task_meta
+
+    def get_task_meta(task_id: str, *args: Any, **kwargs: Any) -> Any:
+        if task_id == "task-bad":
+            raise ValueError("a result the backend cannot decode")
+        return real_get_task_meta(task_id, *args, **kwargs)
+
+    monkeypatch.setattr(app.backend, "get_task_meta", get_task_meta)
+    report = idem.reconcile()
+    assert (report.left, report.completed) == (1, 1)
