@@ -318,6 +318,11 @@ class Handler:
             except StoreUnavailableError:
                 if self._proceed_unprotected("acquire", identity, task_id):
                     return self._run_function(*args, **kwargs)
+                if request.is_eager:
+                    # No broker keeps an eager call: the caller is told, as at publish, and the
+                    # acquire that may have landed (reply lost) is given back whole.
+                    self._give_back(identity, owner, settled_is_fine=True)
+                    raise
                 # The acquire may have landed with only its reply lost: hand the record back to
                 # PENDING for the message kept below, or its copy would wait out a lease nobody holds.
                 pending = timing.pending_seconds(policy.pending_timeout_seconds, {}, request.expires)

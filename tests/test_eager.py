@@ -39,8 +39,10 @@ from celery_idem import (
     ResultTooLargeError,
     SerializationError,
     State,
+    StoreUnavailableError,
     idempotent_task,
 )
+from celery_idem.records import Identity
 
 
 class CardDeclined(Exception):
@@ -1036,3 +1038,42 @@ def test_pydantic_task_is_fingerprinted_as_celery_sends_it(app: Celery, idem: Id
         place.apply_async((Order(order_id=1, amount=6),), idempotency_key="order-1")
     assert place.delay(Order(order_id=2, amount=7)).get() == place.delay({"order_id": 2, "amount": 7}).get()
     assert len(calls) == 2
+
+
+# ---- the store down between an eager call's claim and its acquire ---------------------------------
+
+
+@pytest.mark.parametrize("blips", [1, 1000])
+def test_an_eager_call_whose_acquire_fails_tells_the_caller_once_and_leaves_no_claim(
+    blips: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No broker keeps an eager call's message, so "back to the broker" would recurse into the call
+    # itself (hundreds of nested acquires) and hide the error: the caller is told, as at publish.
+    app = Celery("eager-acquire-down", set_as_current=False)
+    app.conf.task_always_eager = True
+    app.conf.task_eager_propagates = True
+    store = MemoryStore()
+    Idempotency(app, store=store)
+    runs: list[int] = []
+
+    @app.task(base=IdempotentTask, shared=False)
+    def times_ten(x: int) -> int:
+        runs.append(x)
+        return x * 10
+
+    real, acquires = store._acquire, [0]
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        acquires[0] += 1
+        if acquires[0] <= blips:
+            raise ConnectionError("store down")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store, "_acquire", flaky)
+    with pytest.raises(StoreUnavailableError, match="failed acquire"):
+        times_ten.apply_async((4,), idempotency_key="k")
+    assert acquires[0] == 1 and runs == []
+    record = store.get(Identity("", times_ten.name, "k"))
+    assert record is None  # the claim is given back: a new call runs (once the store answers)
+    monkeypatch.setattr(store, "_acquire", real)
+    assert times_ten.apply_async((4,), idempotency_key="k").get() == 40
