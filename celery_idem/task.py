@@ -15,6 +15,7 @@ from .result import IdempotentResult
 __all__ = ["IdempotentTask"]
 
 logger = logging.getLogger("celery_idem.task")
+_RUNNING = "idempotency_running"  # set on a request while its attempt is in the handler
 
 
 class IdempotentTask(Task):  # type: ignore[misc]
@@ -64,6 +65,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
         request = self.request
         if request.called_directly:  # a plain function call in user code: Celery's behaviour
             return super().__call__(*args, **kwargs)
+        if getattr(request, _RUNNING, False):
+            # The body calls its own task as a function (``countdown(n - 1)``): Celery pushes that
+            # call's request only inside Task.__call__, so until then it wears this attempt's; it
+            # is a plain call, never a copy of the running message.
+            return super().__call__(*args, **kwargs)
         if request.id is None:
             # A tracer built by hand with a request that has no id (Celery's own unit tests): no task
             # id, no attempt to fence. The body runs as plain Celery's tracer runs it (task.run).
@@ -75,7 +81,11 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     self.name,
                 )
             return self.run(*args, **kwargs)
-        return self.idempotency_handler.run(args, kwargs)
+        setattr(request, _RUNNING, True)
+        try:
+            return self.idempotency_handler.run(args, kwargs)
+        finally:
+            setattr(request, _RUNNING, False)
 
     def replace(self, sig: Any) -> Any:
         # The replacement inherits this task id; the handler links what settles this record with it.

@@ -193,6 +193,12 @@ def make_app(
             return self.retry(countdown=0, throw=False)  # type: ignore[no-any-return]
         return {"amount": amount, "retries": self.request.retries, "task_id": self.request.id}
 
+    @task(name="shop.countdown", idempotency={"busy_wait_seconds": 2})
+    def countdown(self: Any, n: int) -> str:
+        """Calls itself as a plain function, as recursive code does: that call is no copy of the message."""
+        counter.incr(effects_key(prefix, "shop.countdown", f"{self.request.idempotency_key}:{n}"))
+        return countdown(n - 1) if n > 0 else "done"  # type: ignore[no-any-return]
+
     @task(name="shop.untyped", typing=False)
     def untyped(self: Any, order_id: int, amount: int) -> dict[str, Any]:
         """Celery's argument check is off: calls are published as given, checked by the body's call."""

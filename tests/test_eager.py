@@ -1077,3 +1077,20 @@ def test_an_eager_call_whose_acquire_fails_tells_the_caller_once_and_leaves_no_c
     assert record is None  # the claim is given back: a new call runs (once the store answers)
     monkeypatch.setattr(store, "_acquire", real)
     assert times_ten.apply_async((4,), idempotency_key="k").get() == 40
+
+
+def test_an_eager_body_that_calls_its_own_task_as_a_function_runs_it_as_a_plain_call() -> None:
+    app = Celery("eager-recursion", set_as_current=False)
+    app.conf.task_always_eager = True
+    app.conf.task_eager_propagates = True
+    Idempotency(app)
+    levels: list[int] = []
+
+    @app.task(base=IdempotentTask, shared=False, idempotency={"busy_wait_seconds": 1})
+    def countdown(n: int) -> str:
+        levels.append(n)
+        return countdown(n - 1) if n > 0 else "done"  # type: ignore[no-any-return]
+
+    # Before, the inner call was taken for a copy of the running message: it waited on its own lease
+    assert countdown.apply_async((2,), idempotency_key="k").get() == "done"
+    assert levels == [2, 1, 0]

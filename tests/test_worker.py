@@ -457,6 +457,17 @@ def test_a_returned_retry_retries_like_a_raised_one(shop: Shop, key: str) -> Non
     assert shop.effects("retry_returned", key) == 2
 
 
+def test_a_body_that_calls_its_own_task_as_a_function_runs_it_as_a_plain_call(shop: Shop, key: str) -> None:
+    # Given a body that recurses through a direct call of its own task (countdown(n - 1))
+    result = shop.task("countdown").apply_async((2,), idempotency_key=key)
+    # Then each level runs once, inline, and the call completes: the inner calls were not taken for
+    # copies of the running message (which waited, re-published it and stored FAILED(Ignore))
+    assert result.get(timeout=GET) == "done"
+    assert [shop.effects("countdown", f"{key}:{n}") for n in (2, 1, 0)] == [1, 1, 1]
+    record = shop.idem.get("shop.countdown", key)
+    assert record is not None and record.state is State.COMPLETED
+
+
 def test_typing_off_publishes_as_given_and_the_worker_fingerprints_the_same_call(shop: Shop, key: str) -> None:
     untyped = shop.task("untyped")
     # Given typing=False, a call that does not fit the signature is published (plain Celery does)
