@@ -8,8 +8,10 @@ from typing import Any, ClassVar
 from celery import Task
 
 from .config import IdempotencyPolicy
+from .errors import ConfigurationError
 from .extension import Idempotency
 from .handler import Handler
+from .protocol import KEY_HEADER, request_header
 from .result import IdempotentResult
 
 __all__ = ["IdempotentTask"]
@@ -71,6 +73,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
             # is a plain call, never a copy of the running message.
             return super().__call__(*args, **kwargs)
         if request.id is None:
+            if request_header(request, KEY_HEADER) is not None:
+                # A hand-built message that asks for deduplication but carries nothing to fence it by:
+                # running it unprotected would run every copy of it.
+                raise ConfigurationError(
+                    f"a message of task {self.name!r} carries an idempotency_key but no task id: celery-idem "
+                    "fences every attempt by its task id, so it cannot run once; send it with an id "
+                    "(apply_async and send_task always give one)"
+                )
             # A tracer built by hand with a request that has no id (Celery's own unit tests): no task
             # id, no attempt to fence. The body runs as plain Celery's tracer runs it (task.run).
             if not self._warned_without_id:

@@ -239,3 +239,24 @@ def test_headers_that_are_not_a_dict_carry_no_key_and_break_nothing() -> None:
     assert add.apply((1, 2), headers=123).get() == 3
     assert add.apply((1, 2), headers=123).get() == 3  # keyed by its fingerprint: deduplicated
     assert runs == [1]
+
+
+# The worker tracer cannot store a failure under no task id either, and says so in a warning.
+@pytest.mark.filterwarnings("ignore:Exception raised outside body:RuntimeWarning")
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "worker-tracer"])
+def test_a_keyed_message_without_a_task_id_is_refused_never_run_unprotected(eager: bool) -> None:
+    # A hand-built message (protocol 1, or a null id) that asks for deduplication: run unprotected,
+    # every copy of it would run
+    app = make_app()
+    Idempotency(app)
+    runs: list[int] = []
+
+    @app.task(shared=False, base=IdempotentTask)
+    def double(x: int) -> int:
+        runs.append(x)
+        return 2 * x
+
+    tracer = build_tracer(double.name, double, eager=eager, propagate=True, app=app)
+    with pytest.raises(ConfigurationError, match="carries an idempotency_key but no task id"):
+        tracer(None, (2,), {}, {"headers": {"idempotency_key": "k"}})
+    assert runs == []
