@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from celery import Task as CeleryTask
 from celery import group, states
 from celery.backends.base import DisabledBackend
-from celery.exceptions import Ignore, Reject, Retry
+from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 
 from . import timing
 from .calls import encode_call, published_options
@@ -446,10 +446,28 @@ class Handler:
                 if self.task.request.is_eager:
                     return value
                 raise value
-            self._settle_value(record, value)
+            try:
+                self._settle_value(record, value)
+            except SoftTimeLimitExceeded:
+                # The body returned: a time limit that strikes while its value is stored must not
+                # turn the effect into a failure the reconciler would free the key on.
+                self._defer_value(record, value)
             return value
         finally:
             self.idem.heartbeat.remove(lease)
+
+    def _defer_value(self, record: IdempotencyRecord, value: Any) -> None:
+        """Hand the value's write to the heartbeat thread, and leave it in the result backend."""
+        identity, owner, store = record.identity, record.owner, self.idem.store
+        logger.warning("the soft time limit struck while %s stored its outcome: the heartbeat stores it", identity)
+        payload, content_type, encoding = encode_result(value, self.serializer)
+        self.idem.heartbeat.defer(
+            identity,
+            lambda: store.complete(identity, owner, payload, content_type=content_type, content_encoding=encoding),
+            lambda: self._settled_by(identity, owner),
+            seconds=self.policy.ttl_seconds,
+        )
+        self._leave_evidence(value)
 
     def _settle_exception(self, record: IdempotencyRecord, exc: BaseException, lease: Lease) -> None:
         """What an attempt that ended by raising leaves behind (DESIGN §3, "Not failures"):
