@@ -94,6 +94,10 @@ class DuplicateTaskError(IdempotencyError):
 class StoreUnavailableError(IdempotencyError):
     """The idempotency store could not be reached, or did not answer within the timeout."""
 
+    #: True when the store answered with an error no outage mapping knows (a driver's surprise, a
+    #: value the database refuses): it may never pass, so a worker stops sending its message back.
+    unexpected: bool = False
+
 
 class LedgerUnavailableError(IdempotencyError):
     """The ledger's database could not be reached, or did not answer within its read timeout."""

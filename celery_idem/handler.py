@@ -70,6 +70,9 @@ if TYPE_CHECKING:
 __all__ = ["Handler"]
 
 _OUTAGE_FIRST_DELAY, _OUTAGE_MAX_DELAY = 0.5, 30.0  # seconds: the outage backoff doubles up to this
+# A store error no outage mapping knows may never pass (a task id the database refuses): after this
+# many trips back to the broker (about 90 s) the message fails with it instead of looping forever.
+_UNEXPECTED_MAX_WAITS = 8
 _CONTINUATIONS = ("link", "link_error", "chain", "chord", "group_id")
 
 logger = logging.getLogger("celery_idem.handler")
@@ -315,12 +318,14 @@ class Handler:
                     owner=owner,
                     call=call,
                 )
-            except StoreUnavailableError:
+            except StoreUnavailableError as exc:
                 if self._proceed_unprotected("acquire", identity, task_id):
                     return self._run_function(*args, **kwargs)
-                if request.is_eager:
-                    # No broker keeps an eager call: the caller is told, as at publish, and the
-                    # acquire that may have landed (reply lost) is given back whole.
+                waits = int(request_header(request, OUTAGE_HEADER) or 0)
+                if request.is_eager or (exc.unexpected and waits >= _UNEXPECTED_MAX_WAITS):
+                    # No broker keeps an eager call (and a store error that outlived every trip back
+                    # may never pass): the caller is told, and the acquire that may have landed
+                    # (reply lost) is given back whole.
                     self._give_back(identity, owner, settled_is_fine=True)
                     raise
                 # The acquire may have landed with only its reply lost: hand the record back to

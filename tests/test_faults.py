@@ -489,3 +489,75 @@ def test_an_acquire_whose_reply_was_lost_gives_the_record_back_no_longer_than_it
     record = store.get(Identity("", echo.name, "k"))
     assert record is not None and record.state is State.PENDING
     assert record.lease_expires_at is not None and record.lease_expires_at - time.time() <= 10 + 5 + 1
+
+
+@pytest.mark.parametrize("waits", [0, 7, 8])
+def test_a_store_error_no_outage_mapping_knows_goes_back_to_the_broker_only_so_often(
+    waits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from celery import Celery
+    from celery import Task as CeleryTask
+    from celery.contrib.testing.mocks import TaskMessage
+    from celery.worker.request import Request
+
+    from celery_idem import MemoryStore
+    from celery_idem.protocol import OUTAGE_HEADER
+
+    store = MemoryStore()
+    app = Celery("poison-acquire", set_as_current=False, broker="memory://", backend="cache+memory://")
+    Idempotency(app, store=store)
+    runs: list[int] = []
+
+    @app.task(base=IdempotentTask, shared=False)
+    def charge(x: int) -> int:
+        runs.append(x)
+        return x
+
+    def refused(*args: Any, **kwargs: Any) -> Any:  # as a database refuses a value, every time
+        raise ValueError("value too long for type character varying(255)")
+
+    monkeypatch.setattr(store, "_acquire", refused)
+    republished: list[Any] = []
+    monkeypatch.setattr(CeleryTask, "apply_async", lambda task, *a, **k: republished.append(k.get("headers")))
+    app.finalize()
+    # Given a message that already went back to the broker ``waits`` times for this error
+    message = TaskMessage(charge.name, args=(1,), id=f"t-{waits}", idempotency_key="k", **{OUTAGE_HEADER: waits})
+    message.properties = {}
+    message.delivery_info = {"exchange": "", "routing_key": "celery"}
+    Request(message, app=app).execute()
+    meta = app.backend.get_task_meta(f"t-{waits}")
+    assert runs == []
+    if waits < 8:
+        # Then it goes back once more: an unknown error may still pass (fail closed, never lost)
+        assert len(republished) == 1 and republished[0][OUTAGE_HEADER] == waits + 1
+    else:
+        # Then, after about 90 s of trips, the message fails with the error instead of looping forever
+        assert republished == [] and meta["status"] == "FAILURE"
+        assert isinstance(meta["result"], StoreUnavailableError) and "unexpected ValueError" in str(meta["result"])
+
+
+def test_a_real_outage_keeps_sending_the_message_back_however_long_it_lasts(monkeypatch: pytest.MonkeyPatch) -> None:
+    from celery import Celery
+    from celery import Task as CeleryTask
+    from celery.contrib.testing.mocks import TaskMessage
+    from celery.worker.request import Request
+
+    from celery_idem.protocol import OUTAGE_HEADER
+    from celery_idem.stores import store_from_url
+
+    down = store_from_url("redis://127.0.0.1:1/0", timeout_seconds=0.5)  # nothing listens: refused
+    app = Celery("long-outage", set_as_current=False, broker="memory://", backend="cache+memory://")
+    Idempotency(app, store=down)
+
+    @app.task(base=IdempotentTask, shared=False)
+    def charge(x: int) -> int:
+        return x
+
+    republished: list[Any] = []
+    monkeypatch.setattr(CeleryTask, "apply_async", lambda task, *a, **k: republished.append(k.get("headers")))
+    app.finalize()
+    message = TaskMessage(charge.name, args=(1,), id="t-long", idempotency_key="k", **{OUTAGE_HEADER: 50})
+    message.properties = {}
+    message.delivery_info = {"exchange": "", "routing_key": "celery"}
+    Request(message, app=app).execute()
+    assert len(republished) == 1 and republished[0][OUTAGE_HEADER] == 51  # fail closed, never lost

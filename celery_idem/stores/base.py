@@ -127,9 +127,11 @@ class Store(ABC):
                     f"{self!r} failed {operation}{where} with an unexpected {type(exc).__name__}: {exc}; "
                     "whether it was applied is unknown, so it is handled as an outage (see the cause)"
                 )
-            raise StoreUnavailableError(
+            error = StoreUnavailableError(
                 message, key=identity.key if identity else None, task_name=identity.task_name if identity else None
-            ) from exc
+            )
+            error.unexpected = not self._is_outage(exc)  # may never pass: a worker gives up on it in time
+            raise error from exc
 
     def _is_outage(self, exc: Exception) -> bool:
         """Whether ``exc`` says the store is down, slow or refusing writes (its ``_unavailable``)."""
