@@ -298,6 +298,33 @@ def test_visibility_timeout_redelivery_of_a_long_task_runs_once_and_its_id_ends_
         broker_server.stop()
 
 
+def test_redis_broker_restarted_mid_run_loses_no_call_and_runs_none_twice(tmp_path, prefix, counter, workers) -> None:
+    # Given a private Redis broker (AOF: its queues survive a kill), two calls running and two queued
+    broker_server = RedisServer(tmp_path, persistent=True)
+    try:
+        broker, conf = broker_server.url(), {"broker_transport_options": VISIBILITY}
+        app = producer(REDIS_URL, prefix, broker=broker, conf=conf)
+        workers(REDIS_URL, broker=broker, conf=conf)
+        idem, work = Idempotency.of(app), app.tasks["chaos.work"]
+        keys = [f"k{n}-{uuid.uuid4().hex}" for n in range(4)]
+        results = [work.apply_async((1.5,), idempotency_key=key) for key in keys]
+        wait_for(lambda: any(count(counter, prefix, "chaos.work", k) for k in keys), "a first body")
+        # When the broker is SIGKILLed mid-run and restarted a second later
+        broker_server.kill()
+        time.sleep(1.0)
+        broker_server.start()
+        # Then every call completes (the worker reconnects; the running calls' acks were lost with
+        # the connection, so the broker delivers them again: their copies replay, never run)
+        assert [r.get(timeout=GET) for r in results] == ["worked 1.5"] * 4
+        time.sleep(VISIBILITY["visibility_timeout"] + 2)  # redelivered copies get their turn
+        assert [count(counter, prefix, "chaos.work", k) for k in keys] == [1, 1, 1, 1]
+        idem.reconcile()
+        assert [getattr(idem.get("chaos.work", k), "state", None) for k in keys] == [State.COMPLETED] * 4
+        assert list(idem.store.expired_leases(limit=100)) == []
+    finally:
+        broker_server.stop()
+
+
 # ---- 4. the PostgreSQL store restarted while long tasks run --------------------------------------
 
 
