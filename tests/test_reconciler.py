@@ -237,6 +237,7 @@ def test_a_requeued_chord_member_counts_and_the_chord_body_runs_once(shop_app, w
         app.tasks["shop.requeued"].s(1, hold=0).set(idempotency_key=other),
     ]
     result = chord(members)(app.tasks["shop.noted"].s(key))
+    wait_for(lambda: counter.get(effects_key(prefix, "shop.requeued", other)), "the second member")
     # When the killed member is requeued
     assert _kill_and_reconcile(app, doomed, workers, key, counter, prefix).requeued == 1
     # Then it counts as a member of its chord: the chord body runs, once, after both members
