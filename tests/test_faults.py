@@ -13,7 +13,8 @@ ahead by more than any lease of these tasks, so no test waits for a lease to run
 Cells: claim (producer), acquire, renew (heartbeat), complete, fail, release by owner token (a
 Celery retry) and release by task id (the task_revoked hook) through one in-process worker per
 on_store_error value on Redis, and a ledger task there; the reconciler's writes directly; every fault
-kind (the SQL ones too) on every store operation directly on Redis, SQLite and PostgreSQL.
+kind (the SQL ones too) on every store operation directly on Redis, SQLite and PostgreSQL. The
+worker cells with a PostgreSQL store and the SQL fault kinds are in test_faults_sql.py.
 """
 
 from __future__ import annotations

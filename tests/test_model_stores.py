@@ -5,8 +5,9 @@ PostgreSQL, Redis and a 3-master Redis Cluster.
    store, and holds every answer and every stored record to the model's. Time moves through
    ``Store.advance_clock_for_tests``, which shifts the server's own clock (Redis TIME, the
    database's clock) inside the scripts and statements: the production path, not an injected clock.
-2. Threads run random operations at once on a store; the recorded history must be linearizable
-   against the model (tests/linearizability.py). A deliberately racy store proves the check bites.
+2. Threads, and separate processes (each with its own store object on the same data), run random
+   operations at once on a store; the recorded history must be linearizable against the model
+   (tests/linearizability.py). A deliberately racy store proves the check bites.
 
 Runs are fixed (seeded, no example database) so a failure reproduces; CELERY_IDEM_MODEL_SEED picks
 another seed and CELERY_IDEM_MODEL_SCALE=100 runs 100 times as many examples and histories.
@@ -21,6 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from conftest import store_url
 from hypothesis import HealthCheck, Phase, seed, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test, invariant, precondition, rule
@@ -49,12 +51,15 @@ from model_harness import (
     problems,
     random_op,
 )
+from model_processes import Processes
 
 from celery_idem.records import Identity
 from celery_idem.stores import MemoryStore, Store
 
 EXAMPLES, STEPS_PER_EXAMPLE = 24, 25  # per store: 600 steps each, 3,000 over the five stores
 HISTORIES, THREADS, OPS_PER_THREAD = 40, 3, 4  # per store: 200 histories over the five stores
+PROCESS_KINDS = ("sqlite", "postgresql", "redis")  # the stores other processes can reach
+PROCESS_HISTORIES, PROCESSES = 20, 3  # per store: 60 more histories, each from 3 processes
 
 
 @pytest.fixture(params=KINDS)
@@ -240,7 +245,11 @@ def short(answer: Any) -> str:
 
 def concurrent_history(store: Store, plans: list[list[Op]], identities: tuple[Identity, ...]) -> list[Call]:
     """The threads' calls, then (after all of them) a read of every identity: lost writes show there."""
-    history = run_threads(store, plans)
+    return read_back(store, run_threads(store, plans), identities)
+
+
+def read_back(store: Store, history: list[Call], identities: tuple[Identity, ...]) -> list[Call]:
+    """``history`` and, after every call in it, a read of each identity (as "thread" -1)."""
     for identity in identities:
         start = time.monotonic()
         history.append(Call(-1, op("get", identity), start, time.monotonic(), store.get(identity)))
@@ -270,6 +279,41 @@ def test_concurrent_histories_are_linearizable(harness: Harness) -> None:
         plans = [[random_op(rng, identities, with_time=False) for _ in range(OPS_PER_THREAD)] for _ in range(THREADS)]
         history = concurrent_history(store, plans, identities)
         assert_linearizable(harness, model, timeline, history, " ; ".join(map(str, setup)) or "nothing")
+
+
+@pytest.fixture(scope="module")
+def processes() -> Iterator[Processes]:
+    """PROCESSES spawned processes, started once for every store (tests/model_processes.py)."""
+    started = Processes(PROCESSES)
+    yield started
+    started.close()
+
+
+@pytest.mark.parametrize("kind", PROCESS_KINDS)
+def test_concurrent_histories_from_processes_are_linearizable(
+    kind: str, processes: Processes, tmp_path: Any, prefix: str
+) -> None:
+    harness = Harness.open(kind, prefix, tmp_path, lambda: "")
+    rng = random.Random(f"{SEED}-{kind}-processes")
+    shift = 0.0  # the test store's total clock shift: each process shifts its own store as much
+    try:
+        for _ in range(PROCESS_HISTORIES * SCALE):
+            store, model, timeline = harness.fresh()
+            identities = IDENTITIES[: rng.choice((1, 2))]
+            setup = [random_op(rng, identities, with_time=True) for _ in range(rng.randint(0, 8))]
+            for call in setup:
+                check(harness, store, model, timeline, call)
+                shift += call.args[0] if call.name == "advance_clock_for_tests" else 0.0
+            # When separate processes, each with its own store object, run random calls at once
+            plans = [[random_op(rng, identities, with_time=False) for _ in range(OPS_PER_THREAD)]
+                     for _ in range(PROCESSES)]  # fmt: skip
+            history, errors = processes.run(store_url(kind, tmp_path), prefix, shift, plans)
+            assert not errors, f"a store call raised: {errors}\n{render(history, short)}"
+            # Then one sequential order explains every answer, and what each identity holds after them
+            history = read_back(store, history, identities)
+            assert_linearizable(harness, model, timeline, history, " ; ".join(map(str, setup)) or "nothing")
+    finally:
+        harness.close()
 
 
 # ---- the checker catches what it must -------------------------------------------------------------
