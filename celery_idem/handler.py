@@ -57,6 +57,7 @@ from .protocol import (
     REPLACED_FAILED_TASK,
     REPLACED_TASK,
     SCOPE_HEADER,
+    SURPRISES_HEADER,
     request_header,
 )
 from .records import Decision, ErrorInfo, IdempotencyRecord, Identity, Transition
@@ -71,7 +72,8 @@ __all__ = ["Handler"]
 
 _OUTAGE_FIRST_DELAY, _OUTAGE_MAX_DELAY = 0.5, 30.0  # seconds: the outage backoff doubles up to this
 # A store error no outage mapping knows may never pass (a task id the database refuses): after this
-# many trips back to the broker (about 90 s) the message fails with it instead of looping forever.
+# many trips back to the broker for such errors (SURPRISES_HEADER; a real outage's trips do not
+# count) the message fails with it instead of looping forever.
 _UNEXPECTED_MAX_WAITS = 8
 _CONTINUATIONS = ("link", "link_error", "chain", "chord", "group_id")
 
@@ -301,7 +303,7 @@ class Handler:
         request.idempotency_scope = identity.scope or None
         request.idempotency_fingerprint = fp
         task_id = request.id
-        policy, store = self.policy, self.idem.store
+        policy = self.policy
         deadline: float | None = None
         copy_of_running = False  # this message carries the id of an attempt that is running now
         pause = 0.02
@@ -309,7 +311,7 @@ class Handler:
         while True:
             owner = worker_token(getattr(request, "hostname", None))
             try:
-                taken = store.acquire(
+                taken = self.idem.store.acquire(
                     identity,
                     fp,
                     task_id,
@@ -321,18 +323,20 @@ class Handler:
             except StoreUnavailableError as exc:
                 if self._proceed_unprotected("acquire", identity, task_id):
                     return self._run_function(*args, **kwargs)
-                waits = int(request_header(request, OUTAGE_HEADER) or 0)
-                if request.is_eager or (exc.unexpected and waits >= _UNEXPECTED_MAX_WAITS):
-                    # No broker keeps an eager call (and a store error that outlived every trip back
-                    # may never pass): the caller is told, and the acquire that may have landed
-                    # (reply lost) is given back whole.
+                surprises = int(request_header(request, SURPRISES_HEADER) or 0)
+                if request.is_eager or (exc.unexpected and surprises >= _UNEXPECTED_MAX_WAITS):
+                    # No broker keeps an eager call (and a store error no outage mapping knows that
+                    # outlived every trip back may never pass): the caller is told. The acquire that
+                    # may have landed (reply lost) is given back whole, and so is the claim waiting
+                    # under this task id, which no message will carry now.
                     self._give_back(identity, owner, settled_is_fine=True)
+                    self._give_back(identity, task_id, fence="task_id", settled_is_fine=True)
                     raise
                 # The acquire may have landed with only its reply lost: hand the record back to
                 # PENDING for the message kept below, or its copy would wait out a lease nobody holds.
                 pending = timing.pending_seconds(policy.pending_timeout_seconds, {}, request.expires)
                 self._give_back(identity, owner, pending, settled_is_fine=True)
-                raise self._keep_message(args, kwargs) from None
+                raise self._keep_message(args, kwargs, surprises + exc.unexpected) from None
             record = taken.record
             assert record is not None
             self._log(taken.decision, identity, task_id, record)
@@ -390,7 +394,7 @@ class Handler:
         logger.info("copy of running task %s (%s) acknowledged quietly: %s", task_id, identity, why)
         return Ignore(f"copy of running task {task_id}: {why}")
 
-    def _keep_message(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Retry:
+    def _keep_message(self, args: Sequence[Any], kwargs: Mapping[str, Any], surprises: int) -> Retry:
         """Fail closed, never lost: the store is down, so the message goes back to the broker with a
         growing countdown until the store answers. Neither bounded by nor counted in the task's own
         max_retries (the task did not fail), so Celery's retries count is kept as it is."""
@@ -403,7 +407,8 @@ class Handler:
             request.id,
             countdown,
         )
-        self._republish(args, kwargs, countdown=countdown, headers={OUTAGE_HEADER: waits + 1})
+        headers = {OUTAGE_HEADER: waits + 1, **({SURPRISES_HEADER: surprises} if surprises else {})}
+        self._republish(args, kwargs, countdown=countdown, headers=headers)
         return Retry(exc=StoreUnavailableError(f"the idempotency store is unavailable; retry in {countdown:g}s"),
                      when=countdown)  # fmt: skip
 

@@ -17,6 +17,7 @@ __all__ = [
     "REPLACED_FAILED_TASK",
     "REPLACED_TASK",
     "SCOPE_HEADER",
+    "SURPRISES_HEADER",
     "message_header",
     "request_header",
 ]
@@ -26,6 +27,7 @@ KEY_HEADER, SCOPE_HEADER, BYPASS_HEADER = "idempotency_key", "idempotency_scope"
 # message properties): the producer moves them into the headers (celery_idem.signals).
 OPTION_HEADERS = (KEY_HEADER, SCOPE_HEADER, BYPASS_HEADER)
 OUTAGE_HEADER = "idempotency_store_waits"  # how often this message went back for a store outage
+SURPRISES_HEADER = "idempotency_store_surprises"  # ...of those, for an error no outage mapping knows
 # The callbacks self.replace() links to the replacement (registered by celery_idem.replacement).
 REPLACED_TASK, REPLACED_FAILED_TASK = "celery_idem.replaced", "celery_idem.replaced_failed"
 # Set on a task request by Ledger.run_once before its row can commit: this attempt has touched the

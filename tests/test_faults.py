@@ -502,7 +502,7 @@ def test_a_store_error_no_outage_mapping_knows_goes_back_to_the_broker_only_so_o
     from celery.worker.request import Request
 
     from celery_idem import MemoryStore
-    from celery_idem.protocol import OUTAGE_HEADER
+    from celery_idem.protocol import OUTAGE_HEADER, SURPRISES_HEADER
 
     store = MemoryStore()
     app = Celery("poison-acquire", set_as_current=False, broker="memory://", backend="cache+memory://")
@@ -521,8 +521,10 @@ def test_a_store_error_no_outage_mapping_knows_goes_back_to_the_broker_only_so_o
     republished: list[Any] = []
     monkeypatch.setattr(CeleryTask, "apply_async", lambda task, *a, **k: republished.append(k.get("headers")))
     app.finalize()
-    # Given a message that already went back to the broker ``waits`` times for this error
-    message = TaskMessage(charge.name, args=(1,), id=f"t-{waits}", idempotency_key="k", **{OUTAGE_HEADER: waits})
+    # Given a message that already went back to the broker ``waits`` times for this error (and more
+    # often for a real outage before it)
+    message = TaskMessage(charge.name, args=(1,), id=f"t-{waits}", idempotency_key="k",
+                          **{OUTAGE_HEADER: 50, SURPRISES_HEADER: waits})  # fmt: skip
     message.properties = {}
     message.delivery_info = {"exchange": "", "routing_key": "celery"}
     Request(message, app=app).execute()
@@ -530,11 +532,15 @@ def test_a_store_error_no_outage_mapping_knows_goes_back_to_the_broker_only_so_o
     assert runs == []
     if waits < 8:
         # Then it goes back once more: an unknown error may still pass (fail closed, never lost)
-        assert len(republished) == 1 and republished[0][OUTAGE_HEADER] == waits + 1
+        assert len(republished) == 1 and republished[0][SURPRISES_HEADER] == waits + 1
+        assert republished[0][OUTAGE_HEADER] == 51  # a real outage's trips (50 here) never count
     else:
         # Then, after about 90 s of trips, the message fails with the error instead of looping forever
         assert republished == [] and meta["status"] == "FAILURE"
         assert isinstance(meta["result"], StoreUnavailableError) and "unexpected ValueError" in str(meta["result"])
+    # and the claim under this task id, which no message will carry now, is given back (not kept an hour)
+    if waits >= 8:
+        assert store.get(Identity("", charge.name, "k")) is None
 
 
 def test_a_real_outage_keeps_sending_the_message_back_however_long_it_lasts(monkeypatch: pytest.MonkeyPatch) -> None:

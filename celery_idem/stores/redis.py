@@ -109,16 +109,26 @@ class RedisStore(Store):
         redis.exceptions.ClusterDownError,
         redis.exceptions.TryAgainError,
         redis.exceptions.OutOfMemoryError,  # a full Redis under noeviction: the store cannot take writes
+        # A cluster with every node down, a slot no node covers, redirections exhausted in a failover:
+        # redis-py's cluster client raises these instead of a ConnectionError.
+        redis.exceptions.RedisClusterException,
+        redis.exceptions.ClusterError,
         OSError,
     )
     # Error replies redis-py leaves as a plain ResponseError that still mean "cannot take this write
-    # now": a script running past lua-time-limit (BUSY), too few replicas (NOREPLICAS). READONLY,
-    # LOADING and MASTERDOWN have classes of their own, above.
-    _unavailable_replies = ("BUSY ", "NOREPLICAS ")
+    # now": a script running past lua-time-limit (BUSY), too few replicas (NOREPLICAS), a server that
+    # cannot persist (MISCONF). READONLY, LOADING and MASTERDOWN have classes of their own, above.
+    # Redis 6 and older wrap a script's refused write as "ERR Error running script ... -READONLY ...".
+    _unavailable_replies = ("BUSY ", "NOREPLICAS ", "MISCONF ")
+    _unavailable_in_script = ("-READONLY", "-OOM", "-NOREPLICAS", "-MISCONF", "-BUSY", "-MASTERDOWN", "-LOADING")
 
     def _is_outage(self, exc: Exception) -> bool:
-        if isinstance(exc, redis.exceptions.ResponseError) and str(exc).startswith(self._unavailable_replies):
-            return True
+        if isinstance(exc, redis.exceptions.ResponseError):
+            text = str(exc)
+            if text.startswith(self._unavailable_replies):
+                return True
+            if text.startswith("Error running script") and any(code in text for code in self._unavailable_in_script):
+                return True
         return super()._is_outage(exc)
 
     @classmethod
