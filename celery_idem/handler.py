@@ -20,6 +20,7 @@ Worker (``run``): acquire, then
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -471,12 +472,9 @@ class Handler:
         identity, owner, store = record.identity, record.owner, self.idem.store
         logger.warning("the soft time limit struck while %s stored its outcome: the heartbeat stores it", identity)
         payload, content_type, encoding = encode_result(value, self.serializer)
-        self.idem.heartbeat.defer(
-            identity,
-            lambda: store.complete(identity, owner, payload, content_type=content_type, content_encoding=encoding),
-            lambda: self._settled_by(identity, owner),
-            seconds=self.policy.ttl_seconds,
-        )
+        self._defer(identity, owner, lambda: store.complete(
+            identity, owner, payload, content_type=content_type, content_encoding=encoding
+        ))  # fmt: skip
         self._leave_evidence(value)
 
     def _settle_exception(self, record: IdempotencyRecord, exc: BaseException, lease: Lease) -> None:
@@ -551,24 +549,38 @@ class Handler:
                 answer = write()
                 if not answer.ok and retried and self._settled_by(identity, owner):
                     return True  # an earlier try was written and only its reply was lost
+            except SoftTimeLimitExceeded:
+                # The time limit struck while the outcome was being written: the write may or may not
+                # have landed, and this thread must stop. The heartbeat finishes it.
+                logger.warning("the soft time limit struck while %s (task %s) was settled: the heartbeat "
+                               "finishes the write", identity, task_id)  # fmt: skip
+                self._defer(identity, owner, write)
+                return None
             except StoreUnavailableError as exc:
                 retried = True
                 self.idem.count("store_errors")
                 if time.monotonic() + pause >= deadline:
                     logger.error("could not settle %s (task %s) while its lease lasted: %s; the heartbeat "
                                  "goes on trying", identity, task_id, exc)  # fmt: skip
-                    self.idem.heartbeat.defer(
-                        identity, write, lambda: self._settled_by(identity, owner), seconds=self.policy.ttl_seconds
-                    )
+                    self._defer(identity, owner, write)
                     return None
                 logger.warning("settling %s (task %s) failed, retrying in %gs: %s", identity, task_id, pause, exc)
-                time.sleep(pause)
+                try:
+                    time.sleep(pause)
+                except SoftTimeLimitExceeded:
+                    self._defer(identity, owner, write)
+                    return None
                 pause = min(pause * 2, 1.0)
                 continue
             if not answer.ok:
                 self.idem.count("lost_locks")
                 logger.warning("outcome of %s (task %s) was LOST: another attempt owns the record", identity, task_id)
             return answer.ok
+
+    def _defer(self, identity: Identity, owner: str, write: Callable[[], Transition]) -> None:
+        """Hand ``write`` to the heartbeat thread, which tries it until it lands or the record expires."""
+        landed = functools.partial(self._settled_by, identity, owner)
+        self.idem.heartbeat.defer(identity, write, landed, seconds=self.policy.ttl_seconds)
 
     def _settled_by(self, identity: Identity, owner: str) -> bool:
         """Whether the record stands settled under ``owner``'s token (its own write landed)."""

@@ -17,10 +17,12 @@ lease that ran out during the outage.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -60,6 +62,12 @@ class Settlement:
     tries: int = 0
 
 
+def _forget_after_fork(ref: weakref.ref[Heartbeat]) -> None:
+    heartbeat = ref()
+    if heartbeat is not None:
+        heartbeat._forget_after_fork()
+
+
 class Heartbeat:
     """Renews the registered leases; a lease whose renewal comes back LOST is dropped (the attempt's
     next write is refused by its token, which is where the loss is reported).
@@ -77,6 +85,16 @@ class Heartbeat:
         self._pid = 0
         self._stopping = False
         self._on_error = on_error
+        # A forked child has none of this process's attempts: it must neither renew their leases nor
+        # write their outcomes (a prefork parent runs none, but a body may fork).
+        os.register_at_fork(after_in_child=functools.partial(_forget_after_fork, weakref.ref(self)))
+
+    def _forget_after_fork(self) -> None:
+        self._leases = set()
+        self._settlements = set()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._thread = None
 
     def add(self, store: Store, identity: Identity, owner: str, seconds: float) -> Lease:
         lease = Lease(store, identity, owner, seconds)
@@ -158,8 +176,10 @@ class Heartbeat:
                         continue
                 for lease in due:
                     self._renew(lease)
-                for item in settle:
-                    self._settle(item)
+                if settle:
+                    # One late outcome per pass: a try may wait out the store's timeout, and the live
+                    # leases due meanwhile are renewed before the next one (never starved by them).
+                    self._settle(min(settle, key=lambda item: item.due))
             except Exception:  # noqa: BLE001 - the loop outlives any one bad iteration
                 logger.exception("heartbeat iteration failed; renewals go on")
                 time.sleep(0.1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, ClassVar
 
 from celery import Task
@@ -17,7 +18,16 @@ from .result import IdempotentResult
 __all__ = ["IdempotentTask"]
 
 logger = logging.getLogger("celery_idem.task")
-_RUNNING = "idempotency_running"  # set on a request while its attempt is in the handler
+# The attempts (task name, task id) in the handler on this thread now. A direct call from the body
+# copies the running request (Celery's push_request), id included: that is how it is recognised.
+_local = threading.local()
+
+
+def _running_here() -> set[tuple[str, str]]:
+    running: set[tuple[str, str]] | None = getattr(_local, "running", None)
+    if running is None:
+        running = _local.running = set()
+    return running
 
 
 class IdempotentTask(Task):  # type: ignore[misc]
@@ -67,7 +77,8 @@ class IdempotentTask(Task):  # type: ignore[misc]
         request = self.request
         if request.called_directly:  # a plain function call in user code: Celery's behaviour
             return super().__call__(*args, **kwargs)
-        if getattr(request, _RUNNING, False):
+        attempt = (self.name, request.id)
+        if attempt in _running_here():
             # The body calls its own task as a function (``countdown(n - 1)``): Celery pushes that
             # call's request only inside Task.__call__, so until then it wears this attempt's; it
             # is a plain call, never a copy of the running message.
@@ -91,11 +102,12 @@ class IdempotentTask(Task):  # type: ignore[misc]
                     self.name,
                 )
             return self.run(*args, **kwargs)
-        setattr(request, _RUNNING, True)
+        running = _running_here()  # never a request attribute: message headers become those
+        running.add(attempt)
         try:
             return self.idempotency_handler.run(args, kwargs)
         finally:
-            setattr(request, _RUNNING, False)
+            running.discard(attempt)
 
     def replace(self, sig: Any) -> Any:
         # The replacement inherits this task id; the handler links what settles this record with it.
