@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from .config import IdempotencyPolicy, IdempotencySettings
-from .errors import ConfigurationError, IdempotencyError, StoreUnavailableError
+from .errors import ConfigurationError
 from .fingerprint import validate_key, validate_scope
 from .heartbeat import Heartbeat
 from .outcome import accepted_content_types, replay
@@ -81,15 +81,6 @@ def _travelling(name: str, value: Any) -> Any:
     logger.warning("celery-idem setting %s=%r does not pickle: pool children started with spawn will not see it",
                    name, value)  # fmt: skip
     return None
-
-
-def _redacted(url: str) -> str:
-    """A store URL without its password."""
-    scheme, sep, rest = url.partition("://")
-    credentials, at, host = rest.rpartition("@")
-    if not sep or not at or ":" not in credentials:
-        return url
-    return f"{scheme}://{credentials.split(':', 1)[0]}:***@{host}"
 
 
 def _invalid(where: str, error: ValidationError) -> ConfigurationError:
@@ -224,23 +215,14 @@ class Idempotency:
             store = "memory://"
         if isinstance(store, Store):
             return store
-        try:
-            return store_from_url(
-                str(store),
-                key_prefix=settings.key_prefix,
-                timeout_seconds=settings.store_timeout_seconds,
-                max_result_bytes=settings.max_result_bytes,
-            )
-        except IdempotencyError:
-            raise
-        except Exception as exc:
-            # A client that connects while it is built (Redis Cluster reads the slot map) meets an
-            # outage here, at first use: the same error as any other store call, and nothing is
-            # cached, so the next use builds it again.
-            raise StoreUnavailableError(
-                f"could not open the idempotency store {_redacted(str(store))}: {type(exc).__name__}: {exc}; "
-                "check that the store is up, or set on_store_error='proceed' to run unprotected"
-            ) from exc
+        # A store that cannot be opened raises StoreUnavailableError (an outage, or a surprise)
+        # or ConfigurationError (a mistake in the URL); nothing is cached, so the next use retries.
+        return store_from_url(
+            str(store),
+            key_prefix=settings.key_prefix,
+            timeout_seconds=settings.store_timeout_seconds,
+            max_result_bytes=settings.max_result_bytes,
+        )
 
     def policy_for(self, task: Any) -> IdempotencyPolicy:
         """The task's effective policy: its ``idempotency`` option over the app-wide defaults."""

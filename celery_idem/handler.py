@@ -538,9 +538,22 @@ class Handler:
 
     def _write(self, identity: Identity, owner: str, task_id: str, write: Callable[[], Transition]) -> bool | None:
         """Settle the record through ``write``: True (written), False (LOST: another attempt owns it),
-        None (the store did not answer while the lease lasted: the heartbeat thread goes on trying,
-        so the outcome lands as soon as the store is back, before a duplicate can take the lease
-        that ran out meanwhile)."""
+        None (the store did not answer while the lease lasted, or the soft time limit struck: the
+        heartbeat thread goes on trying, so the outcome lands as soon as the store is back, before a
+        duplicate can take the lease that ran out meanwhile)."""
+        try:
+            return self._write_while_the_lease_lasts(identity, owner, task_id, write)
+        except SoftTimeLimitExceeded:
+            # Struck anywhere in the write or its retries: whether it landed is unknown, and this
+            # thread must stop. The heartbeat finishes it; the task keeps its own ending.
+            logger.warning("the soft time limit struck while %s (task %s) was settled: the heartbeat "
+                           "finishes the write", identity, task_id)  # fmt: skip
+            self._defer(identity, owner, write)
+            return None
+
+    def _write_while_the_lease_lasts(
+        self, identity: Identity, owner: str, task_id: str, write: Callable[[], Transition]
+    ) -> bool | None:
         deadline = time.monotonic() + self.policy.lease_seconds
         pause = 0.05
         retried = False
@@ -549,13 +562,6 @@ class Handler:
                 answer = write()
                 if not answer.ok and retried and self._settled_by(identity, owner):
                     return True  # an earlier try was written and only its reply was lost
-            except SoftTimeLimitExceeded:
-                # The time limit struck while the outcome was being written: the write may or may not
-                # have landed, and this thread must stop. The heartbeat finishes it.
-                logger.warning("the soft time limit struck while %s (task %s) was settled: the heartbeat "
-                               "finishes the write", identity, task_id)  # fmt: skip
-                self._defer(identity, owner, write)
-                return None
             except StoreUnavailableError as exc:
                 retried = True
                 self.idem.count("store_errors")
@@ -565,11 +571,7 @@ class Handler:
                     self._defer(identity, owner, write)
                     return None
                 logger.warning("settling %s (task %s) failed, retrying in %gs: %s", identity, task_id, pause, exc)
-                try:
-                    time.sleep(pause)
-                except SoftTimeLimitExceeded:
-                    self._defer(identity, owner, write)
-                    return None
+                time.sleep(pause)
                 pause = min(pause * 2, 1.0)
                 continue
             if not answer.ok:

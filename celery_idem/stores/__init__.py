@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, IdempotencyError, StoreUnavailableError
 from .base import Store
 from .memory import MemoryStore
 
@@ -48,13 +48,41 @@ def store_from_url(url: str, **options: Any) -> Store:
     if scheme in _REDIS:
         from .redis import RedisStore
 
-        return RedisStore.from_url(url, **options)
+        return _opened(RedisStore, url, options)
     if scheme in _SQL:
         from .sql import SQLStore
 
-        return SQLStore.from_url(url, **options)
+        return _opened(SQLStore, url, options)
     known = ", ".join(f"{s}://" for s in ("memory", *_REDIS, *_SQL))
     raise ConfigurationError(f"unknown store URL scheme {scheme!r} in {url!r}; use one of {known}")
+
+
+def _opened(cls: Any, url: str, options: dict[str, Any]) -> Store:
+    """``cls.from_url``, its errors told apart: a mistake in the URL is a ConfigurationError; anything
+    else is a StoreUnavailableError (a client that connects while it is built, as Redis Cluster does,
+    meets an outage here), ``unexpected`` unless the store counts it as an outage."""
+    try:
+        return cls.from_url(url, **options)  # type: ignore[no-any-return]
+    except IdempotencyError:
+        raise
+    except Exception as exc:
+        if cls._is_mistake(exc):
+            raise ConfigurationError(f"invalid store URL {_redacted(url)}: {type(exc).__name__}: {exc}") from exc
+        error = StoreUnavailableError(
+            f"could not open the idempotency store {_redacted(url)}: {type(exc).__name__}: {exc}; "
+            "check that the store is up and the URL is right"
+        )
+        error.unexpected = not cls._is_outage(exc)
+        raise error from exc
+
+
+def _redacted(url: str) -> str:
+    """A store URL without its password."""
+    scheme, _, rest = url.partition("://")
+    credentials, at, host = rest.rpartition("@")
+    if not at or ":" not in credentials:
+        return url
+    return f"{scheme}://{credentials.split(':', 1)[0]}:***@{host}"
 
 
 def __getattr__(name: str) -> Any:

@@ -133,9 +133,15 @@ class Store(ABC):
             error.unexpected = not self._is_outage(exc)  # may never pass: a worker gives up on it in time
             raise error from exc
 
-    def _is_outage(self, exc: Exception) -> bool:
+    @classmethod
+    def _is_mistake(cls, exc: Exception) -> bool:
+        """Whether opening the store failed on a mistake in its URL or options (no waiting fixes it)."""
+        return isinstance(exc, (ValueError, TypeError))
+
+    @classmethod
+    def _is_outage(cls, exc: Exception) -> bool:
         """Whether ``exc`` says the store is down, slow or refusing writes (its ``_unavailable``)."""
-        return isinstance(exc, self._unavailable)
+        return isinstance(exc, cls._unavailable)
 
     # ---- public operations -------------------------------------------------------------------
 

@@ -109,9 +109,10 @@ class RedisStore(Store):
         redis.exceptions.ClusterDownError,
         redis.exceptions.TryAgainError,
         redis.exceptions.OutOfMemoryError,  # a full Redis under noeviction: the store cannot take writes
-        # A cluster with every node down, a slot no node covers, redirections exhausted in a failover:
-        # redis-py's cluster client raises these instead of a ConnectionError.
-        redis.exceptions.RedisClusterException,
+        # A slot no node covers, redirections exhausted in a failover: redis-py's cluster client
+        # raises these instead of a ConnectionError. (Its other RedisClusterExceptions are mistakes:
+        # keys in two slots, cluster mode off on the node; a cluster with every node down is below.)
+        redis.exceptions.SlotNotCoveredError,
         redis.exceptions.ClusterError,
         OSError,
     )
@@ -122,12 +123,26 @@ class RedisStore(Store):
     _unavailable_replies = ("BUSY ", "NOREPLICAS ", "MISCONF ")
     _unavailable_in_script = ("-READONLY", "-OOM", "-NOREPLICAS", "-MISCONF", "-BUSY", "-MASTERDOWN", "-LOADING")
 
-    def _is_outage(self, exc: Exception) -> bool:
+    @classmethod
+    def _is_mistake(cls, exc: Exception) -> bool:
+        # redis+cluster:// pointing at a Redis that is not a cluster node
+        return "Cluster mode is not enabled" in str(exc) or super()._is_mistake(exc)
+
+    @classmethod
+    def _is_outage(cls, exc: Exception) -> bool:
+        if isinstance(exc, (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError)):
+            return False  # a ConnectionError by class, a wrong password or ACL by nature: no waiting fixes it
+        if (
+            isinstance(exc, redis.exceptions.RedisClusterException)
+            and str(exc).startswith("Redis Cluster cannot be connected")
+            and not cls._is_mistake(exc)
+        ):
+            return True  # every node down: redis-py raises this in place of the ConnectionError
         if isinstance(exc, redis.exceptions.ResponseError):
             text = str(exc)
-            if text.startswith(self._unavailable_replies):
+            if text.startswith(cls._unavailable_replies):
                 return True
-            if text.startswith("Error running script") and any(code in text for code in self._unavailable_in_script):
+            if text.startswith("Error running script") and any(code in text for code in cls._unavailable_in_script):
                 return True
         return super()._is_outage(exc)
 

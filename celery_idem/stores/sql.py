@@ -190,8 +190,9 @@ class SQLStore(Store):
     # psycopg classes an InternalError: the store is up but cannot take writes, an outage.
     _READ_ONLY_SQLSTATE = "25006"
 
-    def _is_outage(self, exc: Exception) -> bool:
-        if isinstance(exc, sa_exc.InternalError) and getattr(exc.orig, "sqlstate", None) == self._READ_ONLY_SQLSTATE:
+    @classmethod
+    def _is_outage(cls, exc: Exception) -> bool:
+        if isinstance(exc, sa_exc.InternalError) and getattr(exc.orig, "sqlstate", None) == cls._READ_ONLY_SQLSTATE:
             return True
         return super()._is_outage(exc)
 
