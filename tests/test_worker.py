@@ -554,18 +554,21 @@ def test_a_duplicate_while_the_replacement_is_queued_is_handed_the_original_id(s
 
     def replaced_attempt_ended(sender: Any = None, task_id: Any = None, state: Any = None, **_: Any) -> None:
         if getattr(sender, "name", None) == "shop.replaced" and state == "IGNORED":
-            seen.append(shop.idem.get("shop.replaced", key))
+            seen.append((task_id, shop.idem.get("shop.replaced", key)))
 
     signals.task_postrun.connect(replaced_attempt_ended, weak=False)
     shop.task("replaced").__trace__ = None  # its tracer is rebuilt with this receiver
     try:
         first = shop.task("replaced").apply_async((11,), idempotency_key=key)
         first.get(timeout=GET)
-        _until(lambda: seen)  # the replacement may finish before the replaced attempt's postrun
+        _until(lambda: any(task_id == first.id for task_id, _ in seen))  # the replacement may end first
     finally:
         signals.task_postrun.disconnect(replaced_attempt_ended)
-    assert len(seen) == 1 and seen[0] is not None
-    assert seen[0].state in (State.IN_PROGRESS, State.COMPLETED) and seen[0].task_id == first.id
+    # (The receiver is process-wide: only this call's attempt counts. Each time an attempt of it
+    # ended, a copy quietly acknowledged under load included, the record held the original id.)
+    ours = [record for task_id, record in seen if task_id == first.id]
+    assert ours and all(record is not None for record in ours)
+    assert all(r.state in (State.IN_PROGRESS, State.COMPLETED) and r.task_id == first.id for r in ours)
 
 
 def test_reject_with_requeue_returns_the_record_to_pending_for_the_redelivery(shop: Shop, key: str) -> None:
