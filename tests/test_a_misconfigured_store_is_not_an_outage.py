@@ -8,9 +8,8 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from celery.contrib.testing.mocks import TaskMessage
-from celery.worker.request import Request
 from conftest import require_server
+from workers import execute_as_worker
 
 from celery_idem import ConfigurationError, Idempotency, IdempotentTask
 from celery_idem.handler import Handler
@@ -44,12 +43,7 @@ def test_a_misconfigured_store_fails_the_task_instead_of_looping_its_message(
         Handler, "_republish", lambda self, a, k, *, countdown, headers=None: sent.append(dict(headers or {}))
     )
     # A message that already went back 1000 times (and claims 1000 "surprises"): it should have failed long ago.
-    message = TaskMessage(
-        charge.name, args=(1,), id="t-1", idempotency_key="k", **{OUTAGE_HEADER: 1000, SURPRISES_HEADER: 0}
-    )
-    message.properties = {}
-    message.delivery_info = {"exchange": "", "routing_key": "celery"}
-    Request(message, app=app).execute()
+    execute_as_worker(app, charge.name, "t-1", idempotency_key="k", **{OUTAGE_HEADER: 1000, SURPRISES_HEADER: 0})
     with pytest.raises(ConfigurationError) as info:
         _ = idem.store
     assert isinstance(info.value, ConfigurationError) and "invalid store URL" in str(info.value)

@@ -35,6 +35,7 @@ from celery.exceptions import TaskRevokedError
 from conftest import REDIS_URL, require_server
 from faults import REDIS_FAULTS, SQL_FAULTS, Fault, Injector, Plan
 from shop import COUNTER_URL, effects_key, make_app, payments_table
+from workers import execute_as_worker
 
 from celery_idem import Idempotency, IdempotentTask, PermanentError, State, StoreUnavailableError
 from celery_idem.reconciler import Reconciler
@@ -455,8 +456,6 @@ def test_an_acquire_whose_reply_was_lost_gives_the_record_back_no_longer_than_it
 
     from celery import Celery
     from celery import Task as CeleryTask
-    from celery.contrib.testing.mocks import TaskMessage
-    from celery.worker.request import Request
 
     from celery_idem import MemoryStore
 
@@ -480,10 +479,7 @@ def test_an_acquire_whose_reply_was_lost_gives_the_record_back_no_longer_than_it
     app.finalize()
     # Given a message that expires in 10 s, executed as a worker executes it
     expires = (datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=10)).isoformat()
-    message = TaskMessage(echo.name, args=(1,), id="t-exp", expires=expires, idempotency_key="k")
-    message.properties = {}
-    message.delivery_info = {"exchange": "", "routing_key": "celery"}
-    Request(message, app=app).execute()
+    execute_as_worker(app, echo.name, "t-exp", expires=expires, idempotency_key="k")
     # Then the message went back to the broker, and the record it was given back as (PENDING) does
     # not outlive it by more than the grace: RabbitMQ drops an expired message without telling anyone
     assert republished and republished[0]
@@ -498,8 +494,6 @@ def test_a_store_error_no_outage_mapping_knows_goes_back_to_the_broker_only_so_o
 ) -> None:
     from celery import Celery
     from celery import Task as CeleryTask
-    from celery.contrib.testing.mocks import TaskMessage
-    from celery.worker.request import Request
 
     from celery_idem import MemoryStore
     from celery_idem.protocol import OUTAGE_HEADER, SURPRISES_HEADER
@@ -523,11 +517,9 @@ def test_a_store_error_no_outage_mapping_knows_goes_back_to_the_broker_only_so_o
     app.finalize()
     # Given a message that already went back to the broker ``waits`` times for this error (and more
     # often for a real outage before it)
-    message = TaskMessage(charge.name, args=(1,), id=f"t-{waits}", idempotency_key="k",
-                          **{OUTAGE_HEADER: 50, SURPRISES_HEADER: waits})  # fmt: skip
-    message.properties = {}
-    message.delivery_info = {"exchange": "", "routing_key": "celery"}
-    Request(message, app=app).execute()
+    execute_as_worker(
+        app, charge.name, f"t-{waits}", idempotency_key="k", **{OUTAGE_HEADER: 50, SURPRISES_HEADER: waits}
+    )
     meta = app.backend.get_task_meta(f"t-{waits}")
     assert runs == []
     if waits < 8:
@@ -546,8 +538,6 @@ def test_a_store_error_no_outage_mapping_knows_goes_back_to_the_broker_only_so_o
 def test_a_real_outage_keeps_sending_the_message_back_however_long_it_lasts(monkeypatch: pytest.MonkeyPatch) -> None:
     from celery import Celery
     from celery import Task as CeleryTask
-    from celery.contrib.testing.mocks import TaskMessage
-    from celery.worker.request import Request
 
     from celery_idem.protocol import OUTAGE_HEADER
     from celery_idem.stores import store_from_url
@@ -563,8 +553,5 @@ def test_a_real_outage_keeps_sending_the_message_back_however_long_it_lasts(monk
     republished: list[Any] = []
     monkeypatch.setattr(CeleryTask, "apply_async", lambda task, *a, **k: republished.append(k.get("headers")))
     app.finalize()
-    message = TaskMessage(charge.name, args=(1,), id="t-long", idempotency_key="k", **{OUTAGE_HEADER: 50})
-    message.properties = {}
-    message.delivery_info = {"exchange": "", "routing_key": "celery"}
-    Request(message, app=app).execute()
+    execute_as_worker(app, charge.name, "t-long", idempotency_key="k", **{OUTAGE_HEADER: 50})
     assert len(republished) == 1 and republished[0][OUTAGE_HEADER] == 51  # fail closed, never lost

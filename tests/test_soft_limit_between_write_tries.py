@@ -8,9 +8,8 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from celery.contrib.testing.mocks import TaskMessage
 from celery.exceptions import SoftTimeLimitExceeded
-from celery.worker.request import Request
+from workers import execute_as_worker
 
 from celery_idem import Idempotency, IdempotentTask, MemoryStore, PermanentError, StoreUnavailableError
 from celery_idem.records import Identity, State
@@ -43,10 +42,7 @@ def test_soft_limit_in_the_retry_bookkeeping(monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setattr(store, "_settle", settle)
     monkeypatch.setattr(idem, "count", count)
-    message = TaskMessage(charge.name, args=(1,), id="t-1", idempotency_key="k")
-    message.properties = {}
-    message.delivery_info = {"exchange": "", "routing_key": "celery"}
-    Request(message, app=app).execute()
+    execute_as_worker(app, charge.name, "t-1", idempotency_key="k")
     assert calls == [1, 2]
     deferred = idem.heartbeat.deferred
     record = store.get(Identity("", charge.name, "k"))

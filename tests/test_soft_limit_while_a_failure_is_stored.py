@@ -11,9 +11,8 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from celery.contrib.testing.mocks import TaskMessage
 from celery.exceptions import SoftTimeLimitExceeded
-from celery.worker.request import Request
+from workers import execute_as_worker
 
 from celery_idem import Idempotency, IdempotentTask, MemoryStore, PermanentError
 from celery_idem.records import Identity, State
@@ -28,10 +27,7 @@ class Clock:
 
 
 def _deliver(app: Any, name: str, task_id: str) -> None:
-    message = TaskMessage(name, args=(1,), id=task_id, idempotency_key="k")
-    message.properties = {}
-    message.delivery_info = {"exchange": "", "routing_key": "celery"}
-    Request(message, app=app).execute()
+    execute_as_worker(app, name, task_id, idempotency_key="k")
 
 
 def test_soft_limit_while_storing_a_permanent_failure(monkeypatch: pytest.MonkeyPatch) -> None:

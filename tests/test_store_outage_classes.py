@@ -21,9 +21,8 @@ import pytest
 import redis
 from celery import Celery
 from celery import Task as CeleryTask
-from celery.contrib.testing.mocks import TaskMessage
 from celery.exceptions import TimeoutError as CeleryTimeoutError
-from celery.worker.request import Request
+from workers import execute_as_worker
 
 from celery_idem import Idempotency, IdempotentTask, MemoryStore
 from celery_idem.errors import StoreUnavailableError
@@ -85,10 +84,7 @@ def test_message_is_kept_through_a_long_outage(error: Exception, monkeypatch: py
     # The outage has lasted 8 trips back to the broker (~90 s), all of them taken for surprises if
     # the error were misclassified, and still goes on.
     headers = {OUTAGE_HEADER: 8, SURPRISES_HEADER: 8}
-    message = TaskMessage(charge.name, args=(1,), id="t-8", idempotency_key="k", **headers)
-    message.properties = {}
-    message.delivery_info = {"exchange": "", "routing_key": "celery"}
-    Request(message, app=app).execute()
+    execute_as_worker(app, charge.name, "t-8", idempotency_key="k", **headers)
     meta = app.backend.get_task_meta("t-8")
     assert runs == []
     assert len(republished) == 1, f"message dropped as {meta['status']}: {meta['result']!r}"
@@ -112,10 +108,7 @@ def test_worker_keeps_the_message_when_the_cluster_is_down_at_first_use(monkeypa
     republished: list[Any] = []
     monkeypatch.setattr(CeleryTask, "apply_async", lambda task, *a, **k: republished.append(k.get("headers")))
     app.finalize()
-    message = TaskMessage(charge.name, args=(1,), id="t-1", idempotency_key="k")
-    message.properties = {}
-    message.delivery_info = {"exchange": "", "routing_key": "celery"}
-    Request(message, app=app).execute()
+    execute_as_worker(app, charge.name, "t-1", idempotency_key="k")
     meta = app.backend.get_task_meta("t-1")
     assert runs == []
     assert len(republished) == 1, f"message consumed as {meta['status']}: {meta['result']!r}"

@@ -5,8 +5,7 @@ every copy of it, with no bypass recorded (the documented bypass is ``idempotenc
 from __future__ import annotations
 
 from celery import Celery
-from celery.contrib.testing.mocks import TaskMessage
-from celery.worker.request import Request
+from workers import execute_as_worker
 
 from celery_idem import Idempotency, IdempotentTask, MemoryStore
 
@@ -23,8 +22,5 @@ def test_running_flag_from_a_header_does_not_skip_dedup() -> None:
 
     app.finalize()
     for task_id in ("t-1", "t-2"):
-        message = TaskMessage(charge.name, args=(1,), id=task_id, idempotency_key="k", idempotency_running=True)
-        message.properties = {}
-        message.delivery_info = {"exchange": "", "routing_key": "celery"}
-        Request(message, app=app).execute()
+        execute_as_worker(app, charge.name, task_id, idempotency_key="k", idempotency_running=True)
     assert runs == [1], f"body ran {len(runs)} times for one key"

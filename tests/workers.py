@@ -18,6 +18,18 @@ TESTS = Path(__file__).parent
 BACKEND = "redis://127.0.0.1:6379/13"
 
 
+def execute_as_worker(app: Any, name: str, task_id: str, *, args: tuple[Any, ...] = (1,), **fields: Any) -> None:
+    """Run one message of task ``name`` in this process as a worker's pool does (Celery's own Request),
+    without a broker: ``fields`` are message headers (``idempotency_key``, ``expires``, ...)."""
+    from celery.contrib.testing.mocks import TaskMessage
+    from celery.worker.request import Request
+
+    message = TaskMessage(name, args=args, id=task_id, **fields)
+    message.properties = {}
+    message.delivery_info = {"exchange": "", "routing_key": "celery"}
+    Request(message, app=app).execute()
+
+
 def wait_for(predicate: Callable[[], Any], what: str, seconds: float = 30) -> Any:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
