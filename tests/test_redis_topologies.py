@@ -15,7 +15,7 @@ import pytest
 from conftest import REDIS_URL, require_server, wipe
 from redis_servers import free_port, need_redis_server, wait_until
 
-from celery_idem import StoreUnavailableError
+from celery_idem import ConfigurationError, StoreUnavailableError
 from celery_idem.records import Decision, Identity, State
 from celery_idem.stores import store_from_url
 
@@ -95,6 +95,50 @@ def test_key_layout_keeps_a_record_and_its_index_shard_in_one_cluster_slot(real_
         slots.add(key_slot(index_key.encode()))
     # the index is spread over its shards, not piled on one slot
     assert len(slots) == real_redis.index_shards
+
+
+# ---- where a record lives depends on nothing an operator can turn ----------------------------------
+
+
+def test_a_record_key_is_fixed_by_the_prefix_and_the_identity_alone(real_redis: Any) -> None:
+    # The layout docs/stores.md and stores/lua/_prelude.lua describe, pinned: a change of it hides
+    # every record written before, so it must fail here first.
+    identity = Identity("tenant-7", "shop.charge", "order-42-charge")
+    record_key, index_key = real_redis.keys_for(identity)
+    prefix = real_redis.key_prefix
+    assert record_key == f"{{{prefix}:{record_key.split(':')[1][:-1]}}}:r:8:tenant-7:11:shop.charge:order-42-charge"
+    assert index_key == record_key.split(":r:")[0] + ":lease"
+    default = store_from_url(REDIS_URL)  # prefix "idem": the example on the stores page
+    assert default.keys_for(Identity("", "shop.charge", "order-42-charge"))[0] == (
+        "{idem:2}:r:0::11:shop.charge:order-42-charge"
+    )
+    assert default.keys_for(identity)[0] == "{idem:8}:r:8:tenant-7:11:shop.charge:order-42-charge"
+    default.close()
+
+
+@pytest.mark.parametrize("shards", ["8", "32", "1"])
+def test_another_index_shard_count_is_refused_not_a_store_that_hides_every_record(
+    real_redis: Any, shards: str
+) -> None:
+    # Given live records: one settled, one running, one stale (its lease ran out)
+    done, running, stale = (Identity("", "shop.charge", name) for name in ("done", "running", "stale"))
+    taken = real_redis.acquire(done, FP, "t1", lease_seconds=30, ttl_seconds=600)
+    assert real_redis.complete(done, taken.record.owner, b'"paid"').ok
+    real_redis.acquire(running, FP, "t2", lease_seconds=600, ttl_seconds=600)
+    real_redis.acquire(stale, FP, "t3", lease_seconds=1, ttl_seconds=600)
+    # When a deploy sets another shard count, Then it is a mistake named at configuration...
+    url = f"{REDIS_URL}?index_shards={shards}"
+    with pytest.raises(ConfigurationError, match="index_shards is fixed at 16"):
+        store_from_url(url, key_prefix=real_redis.key_prefix)
+    # ...while the shard count the layout has is accepted, and finds every record where it was
+    again = store_from_url(f"{REDIS_URL}?index_shards=16", key_prefix=real_redis.key_prefix)
+    record = again.get(done)
+    assert record is not None and record.result == b'"paid"'
+    assert again.claim(done, FP, "t4", pending_seconds=60, ttl_seconds=600).decision is Decision.REPLAY
+    assert again.acquire(running, FP, "t5", lease_seconds=30, ttl_seconds=600).decision is Decision.BUSY
+    again.advance_clock_for_tests(5)
+    assert [r.key for r in again.expired_leases(limit=10)] == ["stale"]
+    again.close()
 
 
 # ---- Redis Cluster ------------------------------------------------------------------------------

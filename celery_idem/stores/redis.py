@@ -2,7 +2,9 @@
 
 The key layout, the hash fields and each script's contract are written at the top of the scripts
 in ``stores/lua/``. Every key a script touches shares one hash tag, so the store works unchanged on
-Redis Cluster; the lease index is sharded (``index_shards``) so no one node holds all of it.
+Redis Cluster; the lease index is split over ``INDEX_SHARDS`` hash tags so no one node holds all of
+it. That count is part of every record's key, so it is fixed, never a setting: another value would
+put every record somewhere else and hide the records written before.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 __all__ = ["RedisStore"]
 
 _SCRIPTS = ("claim", "acquire", "settle", "release", "renew", "forget", "due")
+
+INDEX_SHARDS = 16
+"""How many hash tags (lease-index shards) records are spread over: part of the key layout, fixed."""
 
 
 @functools.cache
@@ -74,7 +79,8 @@ class RedisStore(Store):
     Args:
         client: A redis-py client (``Redis``, a Sentinel master, or ``RedisCluster``), created with
             ``decode_responses=False``. Build one from a URL with :meth:`from_url`.
-        index_shards: How many lease-index shards to spread records over (one hash tag each).
+        index_shards: Accepted only as ``INDEX_SHARDS`` (16), the fixed shard count of the key
+            layout (it once was a setting; any other value is refused rather than hiding records).
         clock: An injected clock for tests; by default each script reads the server's clock, so
             every client agrees on lease expiry.
     """
@@ -83,7 +89,7 @@ class RedisStore(Store):
         self,
         client: Any,
         *,
-        index_shards: int = 16,
+        index_shards: int = INDEX_SHARDS,
         key_prefix: str = "idem",
         timeout_seconds: float = 2.0,
         max_result_bytes: int = 1_048_576,
@@ -96,10 +102,14 @@ class RedisStore(Store):
             raise ConfigurationError(
                 f"key_prefix must not contain braces (they make Redis hash tags); got {key_prefix!r}"
             )
-        if not 1 <= index_shards <= 16384:
-            raise ConfigurationError(f"index_shards must be between 1 and 16384; got {index_shards!r}")
+        if index_shards != INDEX_SHARDS:
+            raise ConfigurationError(
+                f"index_shards is fixed at {INDEX_SHARDS}: the shard is part of every record's key, so "
+                f"another count would hide every record written before; got {index_shards!r}. Remove "
+                "the option (records written under another count must be moved: see docs/stores.md)"
+            )
         self.client = client
-        self.index_shards = index_shards
+        self.index_shards = INDEX_SHARDS
         self._scripts: dict[str, Script] = {name: client.register_script(_source(name)) for name in _SCRIPTS}
 
     _unavailable = (
@@ -152,7 +162,7 @@ class RedisStore(Store):
 
         ``redis+sentinel://[:password@]host:port[,host:port...]/service_name[/db]`` asks the
         sentinels for the master of ``service_name``. The query parameter ``index_shards`` is this
-        store's; the rest go to redis-py.
+        store's (only its fixed value is accepted); the rest go to redis-py.
         """
         parts = urlsplit(url)
         query = dict(parse_qsl(parts.query))
@@ -203,7 +213,7 @@ class RedisStore(Store):
     def keys_for(self, identity: Identity) -> tuple[str, str]:
         """The record key and its lease-index shard key (same hash tag, so same cluster slot)."""
         scope, task, key = identity
-        shard = zlib.crc32(f"{scope}\0{task}\0{key}".encode()) % self.index_shards
+        shard = zlib.crc32(f"{scope}\0{task}\0{key}".encode()) % INDEX_SHARDS
         tag = self._tag(shard)
         return f"{tag}:r:{len(scope)}:{scope}:{len(task)}:{task}:{key}", f"{tag}:lease"
 
@@ -301,7 +311,7 @@ class RedisStore(Store):
     def _expired_leases(self, limit: int) -> list[IdempotencyRecord]:
         # The due script reads the records and drops stale index entries in one atomic step.
         records: list[IdempotencyRecord] = []
-        for shard in range(self.index_shards):
+        for shard in range(INDEX_SHARDS):
             index = f"{self._tag(shard)}:lease"
             records.extend(_record(flat) for flat in self._scripts["due"](keys=[index], args=[self._now(), limit]))
         return sorted(records, key=lambda r: (r.lease_expires_at or 0.0, str(r.identity)))[:limit]
