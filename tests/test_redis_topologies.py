@@ -117,9 +117,7 @@ def test_a_record_key_is_fixed_by_the_prefix_and_the_identity_alone(real_redis: 
 
 
 @pytest.mark.parametrize("shards", ["8", "32", "1"])
-def test_another_index_shard_count_is_refused_not_a_store_that_hides_every_record(
-    real_redis: Any, shards: str
-) -> None:
+def test_another_index_shard_count_is_refused_not_a_store_that_hides_every_record(real_redis: Any, shards: str) -> None:
     # Given live records: one settled, one running, one stale (its lease ran out)
     done, running, stale = (Identity("", "shop.charge", name) for name in ("done", "running", "stale"))
     taken = real_redis.acquire(done, FP, "t1", lease_seconds=30, ttl_seconds=600)
