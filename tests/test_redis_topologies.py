@@ -97,6 +97,58 @@ def test_key_layout_keeps_a_record_and_its_index_shard_in_one_cluster_slot(real_
     assert len(slots) == real_redis.index_shards
 
 
+# ---- the reconciler reads what a run can use ------------------------------------------------------
+
+
+@pytest.mark.parametrize(("page", "batch"), [(128, 32), (3, 2)])  # the defaults; pages far smaller than a shard
+def test_expired_leases_reads_about_its_limit_not_a_limit_per_shard(
+    real_redis: Any, monkeypatch: pytest.MonkeyPatch, page: int, batch: int
+) -> None:
+    import celery_idem.stores.redis as redis_store
+
+    # Given 160 stale records over the 16 shards (about 10 each), each with a kept call of 4 KiB,
+    # and leftovers whose records went (settled or forgotten) in the index among them
+    identities = [Identity("", "shop.sync", f"job-{n:03d}") for n in range(160)]
+    for n, identity in enumerate(identities):
+        real_redis.acquire(identity, FP, f"t{n}", lease_seconds=10 + n, ttl_seconds=600, call=b"x" * 4096)
+    for identity in identities[:20:3]:
+        real_redis.forget(identity)  # the record goes; make its index entry a leftover again
+        record_key, index_key = real_redis.keys_for(identity)
+        real_redis.client.zadd(index_key, {record_key: 1.0})
+    real_redis.advance_clock_for_tests(200)  # every lease past, no record past its expiry
+    monkeypatch.setattr(real_redis, "_index_page", page)
+    monkeypatch.setattr(real_redis, "_due_batch", batch)
+    decoded: list[str] = []
+    replies: list[int] = []
+    real_record = redis_store._record
+
+    def counted(flat: Any) -> Any:
+        record = real_record(flat)
+        decoded.append(record.key)
+        return record
+
+    monkeypatch.setattr(redis_store, "_record", counted)
+    script = real_redis._scripts["due"]
+
+    def due(keys: list[str], args: list[Any]) -> Any:
+        replies.append(len(keys) - 1)
+        return script(keys=keys, args=args)
+
+    monkeypatch.setitem(real_redis._scripts, "due", due)
+    # When a run asks for 10
+    found = real_redis.expired_leases(limit=10)
+    # Then it gets the 10 oldest leases across every shard...
+    live = [i.key for i in identities if i not in identities[:20:3]]
+    assert [r.key for r in found] == live[:10]
+    # ...having decoded those 10 records only (not 10 per shard: 160), in replies of at most a batch
+    assert sorted(decoded) == sorted(live[:10])
+    assert max(replies) <= batch and sum(replies) <= 10 + 7  # plus at most the 7 leftovers, dropped
+    # And a run that asks for everything still gets everything, in lease order
+    decoded.clear()
+    assert [r.key for r in real_redis.expired_leases(limit=1000)] == live
+    assert len(decoded) == len(live)
+
+
 # ---- where a record lives depends on nothing an operator can turn ----------------------------------
 
 

@@ -308,13 +308,52 @@ class RedisStore(Store):
     def _forget(self, identity: Identity) -> bool:
         return bool(self._scripts["forget"](keys=self.keys_for(identity), args=[self._now()]))
 
+    # The reconciler's reads, bounded: index entries per shard and round trip, records per script call.
+    _index_page = 128
+    _due_batch = 32
+
     def _expired_leases(self, limit: int) -> list[IdempotencyRecord]:
-        # The due script reads the records and drops stale index entries in one atomic step.
-        records: list[IdempotencyRecord] = []
-        for shard in range(INDEX_SHARDS):
-            index = f"{self._tag(shard)}:lease"
-            records.extend(_record(flat) for flat in self._scripts["due"](keys=[index], args=[self._now(), limit]))
-        return sorted(records, key=lambda r: (r.lease_expires_at or 0.0, str(r.identity)))[:limit]
+        """The ``limit`` oldest due records over every shard, reading about ``limit`` records.
+
+        Each round reads a page of due ids (``ZRANGEBYSCORE ... LIMIT``, ids only) from every shard
+        that may hold one, merges them by lease, and reads only the records the run still needs
+        through the ``due`` script, a bounded batch per call. A shard whose page was full may hold
+        older entries past it than another shard's, so only the entries at or before the earliest
+        last lease of a full page are taken in a round. Records the script finds gone or renewed do
+        not count: the next round reads on. Each shard's offset counts the due records taken from
+        it (they stay in the index; the dropped ones leave it).
+        """
+        now = self._server_now()
+        taken: dict[bytes, IdempotencyRecord] = {}
+        offsets = [0] * INDEX_SHARDS
+        while len(taken) < limit:
+            page = min(limit - len(taken), self._index_page)
+            pipe = self.client.pipeline(transaction=False)
+            for shard in range(INDEX_SHARDS):
+                pipe.zrangebyscore(self._index(shard), "-inf", now, start=offsets[shard], num=page, withscores=True)
+            pages: list[list[tuple[bytes, float]]] = pipe.execute()
+            if not any(pages):
+                break
+            bound = min((entries[-1][1] for entries in pages if len(entries) == page), default=float("inf"))
+            heads = sorted(
+                (score, key, shard) for shard, entries in enumerate(pages) for key, score in entries if score <= bound
+            )[: limit - len(taken)]
+            picked: dict[int, list[bytes]] = {}
+            for _, key, shard in heads:
+                picked.setdefault(shard, []).append(key)
+            for shard, keys in picked.items():
+                for start in range(0, len(keys), self._due_batch):
+                    batch = keys[start : start + self._due_batch]
+                    answers = self._scripts["due"](keys=[self._index(shard), *batch], args=[self._now()])
+                    for key, answer in zip(batch, answers, strict=True):
+                        if answer != b"gone":  # still indexed: the next page starts past it
+                            offsets[shard] += 1
+                        if isinstance(answer, list):
+                            taken.setdefault(key, _record(answer))
+        return sorted(taken.values(), key=lambda r: (r.lease_expires_at or 0.0, str(r.identity)))[:limit]
+
+    def _index(self, shard: int) -> str:
+        return f"{self._tag(shard)}:lease"
 
     def _scan(self) -> Any:
         """Every live record of this prefix, in batches (a SCAN over its record keys).
