@@ -211,6 +211,20 @@ def test_redis_cluster_runs_every_transition_across_nodes(redis_cluster_url: str
     store.close()
 
 
+def test_a_cluster_url_with_several_seeds_starts_past_a_dead_first_seed(redis_cluster_url: str, prefix: str) -> None:
+    # Given seeds h1:p1,h2:p2 whose first node is down (nothing listens on its port)
+    live = redis_cluster_url.partition("://")[2]
+    url = f"redis+cluster://127.0.0.1:{free_port()},{live}"
+    # When the store is opened, Then the client finds the cluster through the next seed
+    store = store_from_url(url, key_prefix=prefix)
+    _walk_one_identity(store, Identity("", "shop.charge", "past-a-dead-seed"))
+    assert len(store.client.get_primaries()) == 3
+    store.close()
+    # And every seed down is an outage, not a mistake in the URL
+    with pytest.raises(StoreUnavailableError):
+        store_from_url(f"redis+cluster://127.0.0.1:{free_port()},127.0.0.1:{free_port()}", key_prefix=prefix)
+
+
 # ---- Sentinel -----------------------------------------------------------------------------------
 
 

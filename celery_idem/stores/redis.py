@@ -73,6 +73,24 @@ def _record(flat: Sequence[bytes]) -> IdempotencyRecord:
     )
 
 
+def _hosts(text: str, default_port: int) -> list[tuple[str, int]]:
+    """``h1:7000,h2,[::1]:7001`` as (host, port) pairs; a host without a port gets ``default_port``."""
+    pairs = []
+    for item in text.split(","):
+        host, port = item, ""
+        if item.startswith("["):  # [IPv6]:port
+            host, _, rest = item[1:].partition("]")
+            port = rest.removeprefix(":")
+        elif ":" in item:
+            host, _, port = item.rpartition(":")
+        if not host:
+            raise ConfigurationError(f"a Redis URL names each node as host[:port]; got {item!r} in {text!r}")
+        if port and not port.isdigit():
+            raise ConfigurationError(f"a port is a number; got {port!r} in {text!r}")
+        pairs.append((host, int(port) if port else default_port))
+    return pairs
+
+
 class RedisStore(Store):
     """Records as Redis hashes, transitions as Lua scripts, TTLs by Redis expiry.
 
@@ -160,9 +178,11 @@ class RedisStore(Store):
     def from_url(cls, url: str, **options: Any) -> RedisStore:
         """Build a store from ``redis://``, ``rediss://``, ``redis+sentinel://`` or ``redis+cluster://``.
 
-        ``redis+sentinel://[:password@]host:port[,host:port...]/service_name[/db]`` asks the
-        sentinels for the master of ``service_name``. The query parameter ``index_shards`` is this
-        store's (only its fixed value is accepted); the rest go to redis-py.
+        ``redis+cluster://[user:password@]host:port[,host:port...]`` seeds the cluster client with
+        every node named (it starts through the first that answers). ``redis+sentinel://[:password@]
+        host[:port][,host[:port]...]/service_name[/db]`` asks the sentinels (port 26379 by default)
+        for the master of ``service_name``. The query parameter ``index_shards`` is this store's
+        (only its fixed value is accepted); the rest go to redis-py.
         """
         parts = urlsplit(url)
         query = dict(parse_qsl(parts.query))
@@ -177,18 +197,37 @@ class RedisStore(Store):
         }
         scheme = parts.scheme.lower()
         client: Any
-        plain = urlunsplit((scheme.replace("redis+cluster", "redis"), parts.netloc, parts.path, urlencode(query), ""))
+        if (
+            scheme in ("redis", "rediss", "redis+cluster")
+            and parts.path.strip("/")
+            and not parts.path.strip("/").isdigit()
+        ):
+            raise ConfigurationError(
+                f"the path of a Redis URL is a database number (redis://host:6379/2); got {parts.path!r}"
+            )
         if scheme in ("redis", "rediss", "unix"):
+            plain = urlunsplit((scheme, parts.netloc, parts.path, urlencode(query), ""))
             client = redis.Redis.from_url(plain, **connection)
         elif scheme == "redis+cluster":
-            from redis.cluster import RedisCluster
-
-            client = RedisCluster.from_url(plain, **connection)
+            client = cls._cluster(parts, query, connection)
         elif scheme == "redis+sentinel":
             client = cls._sentinel_master(parts, connection)
         else:
             raise ConfigurationError(f"RedisStore cannot open {scheme!r} URLs")
         return cls(client, **options)
+
+    @staticmethod
+    def _cluster(parts: Any, query: dict[str, str], connection: dict[str, Any]) -> Any:
+        from redis.cluster import ClusterNode, RedisCluster
+
+        credentials, _, hosts = parts.netloc.rpartition("@")
+        seeds = _hosts(hosts, 6379)
+        first = f"{seeds[0][0]}:{seeds[0][1]}" if ":" not in seeds[0][0] else f"[{seeds[0][0]}]:{seeds[0][1]}"
+        netloc = f"{credentials}@{first}" if credentials else first
+        url = urlunsplit(("redis", netloc, parts.path, urlencode(query), ""))
+        others = [ClusterNode(host, port) for host, port in seeds[1:]]  # type: ignore[no-untyped-call]
+        # redis-py adds the URL's node after startup_nodes and tries each until one answers.
+        return RedisCluster(url=url, startup_nodes=others, **connection)
 
     @staticmethod
     def _sentinel_master(parts: Any, connection: dict[str, Any]) -> Any:
@@ -201,11 +240,14 @@ class RedisStore(Store):
         if not hosts or not segments:
             raise ConfigurationError(
                 "a sentinel URL names the sentinels and the service: "
-                "redis+sentinel://[:password@]host:port[,host:port]/service_name[/db]"
+                "redis+sentinel://[:password@]host[:port][,host[:port]]/service_name[/db]"
             )
-        sentinels = [(h.rpartition(":")[0] or h, int(h.rpartition(":")[2] or 26379)) for h in hosts.split(",")]
+        if len(segments) > 1 and not segments[1].isdigit():
+            raise ConfigurationError(
+                f"the database of a sentinel URL is a number (/service_name/2); got {segments[1]!r}"
+            )
         db = int(segments[1]) if len(segments) > 1 else 0
-        sentinel = Sentinel(sentinels, sentinel_kwargs=connection, **connection)  # type: ignore[no-untyped-call]
+        sentinel = Sentinel(_hosts(hosts, 26379), sentinel_kwargs=connection, **connection)  # type: ignore[no-untyped-call]
         return sentinel.master_for(segments[0], password=password, db=db)
 
     # ---- keys ----------------------------------------------------------------------------------
