@@ -36,7 +36,7 @@ from typing import ClassVar, Literal, NamedTuple
 
 from celery.exceptions import SoftTimeLimitExceeded
 
-from ..errors import IdempotencyError, ResultTooLargeError, StoreUnavailableError
+from ..errors import ConfigurationError, IdempotencyError, ResultTooLargeError, StoreUnavailableError
 from ..records import Decision, ErrorInfo, IdempotencyRecord, Identity, State, Transition
 
 __all__ = ["Clock", "Fence", "Settlement", "Store", "new_token"]
@@ -98,6 +98,7 @@ class Store(ABC):
         # database's clock), so clients whose clocks disagree still agree on every lease.
         self._injected_clock = clock is not None
         self._time_offset = 0.0  # tests only: see advance_clock_for_tests
+        self.url: str | None = None  # the URL it was built from, password redacted (store_from_url sets it)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} prefix={self.key_prefix!r}>"
@@ -116,6 +117,14 @@ class Store(ABC):
         except (IdempotencyError, SoftTimeLimitExceeded):
             raise  # ours; and the soft time limit, raised into whatever the task was doing
         except Exception as exc:
+            fix = self._misconfiguration(exc)
+            if fix is not None:
+                # A setting that can never work: no waiting fixes it, so it is never an outage
+                # (which would keep the message forever and nudge a producer to run unprotected).
+                raise ConfigurationError(
+                    f"the idempotency store {self.url or repr(self)} (setting 'store') cannot work: "
+                    f"{type(exc).__name__}: {exc}; {fix}"
+                ) from exc
             where = f" for {identity}" if identity else ""
             if self._is_outage(exc):
                 message = (
@@ -137,6 +146,12 @@ class Store(ABC):
     def _is_mistake(cls, exc: Exception) -> bool:
         """Whether opening the store failed on a mistake in its URL or options (no waiting fixes it)."""
         return isinstance(exc, (ValueError, TypeError))
+
+    @classmethod
+    def _misconfiguration(cls, exc: Exception) -> str | None:
+        """What to fix, when ``exc`` from a store call says the configuration can never work (a
+        database that does not exist); None for anything else."""
+        return None
 
     @classmethod
     def _is_outage(cls, exc: Exception) -> bool:

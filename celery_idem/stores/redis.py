@@ -157,6 +157,15 @@ class RedisStore(Store):
         return "Cluster mode is not enabled" in str(exc) or super()._is_mistake(exc)
 
     @classmethod
+    def _misconfiguration(cls, exc: Exception) -> str | None:
+        if isinstance(exc, redis.exceptions.ResponseError) and "DB index is out of range" in str(exc):
+            return (
+                "the database number in the URL is past the server's 'databases' (16 by default): "
+                "use one it has (redis://host:6379/0 to /15), or raise 'databases' in redis.conf"
+            )
+        return None
+
+    @classmethod
     def _is_outage(cls, exc: Exception) -> bool:
         if isinstance(exc, (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError)):
             return False  # a ConnectionError by class, a wrong password or ACL by nature: no waiting fixes it

@@ -21,6 +21,7 @@ sessions on that engine are untouched.
 from __future__ import annotations
 
 import math
+import re
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -189,6 +190,19 @@ class SQLStore(Store):
     # A hot standby (or default_transaction_read_only) refuses writes with SQLSTATE 25006, which
     # psycopg classes an InternalError: the store is up but cannot take writes, an outage.
     _READ_ONLY_SQLSTATE = "25006"
+
+    @classmethod
+    def _is_mistake(cls, exc: Exception) -> bool:
+        # create_engine's verdict on a URL it cannot read (sqlite://relative.db, an unknown driver)
+        return isinstance(exc, sa_exc.ArgumentError) or super()._is_mistake(exc)
+
+    @classmethod
+    def _misconfiguration(cls, exc: Exception) -> str | None:
+        # PostgreSQL refuses the connection with SQLSTATE 3D000: no waiting creates the database.
+        text = str(getattr(exc, "orig", None) or exc)
+        if isinstance(exc, sa_exc.DBAPIError) and re.search(r'database "[^"]*" does not exist', text):
+            return "create the database (CREATE DATABASE ...) or name an existing one in the URL"
+        return None
 
     @classmethod
     def _is_outage(cls, exc: Exception) -> bool:
