@@ -16,14 +16,16 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
-from conftest import POSTGRES_URL, require_server
+from conftest import POSTGRES_URL, make_store, require_server, wipe
 from shop import COUNTER_URL, effects_key
 from workers import BACKEND, Worker, execute_as_worker, wait_for
 
 from celery_idem import ConfigurationError, Idempotency, IdempotentTask
+from celery_idem.config import MAX_SECONDS, MAX_STORE_TIMEOUT_SECONDS, MIN_STORE_TIMEOUT_SECONDS
 from celery_idem.handler import Handler
 from celery_idem.protocol import OUTAGE_HEADER, SURPRISES_HEADER
-from celery_idem.stores import store_from_url
+from celery_idem.records import Decision, Identity, State
+from celery_idem.stores import Store, store_from_url
 
 _PG = POSTGRES_URL.rpartition("/")[0]
 _PG_WITH_PASSWORD = _PG.replace("postgres@", "postgres:s3cret-pw@", 1) if "postgres@" in _PG else _PG
@@ -141,3 +143,97 @@ def test_a_sentinel_without_a_port_is_on_26379() -> None:
             for s in manager.sentinels] == [("127.0.0.1", 26379), ("sentinel-2", 26400)]  # fmt: skip
     assert store.client.connection_pool.connection_kwargs["db"] == 3
     store.close()
+
+
+# ---- every limit a setting accepts works on every store -------------------------------------------
+
+DURATIONS = ["ttl_seconds", "lease_seconds", "pending_timeout_seconds", "busy_wait_seconds", "stale_grace_seconds",
+             "reconcile_interval_seconds", "store_timeout_seconds", "inspect_timeout_seconds"]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", DURATIONS)
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), MAX_SECONDS * 2.0, -1.0])
+def test_a_duration_no_store_can_hold_is_refused_at_configuration_with_the_reason(name: str, value: float) -> None:
+    app = Celery("limits", set_as_current=False, broker="memory://")
+    with pytest.raises(ConfigurationError, match=name) as info:
+        Idempotency(app, store="memory://", **{name: value})
+    if value != -1.0:
+        assert "finite number of seconds" in str(info.value) or "greater than" in str(info.value)
+
+
+@pytest.mark.parametrize("name", DURATIONS)
+def test_the_longest_duration_a_setting_takes_is_accepted(name: str) -> None:
+    most = MAX_STORE_TIMEOUT_SECONDS if "timeout" in name else float(MAX_SECONDS)
+    app = Celery("limits", set_as_current=False, broker="memory://")
+    assert getattr(Idempotency(app, store="memory://", **{name: most}).settings, name) == most
+
+
+def test_a_task_whose_policy_keeps_forever_fails_once_instead_of_looping_its_message(
+    monkeypatch: pytest.MonkeyPatch, prefix: str
+) -> None:
+    # Given a task that asks to keep its outcome forever, on Redis (whose PEXPIRE refuses inf)
+    require_server("redis")
+    app = Celery("forever", set_as_current=False, broker="memory://", backend="cache+memory://")
+    Idempotency(app, store="redis://127.0.0.1:6379/15", key_prefix=prefix)
+    runs: list[int] = []
+
+    @app.task(base=IdempotentTask, shared=False, idempotency={"ttl_seconds": float("inf")})
+    def keep(x: int) -> int:
+        runs.append(x)
+        return x
+
+    app.finalize()
+    sent: list[dict[str, Any]] = []
+    monkeypatch.setattr(
+        Handler, "_republish", lambda self, a, k, *, countdown, headers=None: sent.append(dict(headers or {}))
+    )
+    # When a worker runs its message, Then it fails once with the reason, and is not sent back
+    execute_as_worker(app, keep.name, "t-forever", idempotency_key="k")
+    result = app.AsyncResult("t-forever")
+    assert (result.state, runs, sent) == ("FAILURE", [], [])
+    assert isinstance(result.result, ConfigurationError) and "ttl_seconds" in str(result.result)
+    assert "100 years" in str(result.result)
+    # And the producer is told the same, before anything is claimed
+    with pytest.raises(ConfigurationError, match="ttl_seconds"):
+        keep.apply_async((1,), idempotency_key="k2")
+
+
+def test_every_store_holds_the_longest_durations(store: Store, clock: Any) -> None:
+    identity = Identity("", "shop.keep", "forever-ish")
+    fp = "e" * 64
+    most = float(MAX_SECONDS)
+    claimed = store.claim(identity, fp, "t1", pending_seconds=most, ttl_seconds=most)
+    assert claimed.decision is Decision.NEW
+    assert store.claim(identity, fp, "t2", pending_seconds=most, ttl_seconds=most).decision is Decision.DUPLICATE
+    taken = store.acquire(identity, fp, "t1", lease_seconds=most, ttl_seconds=most)
+    assert taken.decision is Decision.RUN
+    assert store.renew(identity, taken.record.owner, lease_seconds=most).ok
+    assert store.release(identity, taken.record.owner, pending_seconds=most).ok
+    again = store.acquire(identity, fp, "t1", lease_seconds=most, ttl_seconds=most)
+    assert again.decision is Decision.RUN
+    clock.advance(most / 2)  # half a century later the lease still holds
+    assert store.acquire(identity, fp, "t3", lease_seconds=30, ttl_seconds=60).decision is Decision.BUSY
+    assert store.expired_leases(limit=10) == []
+    assert store.complete(identity, again.record.owner, b'"kept"').ok
+    clock.advance(most * 0.99)  # and its outcome outlives almost a century more
+    record = store.get(identity)
+    assert record is not None and record.state is State.COMPLETED and record.result == b'"kept"'
+    assert store.claim(identity, fp, "t4", pending_seconds=60, ttl_seconds=60).decision is Decision.REPLAY
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql", "redis"])
+@pytest.mark.parametrize("seconds", [MIN_STORE_TIMEOUT_SECONDS, MAX_STORE_TIMEOUT_SECONDS])
+def test_every_store_takes_the_store_timeout_limits(kind: str, seconds: float, tmp_path: Path, prefix: str) -> None:
+    store = make_store(kind, tmp_path, prefix, timeout_seconds=seconds)
+    if kind == "postgresql":
+        with store.engine.connect() as connection:  # type: ignore[attr-defined]
+            shown = connection.exec_driver_sql("SHOW statement_timeout").scalar()
+        assert shown == ("1ms" if seconds < 1 else "1h"), shown  # never 0, which means "no timeout"
+    if seconds == MAX_STORE_TIMEOUT_SECONDS:
+        identity = Identity("", "shop.charge", "timeout-limits")
+        assert store.claim(identity, "f" * 64, "t", pending_seconds=60, ttl_seconds=60).decision is Decision.NEW
+        wipe(store)
+    else:
+        store.close()  # a millisecond is honoured: most calls then time out (an outage), nothing is written
+    with pytest.raises(ConfigurationError, match="timeout_seconds"):
+        make_store(kind, tmp_path, prefix, timeout_seconds=seconds * 2 if seconds > 1 else seconds / 2)

@@ -28,6 +28,7 @@ The rules every store follows (the memory store states them most plainly):
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -36,6 +37,7 @@ from typing import ClassVar, Literal, NamedTuple
 
 from celery.exceptions import SoftTimeLimitExceeded
 
+from ..config import MAX_STORE_TIMEOUT_SECONDS, MIN_STORE_TIMEOUT_SECONDS
 from ..errors import ConfigurationError, IdempotencyError, ResultTooLargeError, StoreUnavailableError
 from ..records import Decision, ErrorInfo, IdempotencyRecord, Identity, State, Transition
 
@@ -62,8 +64,8 @@ def new_token() -> str:
 
 
 def _positive(name: str, value: float) -> float:
-    if not value > 0:
-        raise ValueError(f"{name} must be a positive number of seconds; got {value!r}")
+    if not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive, finite number of seconds; got {value!r}")
     return float(value)
 
 
@@ -91,7 +93,13 @@ class Store(ABC):
         if not key_prefix:
             raise ValueError("key_prefix must be a non-empty string")
         self.key_prefix = key_prefix
-        self.timeout_seconds = _positive("timeout_seconds", timeout_seconds)
+        if not MIN_STORE_TIMEOUT_SECONDS <= timeout_seconds <= MAX_STORE_TIMEOUT_SECONDS:
+            raise ConfigurationError(
+                f"timeout_seconds must be a positive number of seconds from {MIN_STORE_TIMEOUT_SECONDS:g} to "
+                f"{MAX_STORE_TIMEOUT_SECONDS:g} (a store call waits at least a millisecond, at most an hour); "
+                f"got {timeout_seconds!r}"
+            )
+        self.timeout_seconds = float(timeout_seconds)
         self.max_result_bytes = int(max_result_bytes)
         self.clock: Clock = clock or time.time
         # Without an injected clock a store times leases by its server's clock (Redis TIME, the

@@ -62,7 +62,7 @@ def _server_clock(dialect: str) -> sa.ColumnElement[float]:
 
 
 def _session_settings(dialect: str, timeout: float) -> list[str]:
-    milliseconds = int(timeout * 1000)
+    milliseconds = max(1, math.ceil(timeout * 1000))  # 0 would mean "no timeout" to both
     if dialect == "postgresql":
         return [f"SET statement_timeout = {milliseconds}", f"SET lock_timeout = {milliseconds}"]
     return [f"PRAGMA busy_timeout = {milliseconds}"]
