@@ -38,6 +38,7 @@ MISTAKES = [
     ("redis://127.0.0.1:6379/99", "redis", "databases"),  # a database the server does not have
     ("redis://127.0.0.1:6379/abc", None, "database number"),  # not silently database 0
     ("sqlite://relative.db", None, "sqlite:///relative/path"),  # two slashes: not a SQLite URL
+    ("redis+cluster://127.0.0.1:7100/3", None, "database 0 only"),  # a cluster has no database 3
     (f"{_PG_WITH_PASSWORD}/idem_no_such_db_{uuid.uuid4().hex[:6]}", "postgresql", "CREATE DATABASE"),
 ]
 
@@ -134,6 +135,13 @@ def test_a_redis_url_error_names_the_url_with_its_password_redacted() -> None:
     with pytest.raises(ConfigurationError) as info:
         store_from_url("redis://user:s3cret-pw@127.0.0.1:6379/abc")
     assert "s3cret-pw" not in str(info.value) and "redis://user:***@127.0.0.1:6379/abc" in str(info.value)
+
+
+def test_a_unix_socket_url_keeps_its_path_and_database() -> None:
+    store = store_from_url("unix:///tmp/no-such-redis.sock?db=3&index_shards=16")
+    assert store.client.connection_pool.connection_kwargs["path"] == "/tmp/no-such-redis.sock"
+    assert store.client.connection_pool.connection_kwargs["db"] == 3
+    store.close()
 
 
 def test_a_sentinel_without_a_port_is_on_26379() -> None:

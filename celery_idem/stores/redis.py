@@ -15,7 +15,7 @@ import re
 import zlib
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 from ..errors import ConfigurationError
 from ..records import Decision, ErrorInfo, IdempotencyRecord, Identity, State, Transition
@@ -71,6 +71,11 @@ def _record(flat: Sequence[bytes]) -> IdempotencyRecord:
         error=ErrorInfo.model_validate_json(error) if error else None,
         call=fields.get("call"),
     )
+
+
+def _joined(scheme: str, netloc: str, path: str, query: dict[str, str]) -> str:
+    """A URL again, with "//" kept for every scheme (urlunsplit drops it from ``unix:`` URLs)."""
+    return f"{scheme}://{netloc}{path}" + (f"?{urlencode(query)}" if query else "")
 
 
 def _hosts(text: str, default_port: int) -> list[tuple[str, int]]:
@@ -215,7 +220,7 @@ class RedisStore(Store):
                 f"the path of a Redis URL is a database number (redis://host:6379/2); got {parts.path!r}"
             )
         if scheme in ("redis", "rediss", "unix"):
-            plain = urlunsplit((scheme, parts.netloc, parts.path, urlencode(query), ""))
+            plain = _joined(scheme, parts.netloc, parts.path, query)
             client = redis.Redis.from_url(plain, **connection)
         elif scheme == "redis+cluster":
             client = cls._cluster(parts, query, connection)
@@ -233,7 +238,9 @@ class RedisStore(Store):
         seeds = _hosts(hosts, 6379)
         first = f"{seeds[0][0]}:{seeds[0][1]}" if ":" not in seeds[0][0] else f"[{seeds[0][0]}]:{seeds[0][1]}"
         netloc = f"{credentials}@{first}" if credentials else first
-        url = urlunsplit(("redis", netloc, parts.path, urlencode(query), ""))
+        if parts.path.strip("/") not in ("", "0"):
+            raise ConfigurationError(f"Redis Cluster has database 0 only; drop {parts.path!r} from the URL")
+        url = _joined("redis", netloc, "", query)
         others = [ClusterNode(host, port) for host, port in seeds[1:]]  # type: ignore[no-untyped-call]
         # redis-py adds the URL's node after startup_nodes and tries each until one answers.
         return RedisCluster(url=url, startup_nodes=others, **connection)
