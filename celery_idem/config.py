@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 __all__ = [
+    "MAX_RESULT_BYTES",
     "MAX_SECONDS",
     "MAX_STORE_TIMEOUT_SECONDS",
     "MIN_STORE_TIMEOUT_SECONDS",
@@ -25,6 +26,9 @@ MAX_SECONDS = 100 * 365 * 86400
 # least a millisecond (the unit of statement_timeout and busy_timeout, where 0 means "no timeout").
 MAX_STORE_TIMEOUT_SECONDS = 3600.0
 MIN_STORE_TIMEOUT_SECONDS = 0.001
+# The largest value Redis takes by default (proto-max-bulk-len): a larger limit would let a result
+# through the check that no Redis store can then hold.
+MAX_RESULT_BYTES = 512 * 1024 * 1024
 _DURATIONS = ("ttl_seconds", "lease_seconds", "pending_timeout_seconds", "busy_wait_seconds")
 
 
@@ -109,7 +113,12 @@ class IdempotencySettings(IdempotencyPolicy):
     on_store_error: Literal["raise", "proceed"] = Field(
         default="raise", description="Store down: fail closed (StoreUnavailableError) or run unprotected."
     )
-    max_result_bytes: int = Field(default=1_048_576, gt=0, description="Largest serialized result stored.")
+    max_result_bytes: int = Field(
+        default=1_048_576,
+        gt=0,
+        le=MAX_RESULT_BYTES,
+        description="Largest serialized result stored (at most 512 MiB, the largest value Redis takes).",
+    )
     accept_pickle: bool = Field(default=False, description="Allow tasks whose serializer is pickle.")
     reconcile_interval_seconds: float | None = Field(
         default=None, gt=0, description="Run the reconciler from beat this often (None: no beat entry)."

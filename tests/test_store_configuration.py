@@ -21,7 +21,7 @@ from shop import COUNTER_URL, effects_key
 from workers import BACKEND, Worker, execute_as_worker, wait_for
 
 from celery_idem import ConfigurationError, Idempotency, IdempotentTask
-from celery_idem.config import MAX_SECONDS, MAX_STORE_TIMEOUT_SECONDS, MIN_STORE_TIMEOUT_SECONDS
+from celery_idem.config import MAX_RESULT_BYTES, MAX_SECONDS, MAX_STORE_TIMEOUT_SECONDS, MIN_STORE_TIMEOUT_SECONDS
 from celery_idem.handler import Handler
 from celery_idem.protocol import OUTAGE_HEADER, SURPRISES_HEADER
 from celery_idem.records import Decision, Identity, State
@@ -167,6 +167,13 @@ def test_a_duration_no_store_can_hold_is_refused_at_configuration_with_the_reaso
         Idempotency(app, store="memory://", **{name: value})
     if value != -1.0:
         assert "finite number of seconds" in str(info.value) or "greater than" in str(info.value)
+
+
+def test_a_result_limit_past_what_redis_takes_is_refused_at_configuration() -> None:
+    app = Celery("limits", set_as_current=False, broker="memory://")
+    with pytest.raises(ConfigurationError, match="max_result_bytes"):
+        Idempotency(app, store="memory://", max_result_bytes=MAX_RESULT_BYTES + 1)
+    assert Idempotency(app, store="memory://", max_result_bytes=MAX_RESULT_BYTES).settings.max_result_bytes > 0
 
 
 @pytest.mark.parametrize("name", DURATIONS)
