@@ -198,16 +198,22 @@ class SQLStore(Store):
 
     @classmethod
     def _misconfiguration(cls, exc: Exception) -> str | None:
-        # PostgreSQL refuses the connection with SQLSTATE 3D000: no waiting creates the database.
+        # PostgreSQL refuses the connection (SQLSTATE 3D000, 28000): no waiting creates them.
         text = str(getattr(exc, "orig", None) or exc)
-        if isinstance(exc, sa_exc.DBAPIError) and re.search(r'database "[^"]*" does not exist', text):
+        if not isinstance(exc, sa_exc.DBAPIError):
+            return None
+        if re.search(r'database "[^"]*" does not exist', text):
             return "create the database (CREATE DATABASE ...) or name an existing one in the URL"
+        if re.search(r'role "[^"]*" does not exist', text):
+            return "create the role (CREATE ROLE ... LOGIN) or name an existing user in the URL"
         return None
 
     @classmethod
     def _is_outage(cls, exc: Exception) -> bool:
         if isinstance(exc, sa_exc.InternalError) and getattr(exc.orig, "sqlstate", None) == cls._READ_ONLY_SQLSTATE:
             return True
+        if "password authentication failed" in str(exc):
+            return False  # an OperationalError by class, a wrong password by nature (as on Redis): a surprise
         return super()._is_outage(exc)
 
     def __init__(
