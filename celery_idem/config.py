@@ -4,11 +4,43 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-__all__ = ["IdempotencyPolicy", "IdempotencySettings", "POLICY_FIELDS"]
+__all__ = [
+    "MAX_RESULT_BYTES",
+    "MAX_SECONDS",
+    "MAX_STORE_TIMEOUT_SECONDS",
+    "MIN_STORE_TIMEOUT_SECONDS",
+    "IdempotencyPolicy",
+    "IdempotencySettings",
+    "POLICY_FIELDS",
+]
 
 FailureClass = Literal["retryable", "permanent"]
+
+# "Forever" is not a duration: every store needs a finite expiry (Redis PEXPIRE refuses inf, and a
+# lease, a wait or a beat interval of inf breaks the arithmetic). 100 years is the longest any
+# duration setting takes, and every store holds it (tests/test_store_configuration.py).
+MAX_SECONDS = 100 * 365 * 86400
+# A store call waits at most an hour (PostgreSQL's statement_timeout tops out at 24.8 days) and at
+# least a millisecond (the unit of statement_timeout and busy_timeout, where 0 means "no timeout").
+MAX_STORE_TIMEOUT_SECONDS = 3600.0
+MIN_STORE_TIMEOUT_SECONDS = 0.001
+# The largest value Redis takes by default (proto-max-bulk-len): a larger limit would let a result
+# through the check that no Redis store can then hold.
+MAX_RESULT_BYTES = 512 * 1024 * 1024
+_DURATIONS = ("ttl_seconds", "lease_seconds", "pending_timeout_seconds", "busy_wait_seconds")
+
+
+def _finite(name: str, value: float | None, most: float = MAX_SECONDS) -> float | None:
+    if value is not None and not value <= most:  # also refuses nan
+        why = (
+            "100 years: every store needs a finite expiry, 'forever' is not supported"
+            if most == MAX_SECONDS
+            else "an hour: a store call that needs longer is a store that is down"
+        )
+        raise ValueError(f"{name} must be a finite number of seconds, at most {most:.0f} ({why}); got {value!r}")
+    return value
 
 
 class IdempotencyPolicy(BaseModel):
@@ -49,6 +81,11 @@ class IdempotencyPolicy(BaseModel):
         default="release", description="What the reconciler does with a provably dead attempt."
     )
 
+    @field_validator(*_DURATIONS)
+    @classmethod
+    def _durations_finite(cls, value: float, info: ValidationInfo) -> float | None:
+        return _finite(str(info.field_name), value)
+
     @field_validator("key_args")
     @classmethod
     def _key_args_named(cls, value: list[str] | None) -> list[str] | None:
@@ -70,11 +107,18 @@ class IdempotencySettings(IdempotencyPolicy):
         default=None, description="Store URL or Store instance; memory:// by default only in eager mode."
     )
     key_prefix: str = Field(default="idem", min_length=1, description="Prefix of every store key or table row.")
-    store_timeout_seconds: float = Field(default=2.0, gt=0, description="Deadline of every store call.")
+    store_timeout_seconds: float = Field(
+        default=2.0, ge=MIN_STORE_TIMEOUT_SECONDS, description="Deadline of every store call (0.001 to 3600)."
+    )
     on_store_error: Literal["raise", "proceed"] = Field(
         default="raise", description="Store down: fail closed (StoreUnavailableError) or run unprotected."
     )
-    max_result_bytes: int = Field(default=1_048_576, gt=0, description="Largest serialized result stored.")
+    max_result_bytes: int = Field(
+        default=1_048_576,
+        gt=0,
+        le=MAX_RESULT_BYTES,
+        description="Largest serialized result stored (at most 512 MiB, the largest value Redis takes).",
+    )
     accept_pickle: bool = Field(default=False, description="Allow tasks whose serializer is pickle.")
     reconcile_interval_seconds: float | None = Field(
         default=None, gt=0, description="Run the reconciler from beat this often (None: no beat entry)."
@@ -86,6 +130,16 @@ class IdempotencySettings(IdempotencyPolicy):
     stale_grace_seconds: float = Field(
         default=3600, ge=0, description="Release a stale record with no evidence once this far past its lease."
     )
+
+    @field_validator("store_timeout_seconds", "inspect_timeout_seconds")
+    @classmethod
+    def _waits_finite(cls, value: float, info: ValidationInfo) -> float | None:
+        return _finite(str(info.field_name), value, MAX_STORE_TIMEOUT_SECONDS)
+
+    @field_validator("reconcile_interval_seconds", "stale_grace_seconds")
+    @classmethod
+    def _app_durations_finite(cls, value: float | None, info: ValidationInfo) -> float | None:
+        return _finite(str(info.field_name), value)
 
     def policy(self, overrides: IdempotencyPolicy | dict[str, Any] | None = None) -> IdempotencyPolicy:
         """The effective policy of one task: these defaults under the task's own fields."""

@@ -36,3 +36,90 @@ def test_the_endings_table_in_the_docs_is_the_matrix() -> None:
         "docs/concepts.md's endings table differs from tests/endings.py; rewrite it with "
         "CELERY_IDEM_WRITE_ENDINGS=1 python -m pytest tests/test_endings.py"
     )
+
+
+# ---- what the stores page tells operators is what the code does ----------------------------------
+
+STORES_PAGE = REPO / "docs" / "stores.md"
+
+
+def _page() -> str:
+    return " ".join(STORES_PAGE.read_text().split())  # sentences, whatever the line breaks
+
+
+def test_the_stores_page_says_a_worker_sends_an_outage_message_back_and_it_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from celery import Celery
+    from redis_servers import free_port
+    from workers import execute_as_worker
+
+    from celery_idem import Idempotency, IdempotentTask
+    from celery_idem.handler import Handler
+    from celery_idem.protocol import OUTAGE_HEADER
+
+    page = _page()
+    assert "the body does not run and the message goes back to the broker" in page
+    assert "re-published under the same task id with a countdown of 0.5 s doubling up to 30 s" in page
+    assert "fails the message, after 8 trips back" in page
+    for wrong in ("the message fails with `StoreUnavailableError` before the body runs", "does not retry it"):
+        assert wrong not in page, f"the stores page says again what the code does not do: {wrong!r}"
+    # Given a worker whose store is down (nothing listens on its port)
+    app = Celery("docs-outage", set_as_current=False, broker="memory://", backend="cache+memory://")
+    Idempotency(app, store=f"redis://127.0.0.1:{free_port()}/0", store_timeout_seconds=0.5)
+    runs: list[int] = []
+
+    @app.task(base=IdempotentTask, shared=False)
+    def charge(x: int) -> int:
+        runs.append(x)
+        return x
+
+    app.finalize()
+    sent: list[tuple[float, dict[str, object]]] = []
+    monkeypatch.setattr(
+        Handler,
+        "_republish",
+        lambda self, a, k, *, countdown, headers=None: sent.append((countdown, dict(headers or {}))),
+    )
+    # When its message runs, first and after many trips back
+    execute_as_worker(app, charge.name, "t-1", idempotency_key="k")
+    execute_as_worker(app, charge.name, "t-1", idempotency_key="k", **{OUTAGE_HEADER: 20})
+    # Then the body did not run, and each time the message went back (0.5 s, then the 30 s cap)
+    assert runs == []
+    assert [countdown for countdown, _ in sent] == [0.5, 30.0]
+    assert [headers[OUTAGE_HEADER] for _, headers in sent] == [1, 21]
+    assert app.AsyncResult("t-1").state != "FAILURE"
+
+
+def test_the_stores_page_says_reconcile_runs_purge_expired_sql_rows_and_they_do(tmp_path: Path) -> None:
+    import sqlalchemy as sa
+    from celery import Celery
+
+    from celery_idem import Idempotency
+    from celery_idem.records import Identity
+
+    page = _page()
+    assert "Expired rows are deleted by reconcile runs" in page
+    assert "Every reconcile run (not a dry run) then deletes up to its `limit` (1000 by default) rows" in page
+    assert "| deleted by reconcile runs | deleted by reconcile runs |" in page
+    assert "nothing deletes expired rows" not in page and "stay until you delete them" not in page
+    # Given a SQLite store holding a row past its TTL and one inside it
+    app = Celery("docs-purge", set_as_current=False, broker="memory://")
+    idem = Idempotency(app, store=f"sqlite:///{tmp_path}/idem.db")
+    store = idem.store
+    for key, ttl in (("old", 1.0), ("live", 3600.0)):
+        taken = store.acquire(Identity("", "shop.charge", key), "a" * 64, key, lease_seconds=30, ttl_seconds=ttl)
+        assert store.complete(Identity("", "shop.charge", key), taken.record.owner, b"1").ok
+    store.advance_clock_for_tests(60)
+
+    def rows() -> int:
+        with store.engine.connect() as connection:  # type: ignore[attr-defined]
+            return int(connection.execute(sa.select(sa.func.count()).select_from(store.table)).scalar_one())  # type: ignore[attr-defined]
+
+    assert rows() == 2
+    # When a dry run and then a reconcile run go by
+    assert idem.reconcile(dry_run=True).purged == 0 and rows() == 2
+    report = idem.reconcile()
+    # Then the expired row is deleted and the live one kept
+    assert report.purged == 1 and rows() == 1
+    assert store.get(Identity("", "shop.charge", "live")) is not None

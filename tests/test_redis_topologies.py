@@ -15,7 +15,7 @@ import pytest
 from conftest import REDIS_URL, require_server, wipe
 from redis_servers import free_port, need_redis_server, wait_until
 
-from celery_idem import StoreUnavailableError
+from celery_idem import ConfigurationError, StoreUnavailableError
 from celery_idem.records import Decision, Identity, State
 from celery_idem.stores import store_from_url
 
@@ -97,6 +97,100 @@ def test_key_layout_keeps_a_record_and_its_index_shard_in_one_cluster_slot(real_
     assert len(slots) == real_redis.index_shards
 
 
+# ---- the reconciler reads what a run can use ------------------------------------------------------
+
+
+@pytest.mark.parametrize(("page", "batch"), [(128, 32), (3, 2)])  # the defaults; pages far smaller than a shard
+def test_expired_leases_reads_about_its_limit_not_a_limit_per_shard(
+    real_redis: Any, monkeypatch: pytest.MonkeyPatch, page: int, batch: int
+) -> None:
+    import celery_idem.stores.redis as redis_store
+
+    # Given 160 stale records over the 16 shards (about 10 each), each with a kept call of 4 KiB,
+    # and leftovers whose records went (settled or forgotten) in the index among them
+    identities = [Identity("", "shop.sync", f"job-{n:03d}") for n in range(160)]
+    for n, identity in enumerate(identities):
+        real_redis.acquire(identity, FP, f"t{n}", lease_seconds=10 + n, ttl_seconds=600, call=b"x" * 4096)
+    for identity in identities[:20:3]:
+        real_redis.forget(identity)  # the record goes; make its index entry a leftover again
+        record_key, index_key = real_redis.keys_for(identity)
+        real_redis.client.zadd(index_key, {record_key: 1.0})
+    real_redis.advance_clock_for_tests(200)  # every lease past, no record past its expiry
+    monkeypatch.setattr(real_redis, "_index_page", page)
+    monkeypatch.setattr(real_redis, "_due_batch", batch)
+    decoded: list[str] = []
+    replies: list[int] = []
+    real_record = redis_store._record
+
+    def counted(flat: Any) -> Any:
+        record = real_record(flat)
+        decoded.append(record.key)
+        return record
+
+    monkeypatch.setattr(redis_store, "_record", counted)
+    script = real_redis._scripts["due"]
+
+    def due(keys: list[str], args: list[Any]) -> Any:
+        replies.append(len(keys) - 1)
+        return script(keys=keys, args=args)
+
+    monkeypatch.setitem(real_redis._scripts, "due", due)
+    # When a run asks for 10
+    found = real_redis.expired_leases(limit=10)
+    # Then it gets the 10 oldest leases across every shard...
+    live = [i.key for i in identities if i not in identities[:20:3]]
+    assert [r.key for r in found] == live[:10]
+    # ...having decoded those 10 records only (not 10 per shard: 160), in replies of at most a batch
+    assert sorted(decoded) == sorted(live[:10])
+    assert max(replies) <= batch and sum(replies) <= 10 + 7  # plus at most the 7 leftovers, dropped
+    # And a run that asks for everything still gets everything, in lease order
+    decoded.clear()
+    assert [r.key for r in real_redis.expired_leases(limit=1000)] == live
+    assert len(decoded) == len(live)
+
+
+# ---- where a record lives depends on nothing an operator can turn ----------------------------------
+
+
+def test_a_record_key_is_fixed_by_the_prefix_and_the_identity_alone(real_redis: Any) -> None:
+    # The layout docs/stores.md and stores/lua/_prelude.lua describe, pinned: a change of it hides
+    # every record written before, so it must fail here first.
+    identity = Identity("tenant-7", "shop.charge", "order-42-charge")
+    record_key, index_key = real_redis.keys_for(identity)
+    prefix = real_redis.key_prefix
+    assert record_key == f"{{{prefix}:{record_key.split(':')[1][:-1]}}}:r:8:tenant-7:11:shop.charge:order-42-charge"
+    assert index_key == record_key.split(":r:")[0] + ":lease"
+    default = store_from_url(REDIS_URL)  # prefix "idem": the example on the stores page
+    assert default.keys_for(Identity("", "shop.charge", "order-42-charge"))[0] == (
+        "{idem:2}:r:0::11:shop.charge:order-42-charge"
+    )
+    assert default.keys_for(identity)[0] == "{idem:8}:r:8:tenant-7:11:shop.charge:order-42-charge"
+    default.close()
+
+
+@pytest.mark.parametrize("shards", ["8", "32", "1"])
+def test_another_index_shard_count_is_refused_not_a_store_that_hides_every_record(real_redis: Any, shards: str) -> None:
+    # Given live records: one settled, one running, one stale (its lease ran out)
+    done, running, stale = (Identity("", "shop.charge", name) for name in ("done", "running", "stale"))
+    taken = real_redis.acquire(done, FP, "t1", lease_seconds=30, ttl_seconds=600)
+    assert real_redis.complete(done, taken.record.owner, b'"paid"').ok
+    real_redis.acquire(running, FP, "t2", lease_seconds=600, ttl_seconds=600)
+    real_redis.acquire(stale, FP, "t3", lease_seconds=1, ttl_seconds=600)
+    # When a deploy sets another shard count, Then it is a mistake named at configuration...
+    url = f"{REDIS_URL}?index_shards={shards}"
+    with pytest.raises(ConfigurationError, match="index_shards is fixed at 16"):
+        store_from_url(url, key_prefix=real_redis.key_prefix)
+    # ...while the shard count the layout has is accepted, and finds every record where it was
+    again = store_from_url(f"{REDIS_URL}?index_shards=16", key_prefix=real_redis.key_prefix)
+    record = again.get(done)
+    assert record is not None and record.result == b'"paid"'
+    assert again.claim(done, FP, "t4", pending_seconds=60, ttl_seconds=600).decision is Decision.REPLAY
+    assert again.acquire(running, FP, "t5", lease_seconds=30, ttl_seconds=600).decision is Decision.BUSY
+    again.advance_clock_for_tests(5)
+    assert [r.key for r in again.expired_leases(limit=10)] == ["stale"]
+    again.close()
+
+
 # ---- Redis Cluster ------------------------------------------------------------------------------
 
 
@@ -115,6 +209,20 @@ def test_redis_cluster_runs_every_transition_across_nodes(redis_cluster_url: str
     assert len(nodes_used) == 3, "records should spread over all three masters"
     assert store.forget(identities[0]) is True
     store.close()
+
+
+def test_a_cluster_url_with_several_seeds_starts_past_a_dead_first_seed(redis_cluster_url: str, prefix: str) -> None:
+    # Given seeds h1:p1,h2:p2 whose first node is down (nothing listens on its port)
+    live = redis_cluster_url.partition("://")[2]
+    url = f"redis+cluster://127.0.0.1:{free_port()},{live}"
+    # When the store is opened, Then the client finds the cluster through the next seed
+    store = store_from_url(url, key_prefix=prefix)
+    _walk_one_identity(store, Identity("", "shop.charge", "past-a-dead-seed"))
+    assert len(store.client.get_primaries()) == 3
+    store.close()
+    # And every seed down is an outage, not a mistake in the URL
+    with pytest.raises(StoreUnavailableError):
+        store_from_url(f"redis+cluster://127.0.0.1:{free_port()},127.0.0.1:{free_port()}", key_prefix=prefix)
 
 
 # ---- Sentinel -----------------------------------------------------------------------------------

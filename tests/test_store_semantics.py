@@ -479,6 +479,10 @@ def test_expired_leases_rejects_a_zero_limit(store: Store) -> None:
         (lambda s: s.claim(ID, FP, "t", pending_seconds=PENDING_S, ttl_seconds=-1), "ttl_seconds must be a positive"),
         (lambda s: s.acquire(ID, FP, "t", lease_seconds=0, ttl_seconds=TTL_S), "lease_seconds must be a positive"),
         (lambda s: s.renew(ID, "o", lease_seconds=float("nan")), "lease_seconds must be a positive"),
+        # "forever" is not a duration: Redis refused it only once the script ran (an "unexpected" outage)
+        (lambda s: s.claim(ID, FP, "t", pending_seconds=PENDING_S, ttl_seconds=float("inf")), "ttl_seconds must be"),
+        (lambda s: s.claim(ID, FP, "t", pending_seconds=float("inf"), ttl_seconds=TTL_S), "pending_seconds must be"),
+        (lambda s: s.acquire(ID, FP, "t", lease_seconds=float("inf"), ttl_seconds=TTL_S), "lease_seconds must be"),
     ],
 )
 def test_non_positive_durations_are_refused_before_touching_the_store(store: Store, call, message: str) -> None:

@@ -62,18 +62,28 @@ def _opened(cls: Any, url: str, options: dict[str, Any]) -> Store:
     else is a StoreUnavailableError (a client that connects while it is built, as Redis Cluster does,
     meets an outage here), ``unexpected`` unless the store counts it as an outage."""
     try:
-        return cls.from_url(url, **options)  # type: ignore[no-any-return]
+        store: Store = cls.from_url(url, **options)
+    except ConfigurationError as exc:
+        if _redacted(url) in str(exc):
+            raise
+        raise ConfigurationError(f"invalid store URL {_redacted(url)} (setting 'store'): {exc}") from exc
     except IdempotencyError:
         raise
     except Exception as exc:
-        if cls._is_mistake(exc):
-            raise ConfigurationError(f"invalid store URL {_redacted(url)}: {type(exc).__name__}: {exc}") from exc
+        fix = cls._misconfiguration(exc)
+        if cls._is_mistake(exc) or fix is not None:
+            raise ConfigurationError(
+                f"invalid store URL {_redacted(url)} (setting 'store'): {type(exc).__name__}: {exc}"
+                + (f"; {fix}" if fix else "")
+            ) from exc
         error = StoreUnavailableError(
             f"could not open the idempotency store {_redacted(url)}: {type(exc).__name__}: {exc}; "
             "check that the store is up and the URL is right"
         )
         error.unexpected = not cls._is_outage(exc)
         raise error from exc
+    store.url = _redacted(url)
+    return store
 
 
 def _redacted(url: str) -> str:

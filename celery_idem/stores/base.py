@@ -28,6 +28,7 @@ The rules every store follows (the memory store states them most plainly):
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -36,7 +37,8 @@ from typing import ClassVar, Literal, NamedTuple
 
 from celery.exceptions import SoftTimeLimitExceeded
 
-from ..errors import IdempotencyError, ResultTooLargeError, StoreUnavailableError
+from ..config import MAX_STORE_TIMEOUT_SECONDS, MIN_STORE_TIMEOUT_SECONDS
+from ..errors import ConfigurationError, IdempotencyError, ResultTooLargeError, StoreUnavailableError
 from ..records import Decision, ErrorInfo, IdempotencyRecord, Identity, State, Transition
 
 __all__ = ["Clock", "Fence", "Settlement", "Store", "new_token"]
@@ -62,8 +64,8 @@ def new_token() -> str:
 
 
 def _positive(name: str, value: float) -> float:
-    if not value > 0:
-        raise ValueError(f"{name} must be a positive number of seconds; got {value!r}")
+    if not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive, finite number of seconds; got {value!r}")
     return float(value)
 
 
@@ -91,13 +93,20 @@ class Store(ABC):
         if not key_prefix:
             raise ValueError("key_prefix must be a non-empty string")
         self.key_prefix = key_prefix
-        self.timeout_seconds = _positive("timeout_seconds", timeout_seconds)
+        if not MIN_STORE_TIMEOUT_SECONDS <= timeout_seconds <= MAX_STORE_TIMEOUT_SECONDS:
+            raise ConfigurationError(
+                f"timeout_seconds must be a positive number of seconds from {MIN_STORE_TIMEOUT_SECONDS:g} to "
+                f"{MAX_STORE_TIMEOUT_SECONDS:g} (a store call waits at least a millisecond, at most an hour); "
+                f"got {timeout_seconds!r}"
+            )
+        self.timeout_seconds = float(timeout_seconds)
         self.max_result_bytes = int(max_result_bytes)
         self.clock: Clock = clock or time.time
         # Without an injected clock a store times leases by its server's clock (Redis TIME, the
         # database's clock), so clients whose clocks disagree still agree on every lease.
         self._injected_clock = clock is not None
         self._time_offset = 0.0  # tests only: see advance_clock_for_tests
+        self.url: str | None = None  # the URL it was built from, password redacted (store_from_url sets it)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} prefix={self.key_prefix!r}>"
@@ -116,6 +125,14 @@ class Store(ABC):
         except (IdempotencyError, SoftTimeLimitExceeded):
             raise  # ours; and the soft time limit, raised into whatever the task was doing
         except Exception as exc:
+            fix = self._misconfiguration(exc)
+            if fix is not None:
+                # A setting that can never work: no waiting fixes it, so it is never an outage
+                # (which would keep the message forever and nudge a producer to run unprotected).
+                raise ConfigurationError(
+                    f"the idempotency store {self.url or repr(self)} (setting 'store') cannot work: "
+                    f"{type(exc).__name__}: {exc}; {fix}"
+                ) from exc
             where = f" for {identity}" if identity else ""
             if self._is_outage(exc):
                 message = (
@@ -137,6 +154,12 @@ class Store(ABC):
     def _is_mistake(cls, exc: Exception) -> bool:
         """Whether opening the store failed on a mistake in its URL or options (no waiting fixes it)."""
         return isinstance(exc, (ValueError, TypeError))
+
+    @classmethod
+    def _misconfiguration(cls, exc: Exception) -> str | None:
+        """What to fix, when ``exc`` from a store call says the configuration can never work (a
+        database that does not exist); None for anything else."""
+        return None
 
     @classmethod
     def _is_outage(cls, exc: Exception) -> bool:

@@ -2,7 +2,9 @@
 
 The key layout, the hash fields and each script's contract are written at the top of the scripts
 in ``stores/lua/``. Every key a script touches shares one hash tag, so the store works unchanged on
-Redis Cluster; the lease index is sharded (``index_shards``) so no one node holds all of it.
+Redis Cluster; the lease index is split over ``INDEX_SHARDS`` hash tags so no one node holds all of
+it. That count is part of every record's key, so it is fixed, never a setting: another value would
+put every record somewhere else and hide the records written before.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import re
 import zlib
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 from ..errors import ConfigurationError
 from ..records import Decision, ErrorInfo, IdempotencyRecord, Identity, State, Transition
@@ -30,6 +32,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 __all__ = ["RedisStore"]
 
 _SCRIPTS = ("claim", "acquire", "settle", "release", "renew", "forget", "due")
+
+INDEX_SHARDS = 16
+"""How many hash tags (lease-index shards) records are spread over: part of the key layout, fixed."""
 
 
 @functools.cache
@@ -68,13 +73,37 @@ def _record(flat: Sequence[bytes]) -> IdempotencyRecord:
     )
 
 
+def _joined(scheme: str, netloc: str, path: str, query: dict[str, str]) -> str:
+    """A URL again, with "//" kept for every scheme (urlunsplit drops it from ``unix:`` URLs)."""
+    return f"{scheme}://{netloc}{path}" + (f"?{urlencode(query)}" if query else "")
+
+
+def _hosts(text: str, default_port: int) -> list[tuple[str, int]]:
+    """``h1:7000,h2,[::1]:7001`` as (host, port) pairs; a host without a port gets ``default_port``."""
+    pairs = []
+    for item in text.split(","):
+        host, port = item, ""
+        if item.startswith("["):  # [IPv6]:port
+            host, _, rest = item[1:].partition("]")
+            port = rest.removeprefix(":")
+        elif ":" in item:
+            host, _, port = item.rpartition(":")
+        if not host:
+            raise ConfigurationError(f"a Redis URL names each node as host[:port]; got {item!r} in {text!r}")
+        if port and not port.isdigit():
+            raise ConfigurationError(f"a port is a number; got {port!r} in {text!r}")
+        pairs.append((host, int(port) if port else default_port))
+    return pairs
+
+
 class RedisStore(Store):
     """Records as Redis hashes, transitions as Lua scripts, TTLs by Redis expiry.
 
     Args:
         client: A redis-py client (``Redis``, a Sentinel master, or ``RedisCluster``), created with
             ``decode_responses=False``. Build one from a URL with :meth:`from_url`.
-        index_shards: How many lease-index shards to spread records over (one hash tag each).
+        index_shards: Accepted only as ``INDEX_SHARDS`` (16), the fixed shard count of the key
+            layout (it once was a setting; any other value is refused rather than hiding records).
         clock: An injected clock for tests; by default each script reads the server's clock, so
             every client agrees on lease expiry.
     """
@@ -83,7 +112,7 @@ class RedisStore(Store):
         self,
         client: Any,
         *,
-        index_shards: int = 16,
+        index_shards: int = INDEX_SHARDS,
         key_prefix: str = "idem",
         timeout_seconds: float = 2.0,
         max_result_bytes: int = 1_048_576,
@@ -96,10 +125,14 @@ class RedisStore(Store):
             raise ConfigurationError(
                 f"key_prefix must not contain braces (they make Redis hash tags); got {key_prefix!r}"
             )
-        if not 1 <= index_shards <= 16384:
-            raise ConfigurationError(f"index_shards must be between 1 and 16384; got {index_shards!r}")
+        if index_shards != INDEX_SHARDS:
+            raise ConfigurationError(
+                f"index_shards is fixed at {INDEX_SHARDS}: the shard is part of every record's key, so "
+                f"another count would hide every record written before; got {index_shards!r}. Remove "
+                "the option (records written under another count must be moved: see docs/stores.md)"
+            )
         self.client = client
-        self.index_shards = index_shards
+        self.index_shards = INDEX_SHARDS
         self._scripts: dict[str, Script] = {name: client.register_script(_source(name)) for name in _SCRIPTS}
 
     _unavailable = (
@@ -129,6 +162,15 @@ class RedisStore(Store):
         return "Cluster mode is not enabled" in str(exc) or super()._is_mistake(exc)
 
     @classmethod
+    def _misconfiguration(cls, exc: Exception) -> str | None:
+        if isinstance(exc, redis.exceptions.ResponseError) and "DB index is out of range" in str(exc):
+            return (
+                "the database number in the URL is past the server's 'databases' (16 by default): "
+                "use one it has (redis://host:6379/0 to /15), or raise 'databases' in redis.conf"
+            )
+        return None
+
+    @classmethod
     def _is_outage(cls, exc: Exception) -> bool:
         if isinstance(exc, (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError)):
             return False  # a ConnectionError by class, a wrong password or ACL by nature: no waiting fixes it
@@ -150,9 +192,11 @@ class RedisStore(Store):
     def from_url(cls, url: str, **options: Any) -> RedisStore:
         """Build a store from ``redis://``, ``rediss://``, ``redis+sentinel://`` or ``redis+cluster://``.
 
-        ``redis+sentinel://[:password@]host:port[,host:port...]/service_name[/db]`` asks the
-        sentinels for the master of ``service_name``. The query parameter ``index_shards`` is this
-        store's; the rest go to redis-py.
+        ``redis+cluster://[user:password@]host:port[,host:port...]`` seeds the cluster client with
+        every node named (it starts through the first that answers). ``redis+sentinel://[:password@]
+        host[:port][,host[:port]...]/service_name[/db]`` asks the sentinels (port 26379 by default)
+        for the master of ``service_name``. The query parameter ``index_shards`` is this store's
+        (only its fixed value is accepted); the rest go to redis-py.
         """
         parts = urlsplit(url)
         query = dict(parse_qsl(parts.query))
@@ -167,18 +211,39 @@ class RedisStore(Store):
         }
         scheme = parts.scheme.lower()
         client: Any
-        plain = urlunsplit((scheme.replace("redis+cluster", "redis"), parts.netloc, parts.path, urlencode(query), ""))
+        if (
+            scheme in ("redis", "rediss", "redis+cluster")
+            and parts.path.strip("/")
+            and not parts.path.strip("/").isdigit()
+        ):
+            raise ConfigurationError(
+                f"the path of a Redis URL is a database number (redis://host:6379/2); got {parts.path!r}"
+            )
         if scheme in ("redis", "rediss", "unix"):
+            plain = _joined(scheme, parts.netloc, parts.path, query)
             client = redis.Redis.from_url(plain, **connection)
         elif scheme == "redis+cluster":
-            from redis.cluster import RedisCluster
-
-            client = RedisCluster.from_url(plain, **connection)
+            client = cls._cluster(parts, query, connection)
         elif scheme == "redis+sentinel":
             client = cls._sentinel_master(parts, connection)
         else:
             raise ConfigurationError(f"RedisStore cannot open {scheme!r} URLs")
         return cls(client, **options)
+
+    @staticmethod
+    def _cluster(parts: Any, query: dict[str, str], connection: dict[str, Any]) -> Any:
+        from redis.cluster import ClusterNode, RedisCluster
+
+        credentials, _, hosts = parts.netloc.rpartition("@")
+        seeds = _hosts(hosts, 6379)
+        first = f"{seeds[0][0]}:{seeds[0][1]}" if ":" not in seeds[0][0] else f"[{seeds[0][0]}]:{seeds[0][1]}"
+        netloc = f"{credentials}@{first}" if credentials else first
+        if parts.path.strip("/") not in ("", "0"):
+            raise ConfigurationError(f"Redis Cluster has database 0 only; drop {parts.path!r} from the URL")
+        url = _joined("redis", netloc, "", query)
+        others = [ClusterNode(host, port) for host, port in seeds[1:]]  # type: ignore[no-untyped-call]
+        # redis-py adds the URL's node after startup_nodes and tries each until one answers.
+        return RedisCluster(url=url, startup_nodes=others, **connection)
 
     @staticmethod
     def _sentinel_master(parts: Any, connection: dict[str, Any]) -> Any:
@@ -191,11 +256,14 @@ class RedisStore(Store):
         if not hosts or not segments:
             raise ConfigurationError(
                 "a sentinel URL names the sentinels and the service: "
-                "redis+sentinel://[:password@]host:port[,host:port]/service_name[/db]"
+                "redis+sentinel://[:password@]host[:port][,host[:port]]/service_name[/db]"
             )
-        sentinels = [(h.rpartition(":")[0] or h, int(h.rpartition(":")[2] or 26379)) for h in hosts.split(",")]
+        if len(segments) > 1 and not segments[1].isdigit():
+            raise ConfigurationError(
+                f"the database of a sentinel URL is a number (/service_name/2); got {segments[1]!r}"
+            )
         db = int(segments[1]) if len(segments) > 1 else 0
-        sentinel = Sentinel(sentinels, sentinel_kwargs=connection, **connection)  # type: ignore[no-untyped-call]
+        sentinel = Sentinel(_hosts(hosts, 26379), sentinel_kwargs=connection, **connection)  # type: ignore[no-untyped-call]
         return sentinel.master_for(segments[0], password=password, db=db)
 
     # ---- keys ----------------------------------------------------------------------------------
@@ -203,7 +271,7 @@ class RedisStore(Store):
     def keys_for(self, identity: Identity) -> tuple[str, str]:
         """The record key and its lease-index shard key (same hash tag, so same cluster slot)."""
         scope, task, key = identity
-        shard = zlib.crc32(f"{scope}\0{task}\0{key}".encode()) % self.index_shards
+        shard = zlib.crc32(f"{scope}\0{task}\0{key}".encode()) % INDEX_SHARDS
         tag = self._tag(shard)
         return f"{tag}:r:{len(scope)}:{scope}:{len(task)}:{task}:{key}", f"{tag}:lease"
 
@@ -298,13 +366,52 @@ class RedisStore(Store):
     def _forget(self, identity: Identity) -> bool:
         return bool(self._scripts["forget"](keys=self.keys_for(identity), args=[self._now()]))
 
+    # The reconciler's reads, bounded: index entries per shard and round trip, records per script call.
+    _index_page = 128
+    _due_batch = 32
+
     def _expired_leases(self, limit: int) -> list[IdempotencyRecord]:
-        # The due script reads the records and drops stale index entries in one atomic step.
-        records: list[IdempotencyRecord] = []
-        for shard in range(self.index_shards):
-            index = f"{self._tag(shard)}:lease"
-            records.extend(_record(flat) for flat in self._scripts["due"](keys=[index], args=[self._now(), limit]))
-        return sorted(records, key=lambda r: (r.lease_expires_at or 0.0, str(r.identity)))[:limit]
+        """The ``limit`` oldest due records over every shard, reading about ``limit`` records.
+
+        Each round reads a page of due ids (``ZRANGEBYSCORE ... LIMIT``, ids only) from every shard
+        that may hold one, merges them by lease, and reads only the records the run still needs
+        through the ``due`` script, a bounded batch per call. A shard whose page was full may hold
+        older entries past it than another shard's, so only the entries at or before the earliest
+        last lease of a full page are taken in a round. Records the script finds gone or renewed do
+        not count: the next round reads on. Each shard's offset counts the due records taken from
+        it (they stay in the index; the dropped ones leave it).
+        """
+        now = self._server_now()
+        taken: dict[bytes, IdempotencyRecord] = {}
+        offsets = [0] * INDEX_SHARDS
+        while len(taken) < limit:
+            page = min(limit - len(taken), self._index_page)
+            pipe = self.client.pipeline(transaction=False)
+            for shard in range(INDEX_SHARDS):
+                pipe.zrangebyscore(self._index(shard), "-inf", now, start=offsets[shard], num=page, withscores=True)
+            pages: list[list[tuple[bytes, float]]] = pipe.execute()
+            if not any(pages):
+                break
+            bound = min((entries[-1][1] for entries in pages if len(entries) == page), default=float("inf"))
+            heads = sorted(
+                (score, key, shard) for shard, entries in enumerate(pages) for key, score in entries if score <= bound
+            )[: limit - len(taken)]
+            picked: dict[int, list[bytes]] = {}
+            for _, key, shard in heads:
+                picked.setdefault(shard, []).append(key)
+            for shard, keys in picked.items():
+                for start in range(0, len(keys), self._due_batch):
+                    batch = keys[start : start + self._due_batch]
+                    answers = self._scripts["due"](keys=[self._index(shard), *batch], args=[self._now()])
+                    for key, answer in zip(batch, answers, strict=True):
+                        if answer != b"gone":  # still indexed: the next page starts past it
+                            offsets[shard] += 1
+                        if isinstance(answer, list):
+                            taken.setdefault(key, _record(answer))
+        return sorted(taken.values(), key=lambda r: (r.lease_expires_at or 0.0, str(r.identity)))[:limit]
+
+    def _index(self, shard: int) -> str:
+        return f"{self._tag(shard)}:lease"
 
     def _scan(self) -> Any:
         """Every live record of this prefix, in batches (a SCAN over its record keys).

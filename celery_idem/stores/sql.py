@@ -21,6 +21,7 @@ sessions on that engine are untouched.
 from __future__ import annotations
 
 import math
+import re
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -61,7 +62,7 @@ def _server_clock(dialect: str) -> sa.ColumnElement[float]:
 
 
 def _session_settings(dialect: str, timeout: float) -> list[str]:
-    milliseconds = int(timeout * 1000)
+    milliseconds = max(1, math.ceil(timeout * 1000))  # 0 would mean "no timeout" to both
     if dialect == "postgresql":
         return [f"SET statement_timeout = {milliseconds}", f"SET lock_timeout = {milliseconds}"]
     return [f"PRAGMA busy_timeout = {milliseconds}"]
@@ -191,9 +192,28 @@ class SQLStore(Store):
     _READ_ONLY_SQLSTATE = "25006"
 
     @classmethod
+    def _is_mistake(cls, exc: Exception) -> bool:
+        # create_engine's verdict on a URL it cannot read (sqlite://relative.db, an unknown driver)
+        return isinstance(exc, sa_exc.ArgumentError) or super()._is_mistake(exc)
+
+    @classmethod
+    def _misconfiguration(cls, exc: Exception) -> str | None:
+        # PostgreSQL refuses the connection (SQLSTATE 3D000, 28000): no waiting creates them.
+        text = str(getattr(exc, "orig", None) or exc)
+        if not isinstance(exc, sa_exc.DBAPIError):
+            return None
+        if re.search(r'database "[^"]*" does not exist', text):
+            return "create the database (CREATE DATABASE ...) or name an existing one in the URL"
+        if re.search(r'role "[^"]*" does not exist', text):
+            return "create the role (CREATE ROLE ... LOGIN) or name an existing user in the URL"
+        return None
+
+    @classmethod
     def _is_outage(cls, exc: Exception) -> bool:
         if isinstance(exc, sa_exc.InternalError) and getattr(exc.orig, "sqlstate", None) == cls._READ_ONLY_SQLSTATE:
             return True
+        if "password authentication failed" in str(exc):
+            return False  # an OperationalError by class, a wrong password by nature (as on Redis): a surprise
         return super()._is_outage(exc)
 
     def __init__(

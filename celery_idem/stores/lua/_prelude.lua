@@ -3,8 +3,11 @@
 -- Key layout (every key of one identity shares a hash tag, so a script touches one cluster slot):
 --   {<prefix>:<shard>}:r:<len(scope)>:<scope>:<len(task)>:<task>:<key>   record hash
 --   {<prefix>:<shard>}:lease                                            lease index, zset
--- shard = crc32(scope NUL task NUL key) mod index_shards; the index holds the record keys of its
--- shard that are PENDING or IN_PROGRESS, scored by lease expiry (POSIX seconds).
+-- shard = crc32(scope NUL task NUL key) mod 16. The 16 is FIXED (redis.py INDEX_SHARDS): it is part
+-- of every record's key, so it is never a setting. The index holds the record keys of its shard that
+-- are PENDING or IN_PROGRESS, scored by lease expiry (POSIX seconds). A script that touches a record
+-- gets KEYS[1] = the record hash and KEYS[2] = its shard's lease index (one slot: the same tag);
+-- any other per-identity key a script needs must carry the same {<prefix>:<shard>} tag.
 --
 -- Record hash fields: scope task key fp state task_id owner attempt lease created updated
 -- expires ttl [call] [result ctype cenc | error]. Times are POSIX seconds with 6 decimals. `call`

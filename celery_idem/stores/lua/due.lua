@@ -1,25 +1,25 @@
--- due: the live records of one index shard whose lease has expired, oldest lease first.
--- KEYS[1] lease index of the shard
--- ARGV[1] now ('' = server clock)  ARGV[2] limit
--- Returns {flat record, flat record, ...}. Every record key of a shard shares the index's hash tag,
--- so this one script reads each due record and, in the same atomic step, drops the index entries
--- whose record is gone, settled or past its expiry: a claim cannot land between the read that
--- judged an entry stale and the removal of that entry.
+-- due: read the index entries the reconciler picked from one shard; drop the stale ones.
+-- KEYS[1] lease index of the shard   KEYS[2..n] record keys taken from that index (the shard's hash
+-- tag, so one slot: RedisStore reads the entries' ids first, ZRANGEBYSCORE with a LIMIT, merges
+-- the shards by lease, and sends here only the few records the run can use, in bounded batches)
+-- ARGV[1] now ('' = server clock)
+-- Returns one answer per record key, in order: the flat record when it is unsettled and its lease
+-- has expired; 'live' when its lease was renewed since the ids were read (the entry stays); 'gone'
+-- when its record is absent, settled or past its expiry: that entry is dropped in this same atomic
+-- step, so a claim cannot land between the read that judged the entry stale and its removal.
 local now = now_of(ARGV[1])
-local limit = tonumber(ARGV[2])
-local live = {}
-local cursor = 0
-while #live < limit do
-  local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', cursor, limit - #live)
-  if #due == 0 then break end
-  for _, key in ipairs(due) do
-    local rec, flat = load(key, now)
-    if rec and not settled(rec) then
-      table.insert(live, flat)
-      cursor = cursor + 1
+local answers = {}
+for i = 2, #KEYS do
+  local rec, flat = load(KEYS[i], now)
+  if rec and not settled(rec) then
+    if tonumber(rec.lease) <= now then
+      answers[#answers + 1] = flat
     else
-      redis.call('ZREM', KEYS[1], key)  -- a leftover: its record expired, settled or went
+      answers[#answers + 1] = 'live'
     end
+  else
+    redis.call('ZREM', KEYS[1], KEYS[i])  -- a leftover: its record expired, settled or went
+    answers[#answers + 1] = 'gone'
   end
 end
-return live
+return answers
