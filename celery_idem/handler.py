@@ -137,7 +137,7 @@ class Handler:
             # Celery's retry re-publishes the same attempt chain under the same task id: never claimed again.
             return send(args, kwargs, options)
 
-        args, kwargs = self._as_sent(args, kwargs, options)
+        args, kwargs = self.as_sent(args, kwargs, options)
         fp = self.fingerprint(args, kwargs)
         if key is None and scope is None:
             key, scope = self._running_identity(fp)
@@ -219,7 +219,7 @@ class Handler:
             record=record if record.state.settled else None,
         )
 
-    def _as_sent(
+    def as_sent(
         self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, options: Mapping[str, Any]
     ) -> tuple[Any, Any]:
         """The arguments as Celery sends them: a ``pydantic=True`` task's models dumped, as Celery's
@@ -286,6 +286,7 @@ class Handler:
         """Acquire and run the body once per identity, or replay/wait/refuse."""
         task, request = self.task, self.task.request
         if request_header(request, BYPASS_HEADER) is False:
+            request.idempotency_key = request.idempotency_scope = None  # bypassed: the body holds no identity
             return self._run_function(*args, **kwargs)
         fp = self.fingerprint(args, kwargs)
         key, scope = request_header(request, KEY_HEADER), request_header(request, SCOPE_HEADER)
