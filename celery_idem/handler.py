@@ -59,6 +59,7 @@ from .protocol import (
     SCOPE_HEADER,
     request_header,
 )
+from .pydantic_sets import parameter_shapes
 from .records import Decision, ErrorInfo, IdempotencyRecord, Identity, Transition
 from .stores.base import Fence, new_token
 
@@ -92,6 +93,7 @@ class Handler:
         # Celery checks a call against the signature only while the task's typing is on (it
         # defaults to app.strict_typing): with it off, the call is fingerprinted as given.
         self._typed = bool(task.app.strict_typing if task.typing is None else task.typing)
+        self._sets = parameter_shapes(task)  # a pydantic=True task's set fields, sent as lists
         if self.policy.key_args is not None:
             check_key_args(self._run_function, self.policy.key_args, task_name=task.name, typed=self._typed)
 
@@ -99,7 +101,7 @@ class Handler:
 
     def fingerprint(self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None) -> str:
         return fingerprint(self._run_function, args, kwargs, key_args=self.policy.key_args,
-                           serializer=self.serializer, bind=self._typed)  # fmt: skip
+                           serializer=self.serializer, bind=self._typed, sets=self._sets)  # fmt: skip
 
     def identify(self, key: Any, scope: Any, fp: str) -> Identity:
         """Validate the caller's key and scope; a call without a key is keyed by its fingerprint."""
