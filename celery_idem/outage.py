@@ -46,8 +46,8 @@ def trips(request: Any, header: str) -> int:
     """The trip count a message carries in ``header``: a whole number in ``[0, MAX_TRIPS]``, whatever
     the header holds (absent, None, negative, fractional, huge, a numeric string, or garbage: 0)."""
     value = request_header(request, header)
-    if isinstance(value, str) and value.strip().isdigit() and len(value.strip()) <= 12:
-        value = int(value.strip())
+    if isinstance(value, str) and value.strip().isdecimal() and len(value.strip()) <= 12:
+        value = int(value.strip())  # isdecimal, not isdigit: int() refuses "²"
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:  # NaN
         return 0
     if value <= 0:

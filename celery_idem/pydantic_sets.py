@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 import logging
 import typing
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,8 +111,10 @@ def model_shape(model: type[BaseModel]) -> Shape | None:
         return _model_shapes[model]
     shape: Shape | None = None
     try:
-        by_name = model.model_json_schema(by_alias=False, mode="validation")
-        by_alias = model.model_json_schema(by_alias=True, mode="validation")
+        with warnings.catch_warnings():  # once per class; a default with no JSON form only warns
+            warnings.simplefilter("ignore")
+            by_name = model.model_json_schema(by_alias=False, mode="validation")
+            by_alias = model.model_json_schema(by_alias=True, mode="validation")
         # A dump writes field names; a message made by hand may use the aliases the worker reads.
         for schema in (by_name,) if by_alias == by_name else (by_name, by_alias):
             shape = _merge(shape, _Builder(schema.get("$defs", {})).build(schema))

@@ -609,3 +609,20 @@ def test_a_message_back_from_any_number_of_outage_trips_goes_back_again_and_neve
         worker.stop()
         for result in sent.values():
             result.forget()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [None, -3, 1.5, "abc", "²", "12", 10**6, 2**80, float("inf"), float("nan"), True, [1], b"3", "9" * 40, -1e308],
+)
+def test_any_trip_header_reads_as_a_bounded_count_and_a_capped_countdown(value: Any) -> None:
+    from types import SimpleNamespace
+
+    from celery_idem import outage
+
+    # Given a message whose trip header holds anything a producer can put there
+    request = SimpleNamespace(headers={"idempotency_store_waits": value}, properties={})
+    # Then it reads as a count in [0, MAX_TRIPS], and the next countdown is in the backoff's range
+    trips = outage.trips(request, "idempotency_store_waits")
+    assert 0 <= trips <= outage.MAX_TRIPS
+    assert outage.FIRST_DELAY_SECONDS <= outage.countdown(trips) <= outage.MAX_DELAY_SECONDS
