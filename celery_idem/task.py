@@ -12,7 +12,6 @@ from celery import Task
 from .config import IdempotencyPolicy
 from .errors import ConfigurationError
 from .extension import Idempotency
-from .fingerprint import validate_key, validate_scope
 from .handler import Handler
 from .protocol import BYPASS_HEADER, KEY_HEADER, SCOPE_HEADER, headers_with_options, request_header
 from .result import IdempotentResult
@@ -93,14 +92,15 @@ class IdempotentTask(Task):  # type: ignore[misc]
         A ``pydantic=True`` task's models are dumped as apply_async sends them.
 
         Raises:
-            InvalidKeyError: the key or scope breaks the rule, before anything runs.
+            InvalidKeyError: the key or scope breaks the rule, or the policy requires a key and the
+                call has none, before anything runs.
         """
         headers = headers_with_options(options, headers)
-        if isinstance(headers, Mapping) and headers.get(BYPASS_HEADER) is not False:
-            for name, validate in ((KEY_HEADER, validate_key), (SCOPE_HEADER, validate_scope)):
-                if headers.get(name) is not None:
-                    validate(headers[name])
-        args, kwargs = self.idempotency_handler.as_sent(args, kwargs, options)
+        found = headers if isinstance(headers, Mapping) else {}
+        handler = self.idempotency_handler
+        if found.get(BYPASS_HEADER) is not False:
+            handler.identify(found.get(KEY_HEADER), found.get(SCOPE_HEADER), "")  # the key rules, require_key too
+        args, kwargs = handler.as_sent(args, kwargs, options)
         return super().apply(args, kwargs, link=link, link_error=link_error, task_id=task_id, retries=retries,
                              throw=throw, logfile=logfile, loglevel=loglevel, headers=headers, **options)  # fmt: skip
 
