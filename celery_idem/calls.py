@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 from celery.utils.time import maybe_iso8601
 from kombu.utils import json as kombu_json
 
-from .protocol import OUTAGE_HEADER
+from .protocol import OUTAGE_HEADER, SURPRISES_HEADER
 
 __all__ = ["MAX_CALL_BYTES", "Call", "CallRefused", "decode_call", "encode_call", "published_options"]
 
@@ -89,7 +89,7 @@ def encode_call(
 ) -> bytes:
     """The call as the record keeps it, or a refusal (logged) when it cannot be kept."""
     kept = {name: value for name, value in options.items() if name not in _DELIVERY_ONLY and value is not None}
-    headers = {name: value for name, value in (kept.get("headers") or {}).items() if name != OUTAGE_HEADER}
+    headers = {k: v for k, v in (kept.get("headers") or {}).items() if k not in (OUTAGE_HEADER, SURPRISES_HEADER)}
     kept.update(headers=headers, serializer=serializer)
     document = {"v": VERSION, "args": list(args or ()), "kwargs": dict(kwargs or {}), "options": kept}
     try:

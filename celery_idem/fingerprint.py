@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import decimal
+import enum
 import functools
 import hashlib
 import inspect
@@ -26,8 +27,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from kombu import serialization
+from pydantic import BaseModel
 
 from .errors import ConfigurationError, InvalidKeyError, SerializationError
+from .pydantic_sets import Shape, Unordered, model_shape, unordered
 
 # kombu ships no annotations: name the two calls used here with their real shapes.
 kombu_dumps: Callable[..., tuple[str, str, Any]] = serialization.dumps
@@ -180,6 +183,12 @@ def _normalize(value: Any) -> Any:
         return {f"{_TAG}bytes": bytes(value).hex()}
     if isinstance(value, (set, frozenset)):
         return {f"{_TAG}set": sorted(canonical_json(v) for v in value)}
+    if isinstance(value, Unordered):  # a list the worker reads as a set: the set's form
+        return {f"{_TAG}set": sorted({canonical_json(v) for v in value.items})}
+    if isinstance(value, BaseModel):  # pickled as itself: its JSON form, as Celery sends it otherwise
+        return _normalize(unordered(value.model_dump(mode="json"), model_shape(type(value))))
+    if isinstance(value, enum.Enum):
+        return {f"{_TAG}enum": [f"{type(value).__module__}.{type(value).__qualname__}", _normalize(value.value)]}
     raise TypeError(f"{type(value).__module__}.{type(value).__qualname__} has no canonical JSON form")
 
 
@@ -215,6 +224,7 @@ def fingerprint(
     serializer: str = "json",
     skip_first: bool = False,
     bind: bool = True,
+    sets: Mapping[str, Shape] | None = None,
 ) -> str:
     """SHA-256 hex digest of the call's canonical arguments (DESIGN §2).
 
@@ -228,6 +238,8 @@ def fingerprint(
         skip_first: Drop the first parameter (``self`` of a bound task).
         bind: Bind the call to ``func``'s signature; False takes it as given (the task's
             ``typing`` is off), and then ``key_args`` must be None.
+        sets: Where a ``pydantic=True`` task's parameters hold sets that arrive as lists
+            (celery_idem.pydantic_sets.parameter_shapes): those lists count unordered.
 
     Raises:
         TypeError: the arguments do not fit the signature, or ``key_args`` is given with
@@ -246,12 +258,16 @@ def fingerprint(
         if key_args is not None:
             arguments = _select(arguments, key_args, func)
     received = _round_trip(arguments, serializer)
+    if sets and bind:
+        for name, shape in sets.items():
+            if name in received:
+                received[name] = unordered(received[name], shape)
     try:
         text = canonical_json(received)
     except (TypeError, ValueError) as exc:
         raise SerializationError(
             f"the task's arguments, as the {serializer!r} serializer delivers them, have no canonical form "
             f"for the fingerprint: {exc}; "
-            "pass JSON-like values (str, numbers, lists, dicts, UUID, datetime, Decimal, bytes)"
+            "pass JSON-like values (str, numbers, lists, dicts, UUID, datetime, Decimal, bytes, enums, models)"
         ) from exc
     return hashlib.sha256(text.encode("utf-8")).hexdigest()

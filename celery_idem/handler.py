@@ -32,7 +32,7 @@ from celery import group, states
 from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 
-from . import timing
+from . import outage, timing
 from .calls import encode_call, published_options
 from .errors import (
     ConfigurationError,
@@ -54,13 +54,12 @@ from .protocol import (
     KEY_HEADER,
     LEDGER_ATTEMPT_ATTRIBUTE,
     LEDGER_USED_ATTRIBUTE,
-    OUTAGE_HEADER,
     REPLACED_FAILED_TASK,
     REPLACED_TASK,
     SCOPE_HEADER,
-    SURPRISES_HEADER,
     request_header,
 )
+from .pydantic_sets import parameter_shapes
 from .records import Decision, ErrorInfo, IdempotencyRecord, Identity, Transition
 from .stores.base import Fence, new_token
 
@@ -71,11 +70,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Handler"]
 
-_OUTAGE_FIRST_DELAY, _OUTAGE_MAX_DELAY = 0.5, 30.0  # seconds: the outage backoff doubles up to this
-# A store error no outage mapping knows may never pass (a task id the database refuses): after this
-# many trips back to the broker for such errors (SURPRISES_HEADER; a real outage's trips do not
-# count) the message fails with it instead of looping forever.
-_UNEXPECTED_MAX_WAITS = 8
 _CONTINUATIONS = ("link", "link_error", "chain", "chord", "group_id")
 
 logger = logging.getLogger("celery_idem.handler")
@@ -99,6 +93,7 @@ class Handler:
         # Celery checks a call against the signature only while the task's typing is on (it
         # defaults to app.strict_typing): with it off, the call is fingerprinted as given.
         self._typed = bool(task.app.strict_typing if task.typing is None else task.typing)
+        self._sets = parameter_shapes(task)  # a pydantic=True task's set fields, sent as lists
         if self.policy.key_args is not None:
             check_key_args(self._run_function, self.policy.key_args, task_name=task.name, typed=self._typed)
 
@@ -106,7 +101,7 @@ class Handler:
 
     def fingerprint(self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None) -> str:
         return fingerprint(self._run_function, args, kwargs, key_args=self.policy.key_args,
-                           serializer=self.serializer, bind=self._typed)  # fmt: skip
+                           serializer=self.serializer, bind=self._typed, sets=self._sets)  # fmt: skip
 
     def identify(self, key: Any, scope: Any, fp: str) -> Identity:
         """Validate the caller's key and scope; a call without a key is keyed by its fingerprint."""
@@ -144,7 +139,7 @@ class Handler:
             # Celery's retry re-publishes the same attempt chain under the same task id: never claimed again.
             return send(args, kwargs, options)
 
-        args, kwargs = self._as_sent(args, kwargs, options)
+        args, kwargs = self.as_sent(args, kwargs, options)
         fp = self.fingerprint(args, kwargs)
         if key is None and scope is None:
             key, scope = self._running_identity(fp)
@@ -226,7 +221,7 @@ class Handler:
             record=record if record.state.settled else None,
         )
 
-    def _as_sent(
+    def as_sent(
         self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, options: Mapping[str, Any]
     ) -> tuple[Any, Any]:
         """The arguments as Celery sends them: a ``pydantic=True`` task's models dumped, as Celery's
@@ -293,6 +288,7 @@ class Handler:
         """Acquire and run the body once per identity, or replay/wait/refuse."""
         task, request = self.task, self.task.request
         if request_header(request, BYPASS_HEADER) is False:
+            request.idempotency_key = request.idempotency_scope = None  # bypassed: the body holds no identity
             return self._run_function(*args, **kwargs)
         fp = self.fingerprint(args, kwargs)
         key, scope = request_header(request, KEY_HEADER), request_header(request, SCOPE_HEADER)
@@ -324,8 +320,7 @@ class Handler:
             except StoreUnavailableError as exc:
                 if self._proceed_unprotected("acquire", identity, task_id):
                     return self._run_function(*args, **kwargs)
-                surprises = int(request_header(request, SURPRISES_HEADER) or 0)
-                if request.is_eager or (exc.unexpected and surprises >= _UNEXPECTED_MAX_WAITS):
+                if request.is_eager or outage.gives_up(request, exc):
                     # No broker keeps an eager call (and a store error no outage mapping knows that
                     # outlived every trip back may never pass): the caller is told. The acquire that
                     # may have landed (reply lost) is given back whole, and so is the claim waiting
@@ -337,7 +332,7 @@ class Handler:
                 # PENDING for the message kept below, or its copy would wait out a lease nobody holds.
                 pending = timing.pending_seconds(policy.pending_timeout_seconds, {}, request.expires)
                 self._give_back(identity, owner, pending, settled_is_fine=True)
-                raise self._keep_message(args, kwargs, surprises + exc.unexpected) from None
+                raise outage.keep_message(task, args, kwargs, exc, self._republish) from None
             record = taken.record
             assert record is not None
             self._log(taken.decision, identity, task_id, record)
@@ -394,24 +389,6 @@ class Handler:
         """A copy of a running task id ends without writing that id's state or result."""
         logger.info("copy of running task %s (%s) acknowledged quietly: %s", task_id, identity, why)
         return Ignore(f"copy of running task {task_id}: {why}")
-
-    def _keep_message(self, args: Sequence[Any], kwargs: Mapping[str, Any], surprises: int) -> Retry:
-        """Fail closed, never lost: the store is down, so the message goes back to the broker with a
-        growing countdown until the store answers. Neither bounded by nor counted in the task's own
-        max_retries (the task did not fail), so Celery's retries count is kept as it is."""
-        task, request = self.task, self.task.request
-        waits = int(request_header(request, OUTAGE_HEADER) or 0)
-        countdown = min(_OUTAGE_FIRST_DELAY * 2**waits, _OUTAGE_MAX_DELAY)
-        logger.error(
-            "store unavailable: task %s (%s) not run, back to the broker in %gs (on_store_error='raise')",
-            task.name,
-            request.id,
-            countdown,
-        )
-        headers = {OUTAGE_HEADER: waits + 1, **({SURPRISES_HEADER: surprises} if surprises else {})}
-        self._republish(args, kwargs, countdown=countdown, headers=headers)
-        return Retry(exc=StoreUnavailableError(f"the idempotency store is unavailable; retry in {countdown:g}s"),
-                     when=countdown)  # fmt: skip
 
     def _republish(
         self,

@@ -18,6 +18,7 @@ __all__ = [
     "REPLACED_TASK",
     "SCOPE_HEADER",
     "SURPRISES_HEADER",
+    "headers_with_options",
     "message_header",
     "request_header",
 ]
@@ -54,3 +55,14 @@ def message_header(message: Mapping[str, Any], name: str) -> Any:
     if value is None:
         value = (message.get("properties") or {}).get(name)
     return value
+
+
+def headers_with_options(options: dict[str, Any], headers: Any) -> Any:
+    """The headers of a call run inline (``Task.apply``) with the idempotency options given to it
+    moved in, as a worker finds them in a message (an option wins over a header, as in
+    apply_async); ``headers`` as given when no option is set. The options are taken out of
+    ``options``."""
+    moved = {name: value for name in OPTION_HEADERS if (value := options.pop(name, None)) is not None}
+    if not moved:
+        return headers
+    return {**(headers if isinstance(headers, Mapping) else {}), **moved}

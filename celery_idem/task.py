@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from celery import Task
@@ -12,7 +13,7 @@ from .config import IdempotencyPolicy
 from .errors import ConfigurationError
 from .extension import Idempotency
 from .handler import Handler
-from .protocol import KEY_HEADER, request_header
+from .protocol import BYPASS_HEADER, KEY_HEADER, SCOPE_HEADER, headers_with_options, request_header
 from .result import IdempotentResult
 
 __all__ = ["IdempotentTask"]
@@ -69,6 +70,39 @@ class IdempotentTask(Task):  # type: ignore[misc]
     ) -> Any:
         options.update(task_id=task_id, producer=producer, link=link, link_error=link_error, shadow=shadow)
         return self.idempotency_handler.publish(args, kwargs, options, self._send)
+
+    def apply(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        task_id: str | None = None,
+        retries: int | None = None,
+        throw: bool | None = None,
+        logfile: Any = None,
+        loglevel: Any = None,
+        headers: Any = None,
+        **options: Any,
+    ) -> Any:
+        """Run the call here, as a worker runs its message: ``idempotency_key``,
+        ``idempotency_scope`` and ``idempotency=False`` are honoured as apply_async honours them
+        (one run per identity, a stored outcome replayed, other arguments under a used key refused
+        with PayloadMismatchError: in the EagerResult, or raised at once with ``throw=True``).
+        A ``pydantic=True`` task's models are dumped as apply_async sends them.
+
+        Raises:
+            InvalidKeyError: the key or scope breaks the rule, or the policy requires a key and the
+                call has none, before anything runs.
+        """
+        headers = headers_with_options(options, headers)
+        found = headers if isinstance(headers, Mapping) else {}
+        handler = self.idempotency_handler
+        if found.get(BYPASS_HEADER) is not False:
+            handler.identify(found.get(KEY_HEADER), found.get(SCOPE_HEADER), "")  # the key rules, require_key too
+        args, kwargs = handler.as_sent(args, kwargs, options)
+        return super().apply(args, kwargs, link=link, link_error=link_error, task_id=task_id, retries=retries,
+                             throw=throw, logfile=logfile, loglevel=loglevel, headers=headers, **options)  # fmt: skip
 
     def _send(self, args: Any, kwargs: Any, options: dict[str, Any]) -> Any:
         return super().apply_async(args, kwargs, **options)

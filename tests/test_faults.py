@@ -555,3 +555,74 @@ def test_a_real_outage_keeps_sending_the_message_back_however_long_it_lasts(monk
     app.finalize()
     execute_as_worker(app, charge.name, "t-long", idempotency_key="k", **{OUTAGE_HEADER: 50})
     assert len(republished) == 1 and republished[0][OUTAGE_HEADER] == 51  # fail closed, never lost
+
+
+# Trip counts far past any real outage (2**80 trips of 30 s outlast the universe), and headers a
+# producer mangled: each reads as a sane count, and the message goes back with a bounded countdown.
+_TRIP_HEADERS = {
+    "million": (10**6, 30.0),
+    "two_to_the_80": (2**80, 30.0),
+    "not_a_number": ("abc", 0.5),
+    "negative": (-3, 0.5),
+    "fractional": (1.5, 1.0),
+    "null": (None, 0.5),
+}
+
+
+def test_a_message_back_from_any_number_of_outage_trips_goes_back_again_and_never_fails(
+    tmp_path: Any, prefix: str
+) -> None:
+    from celery import Celery
+    from workers import Worker, wait_for
+
+    from celery_idem.protocol import OUTAGE_HEADER, SURPRISES_HEADER
+
+    # Given a real worker whose store is unreachable (nothing listens on port 1: refused)
+    worker = Worker(tmp_path, BROKER, "redis://127.0.0.1:1/0", prefix, pool="solo", concurrency=1)
+    producer = Celery("plain-producer", broker=BROKER, backend=BACKEND, set_as_current=False)
+    try:
+        # When messages arrive whose trip headers say they went back that often (or say nonsense)
+        sent = {
+            name: producer.send_task(
+                "shop.charge", (1, 10), queue=prefix,
+                headers={"idempotency_key": f"{prefix}-{name}", OUTAGE_HEADER: value, SURPRISES_HEADER: value},
+            )
+            for name, (value, _) in _TRIP_HEADERS.items()
+        }  # fmt: skip
+
+        def trips_of(task_id: str) -> list[str]:
+            return [line for line in worker.output().splitlines() if task_id in line and "back to the broker" in line]
+
+        for name, (_, delay) in _TRIP_HEADERS.items():
+            task_id = sent[name].id
+            # Then each goes back to the broker (received again under its id) after a countdown
+            # the backoff bounds: the capped 30 s for the long outages, the first steps for the rest
+            wait_for(lambda: trips_of(task_id), f"{name}: back to the broker", 60)  # noqa: B023
+            assert f"back to the broker in {delay:g}s" in trips_of(task_id)[0], (name, trips_of(task_id))
+            received = f"Task shop.charge[{task_id}] received"
+            wait_for(lambda: worker.output().count(received) >= 2, f"{name}: received again", 60)  # noqa: B023
+        # and none of them failed: the calls are kept, not consumed as failures
+        for name, result in sent.items():
+            assert result.state != "FAILURE", (name, result.result)
+        assert "Traceback" not in worker.output()
+    finally:
+        worker.stop()
+        for result in sent.values():
+            result.forget()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [None, -3, 1.5, "abc", "²", "12", 10**6, 2**80, float("inf"), float("nan"), True, [1], b"3", "9" * 40, -1e308],
+)
+def test_any_trip_header_reads_as_a_bounded_count_and_a_capped_countdown(value: Any) -> None:
+    from types import SimpleNamespace
+
+    from celery_idem import outage
+
+    # Given a message whose trip header holds anything a producer can put there
+    request = SimpleNamespace(headers={"idempotency_store_waits": value}, properties={})
+    # Then it reads as a count in [0, MAX_TRIPS], and the next countdown is in the backoff's range
+    trips = outage.trips(request, "idempotency_store_waits")
+    assert 0 <= trips <= outage.MAX_TRIPS
+    assert outage.FIRST_DELAY_SECONDS <= outage.countdown(trips) <= outage.MAX_DELAY_SECONDS

@@ -536,3 +536,192 @@ def test_unbound_fingerprint_takes_the_call_as_given_without_the_signature() -> 
 def test_unbound_fingerprint_refuses_key_args() -> None:
     with pytest.raises(TypeError, match="key_args needs the call bound to the task's signature"):
         fingerprint(charge, (42, 100), {}, key_args=["order_id"], bind=False)
+
+
+# ---- a pydantic=True task's sets: one call whatever the process (DESIGN §3) -----------------------
+# Celery dumps a model argument with model_dump(mode="json"): a set field becomes a list in the set's
+# iteration order, which the process's hash seed decides. The worker's validation reads it as a set.
+
+
+def _tagged_task(serializer: str = "json") -> Any:
+    import tagged_orders
+
+    return tagged_orders.make_app("memory://", None, "memory://", "fp", serializer).tasks["tagged.place"]
+
+
+def _fingerprint_of_dump(task: Any, dumped: dict[str, Any]) -> str:
+    """The fingerprint of a message carrying ``dumped`` as the order, as the worker computes it."""
+    return str(task.idempotency_handler.fingerprint((dumped,), {}))
+
+
+def _dump(**overrides: Any) -> dict[str, Any]:
+    import tagged_orders
+
+    dumped: dict[str, Any] = tagged_orders.order(**overrides).model_dump(mode="json")
+    return dumped
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("serializer", ["json", "yaml", "pickle"])
+def test_a_pydantic_call_with_sets_has_one_fingerprint_in_processes_with_other_hash_seeds(serializer: str) -> None:
+    # Given two producer processes whose hash seeds order every set differently
+    fingerprints = [
+        subprocess.run(
+            [sys.executable, "tagged_orders.py", "fingerprint", serializer],
+            cwd=os.path.dirname(__file__),
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout.strip()
+        for seed in ("1", "2")
+    ]
+    # Then both fingerprint the same call the same, and so does this process, and so does a worker
+    # receiving it (the dumped lists in any order)
+    task = _tagged_task(serializer)
+    here = task.idempotency_handler.fingerprint(*task.idempotency_handler.as_sent((_order(),), {}, {}))
+    assert fingerprints[0] == fingerprints[1] == here == _fingerprint_of_dump(_tagged_task(), _reversed_sets(_dump()))
+
+
+def _order(**overrides: Any) -> Any:
+    import tagged_orders
+
+    return tagged_orders.order(**overrides)
+
+
+def _reversed_sets(dumped: dict[str, Any]) -> dict[str, Any]:
+    """The dump as another process may write it: every list that came from a set, reversed."""
+    flipped = dict(dumped)
+    for name in ("tags", "codes", "lines", "gift_tags"):
+        flipped[name] = list(reversed(dumped[name]))
+    flipped["by_warehouse"] = {k: list(reversed(v)) for k, v in dumped["by_warehouse"].items()}
+    flipped["pair"] = [list(reversed(dumped["pair"][0])), dumped["pair"][1]]
+    parcel = dumped["parcel"]
+    inner = parcel["contents"][0]
+    flipped["parcel"] = {**parcel, "labels": list(reversed(parcel["labels"])),
+                         "contents": [{**inner, "labels": list(reversed(inner["labels"]))}]}  # fmt: skip
+    return flipped
+
+
+def test_each_set_field_of_a_pydantic_argument_is_read_unordered_at_any_depth() -> None:
+    task = _tagged_task()
+    dumped = _dump()
+    base = _fingerprint_of_dump(task, dumped)
+    for name in ("tags", "codes", "lines", "gift_tags"):
+        assert _fingerprint_of_dump(task, {**dumped, name: list(reversed(dumped[name]))}) == base, name
+    # the worker's validation makes one set of repeated members too
+    assert _fingerprint_of_dump(task, {**dumped, "tags": dumped["tags"] + dumped["tags"][:1]}) == base
+    # and a set is still told apart from another set
+    assert _fingerprint_of_dump(task, {**dumped, "tags": dumped["tags"][1:]}) != base
+    assert _fingerprint_of_dump(task, _reversed_sets(dumped)) == base
+
+
+def test_an_ordered_list_beside_the_sets_keeps_its_order() -> None:
+    # A missed merge runs a call twice; a wrong one would answer a different call: lists stay lists
+    task = _tagged_task()
+    dumped = _dump()
+    assert _fingerprint_of_dump(task, {**dumped, "ordered": list(reversed(dumped["ordered"]))}) != (
+        _fingerprint_of_dump(task, dumped)
+    )
+
+
+def test_a_list_a_union_reads_both_as_a_set_and_in_order_keeps_its_order() -> None:
+    from pydantic import BaseModel
+
+    from celery_idem.pydantic_sets import model_shape, unordered
+
+    class Either(BaseModel):
+        values: set[str] | list[str]
+        tags: set[str] | None = None
+
+    shape = model_shape(Either)
+    seen = unordered({"values": ["b", "a"], "tags": ["b", "a"]}, shape)
+    assert seen["values"] == ["b", "a"]  # ambiguous: left as sent
+    assert type(seen["tags"]).__name__ == "Unordered"
+
+
+def test_models_without_sets_add_no_work_to_the_fingerprint() -> None:
+    from celery import Celery
+    from pydantic import BaseModel
+
+    from celery_idem import Idempotency, IdempotentTask
+    from celery_idem.pydantic_sets import parameter_shapes
+
+    class Plain(BaseModel):
+        order_id: int
+        lines: list[str] = []
+        notes: dict[str, list[int]] = {}
+
+    app = Celery("no-sets", set_as_current=False, broker="memory://")
+    Idempotency(app, store="memory://")
+
+    @app.task(base=IdempotentTask, pydantic=True, shared=False)
+    def place(order: Plain) -> None: ...
+
+    @app.task(base=IdempotentTask, shared=False)
+    def charge(order_id: int, tags: list[str]) -> None: ...
+
+    assert parameter_shapes(place) is None and parameter_shapes(charge) is None
+    assert parameter_shapes(_tagged_task()) is not None
+
+
+def test_an_enum_and_a_model_carried_by_pickle_have_a_canonical_form() -> None:
+    import tagged_orders
+
+    speed = tagged_orders.Speed.EXPRESS
+    assert fingerprint(one, (speed,), {}, serializer="pickle") == fingerprint(one, (speed,), {}, serializer="pickle")
+    assert fingerprint(one, (speed,), {}, serializer="pickle") != fingerprint(
+        one, ("express",), {}, serializer="pickle"
+    )
+    # A model pickled as itself is fingerprinted as its JSON form with its sets unordered: the call
+    # a json task gets from Celery's dump of it
+    task = _tagged_task("pickle")
+    assert task.idempotency_handler.fingerprint((_order(),), {}) == _fingerprint_of_dump(_tagged_task(), _dump())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("keyed", [False, True], ids=["key-less", "keyed"])
+def test_the_same_pydantic_call_from_producers_with_other_hash_seeds_runs_once_on_a_real_worker(
+    keyed: bool, prefix: str
+) -> None:
+    import redis
+    import tagged_orders
+    from celery.contrib.testing.worker import start_worker
+    from conftest import REDIS_URL, require_server, wipe
+
+    from celery_idem import Idempotency
+
+    require_server("redis")
+    broker, backend = "redis://127.0.0.1:6379/14", "redis://127.0.0.1:6379/13"
+    app = tagged_orders.make_app(broker, backend, REDIS_URL, prefix)
+    counter = redis.Redis.from_url(tagged_orders.COUNTER_URL)
+    effects = f"effects:{prefix}:tagged.place"
+    key = [f"{prefix}-order-7"] if keyed else []
+
+    def send(seed: str) -> str:
+        """A web process with its own hash seed sends Order 7 (its sets in that process's order)."""
+        sent = subprocess.run(
+            [sys.executable, "tagged_orders.py", "send", broker, backend, REDIS_URL, prefix, *key],
+            cwd=os.path.dirname(__file__),
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert sent.returncode == 0, sent.stderr  # keyed, a PayloadMismatchError would end here
+        return sent.stdout.strip()
+
+    try:
+        with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False, shutdown_timeout=20):
+            # Given one producer's call has run
+            first = send("1")
+            outcome = app.AsyncResult(first).get(timeout=20)
+            # When another producer, whose hash seed orders every set otherwise, sends the same call
+            second = send("2")
+            # Then it is the same call: handed the first's task id and outcome, the body run once
+            assert second == first and app.AsyncResult(second).get(timeout=20) == outcome
+            assert int(counter.get(effects) or 0) == 1
+    finally:
+        counter.delete(effects)
+        wipe(Idempotency.of(app).store)

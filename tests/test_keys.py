@@ -240,3 +240,30 @@ def test_invalid_key_error_rebuilds_from_its_positional_args_alone() -> None:
     rebuilt = type(error)(*error.args)
 
     assert str(rebuilt) == str(error)
+
+
+def test_apply_checks_the_key_rules_before_anything_runs() -> None:
+    from celery import Celery
+
+    from celery_idem import Idempotency, IdempotentTask
+
+    app = Celery("apply-keys", set_as_current=False, broker="memory://", backend="cache+memory://")
+    Idempotency(app, store="memory://")
+    runs: list[int] = []
+
+    @app.task(base=IdempotentTask, shared=False, idempotency={"require_key": True})
+    def charge(order_id: int) -> int:
+        runs.append(order_id)
+        return order_id
+
+    # Task.apply() refuses as apply_async does: at the call, naming the rule, with nothing run
+    with pytest.raises(InvalidKeyError, match="whitespace"):
+        charge.apply((1,), idempotency_key="order 1")
+    with pytest.raises(InvalidKeyError, match="idempotency scope"):
+        charge.apply((1,), idempotency_key="order-1", idempotency_scope="")
+    with pytest.raises(InvalidKeyError, match="requires an idempotency key"):
+        charge.apply((1,))
+    assert runs == []
+    # and a valid key runs it, as does a call that bypasses idempotency
+    assert charge.apply((1,), idempotency_key="order-1").get() == 1
+    assert charge.apply((2,), idempotency=False).get() == 2 and runs == [1, 2]

@@ -352,6 +352,39 @@ def test_key_in_the_message_properties_keys_the_call_on_the_worker(shop: Shop, k
     assert shop.effects("charge", key) == 1
 
 
+def test_apply_honours_the_idempotency_options_as_apply_async_does(shop: Shop, key: str) -> None:
+    charge = shop.task("charge")
+    # Given a call run inline with apply() under a key and a scope
+    first = charge.apply((42, 100), idempotency_key=key, idempotency_scope="tenant-a")
+    # Then the body ran under that key (its effect is counted under it) and the record is the key's,
+    # in that scope, under the apply's task id
+    assert first.get(timeout=GET)["charged"] == 100 and shop.effects("charge", key) == 1
+    record = shop.idem.get(charge, key, scope="tenant-a")
+    assert record is not None and record.state is State.COMPLETED and record.task_id == first.id
+    # When the same call is sent to the worker under the same key and scope
+    again = charge.apply_async((42, 100), idempotency_key=key, idempotency_scope="tenant-a")
+    # Then it is the same call: handed the apply's id and outcome, the body not run again
+    assert again.deduplicated and again.id == first.id
+    assert again.get(timeout=GET) == first.get() and shop.effects("charge", key) == 1
+    # When other arguments come under the key, through apply() (raised by get(), or at once with throw)
+    with pytest.raises(PayloadMismatchError):
+        charge.apply((42, 999), idempotency_key=key, idempotency_scope="tenant-a").get()
+    with pytest.raises(PayloadMismatchError):
+        charge.apply((42, 999), idempotency_key=key, idempotency_scope="tenant-a", throw=True)
+    # Then they were refused without running, and the record is untouched
+    assert shop.effects("charge", key) == 1 and shop.idem.get(charge, key, scope="tenant-a") == record
+    # When the key comes in another scope, it is another identity: it runs, once
+    other = charge.apply((42, 100), idempotency_key=key, idempotency_scope="tenant-b")
+    assert other.get(timeout=GET)["charged"] == 100 and shop.effects("charge", key) == 2
+    assert charge.apply_async((42, 100), idempotency_key=key, idempotency_scope="tenant-b").id == other.id
+    # When apply() bypasses for one call, the body runs, under no key, and no record changes
+    unkeyed = shop.effects("charge", "None")
+    bypassed = charge.apply((42, 100), idempotency_key=key, idempotency_scope="tenant-a", idempotency=False)
+    assert bypassed.get(timeout=GET)["charged"] == 100
+    assert shop.effects("charge", "None") == unkeyed + 1 and shop.effects("charge", key) == 2
+    assert shop.idem.get(charge, key, scope="tenant-a") == record
+
+
 def test_pydantic_task_called_with_models_runs_once_per_key(shop: Shop, key: str) -> None:
     place = shop.task("place")
     # When: a pydantic=True task is called with a model, an equal model and the model's dump, under one key
@@ -367,6 +400,18 @@ def test_pydantic_task_called_with_models_runs_once_per_key(shop: Shop, key: str
     assert shop.effects("place", key) == 1
     with pytest.raises(PayloadMismatchError):
         place.apply_async((Order(order_id=3, amount=31),), idempotency_key=key)
+
+
+def test_apply_of_a_pydantic_task_with_a_model_is_the_call_apply_async_sends(shop: Shop, key: str) -> None:
+    place = shop.task("place")
+    # Given a pydantic=True task run inline with apply() and a model, under a key
+    first = place.apply((Order(order_id=4, amount=40),), idempotency_key=key)
+    assert first.get(timeout=GET) == {"order": 4, "amount": 40}
+    # When the same model is sent to the worker under the key
+    again = place.apply_async((Order(order_id=4, amount=40),), idempotency_key=key)
+    # Then it is the same call (the model dumped as apply_async sends it): the body ran once
+    assert again.deduplicated and again.id == first.id and again.get(timeout=GET) == first.get()
+    assert shop.effects("place", key) == 1
 
 
 def test_a_chain_whose_head_is_a_duplicate_still_runs_its_tail(shop: Shop, key: str) -> None:
