@@ -40,6 +40,9 @@ logger = logging.getLogger("celery_idem.handler")
 
 _FIRST_PAUSE, _MAX_PAUSE = 0.02, 1.0  # seconds between looks while waiting in the worker (doubling)
 _SLACK_SECONDS = 1.0  # scheduling, a GC pause: what a look may run late by, past its store calls
+# No look is promised further out than this: a lease of "forever" (float("inf")) must not make
+# every acquire refuse its next look; a message that waits that long is past any promise anyway.
+_LONGEST_LOOK_SECONDS = 7 * 86400.0
 
 Republish = Callable[..., None]
 
@@ -85,7 +88,7 @@ class BusyWait:
             self._last = time.monotonic() >= self._deadline
         gap = self.policy.lease_seconds if self._last else self._pause
         # Two store calls' worth of time (this look's reply, the next look's request) and some slack.
-        return gap + 2 * self.store.timeout_seconds + _SLACK_SECONDS
+        return min(gap + 2 * self.store.timeout_seconds + _SLACK_SECONDS, _LONGEST_LOOK_SECONDS)
 
     # ---- after a look answered ---------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """A waiting duplicate gets its answer (DESIGN §3): a second message for a running identity under
 its own task id (a group holding one keyed call twice, a send_task duplicate) never runs the body
-and ends with the running attempt's outcome, however short the TTL and however long the attempt.
+and ends with the running attempt's outcome, however short the TTL and however long the attempt;
+if that attempt's holder died, it takes over once the lease has run out (at-least-once).
 
 Real ``celery worker`` subprocesses (prefork, two children) on the Redis and the PostgreSQL
 stores, in both ``on_busy`` modes; the body's executions are counted by its INCR (tests/shop.py).
@@ -22,6 +23,9 @@ from conftest import POSTGRES_URL, REDIS_URL, require_server
 from shop import COUNTER_URL, effects_key, make_app
 from test_worker import BACKEND, BROKERS
 from workers import Worker
+
+from celery_idem import Idempotency
+from celery_idem.records import Decision, Identity
 
 pytestmark = pytest.mark.slow
 GET = 30
@@ -87,4 +91,19 @@ def test_a_busy_duplicate_replays_an_outcome_whose_ttl_ran_out_while_it_waited(s
     values = shop.twice(0.3, key)
     # Then the record it saw was kept for that look: it replays, and the body ran once
     assert values == ["napped 0.3", "napped 0.3"], shop.worker.output()[-6000:]
+    assert shop.runs(key) == 1
+
+
+def test_a_busy_duplicate_takes_over_once_a_dead_attempts_lease_runs_out(shop: Shop, key: str) -> None:
+    # Given an attempt that took the identity and died (its 4 s lease is never renewed)
+    nap = shop.app.tasks["shop.nap"]
+    identity = Identity("", "shop.nap", key)
+    fp = nap.idempotency_handler.fingerprint((0.1,), {})
+    dead = Idempotency.of(shop.app).store.acquire(identity, fp, "dead-attempt", lease_seconds=4, ttl_seconds=60)
+    assert dead.decision is Decision.RUN
+    # When a message for the identity arrives under its own task id: BUSY, and back to the broker
+    # a second later, more often than the task's max_retries (1) allows
+    result = shop.app.send_task("shop.nap", (0.1,), headers={"idempotency_key": key})
+    # Then those trips never fail it: once the lease has run out it takes over and runs, once
+    assert result.get(timeout=GET) == "napped 0.1", shop.worker.output()[-6000:]
     assert shop.runs(key) == 1
