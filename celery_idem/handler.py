@@ -13,7 +13,7 @@ replays the stored outcome into it instead of running the body.
 Worker (``run``): acquire, then
     RUN    -> run the body under a heartbeat; complete, fail or release by the owner token
     REPLAY -> return or raise the stored outcome without running
-    BUSY   -> wait for the running attempt (on_busy="wait") or retry later (on_busy="retry")
+    BUSY   -> look again until the running attempt settles, then replay it (celery_idem.busy)
     MISMATCH -> PayloadMismatchError, record untouched
 """
 
@@ -33,6 +33,7 @@ from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 
 from . import outage, timing
+from .busy import BusyWait
 from .calls import encode_call, published_options
 from .errors import (
     ConfigurationError,
@@ -301,9 +302,7 @@ class Handler:
         request.idempotency_fingerprint = fp
         task_id = request.id
         policy = self.policy
-        deadline: float | None = None
-        copy_of_running = False  # this message carries the id of an attempt that is running now
-        pause = 0.02
+        wait = BusyWait(task, identity, policy, self.idem.store, self._republish, self.idem.count)
         call = self._call(args, kwargs)
         while True:
             owner = worker_token(getattr(request, "hostname", None))
@@ -316,6 +315,7 @@ class Handler:
                     ttl_seconds=policy.ttl_seconds,
                     owner=owner,
                     call=call,
+                    next_look_seconds=wait.next_look_seconds(),
                 )
             except StoreUnavailableError as exc:
                 if self._proceed_unprotected("acquire", identity, task_id):
@@ -339,56 +339,14 @@ class Handler:
             if taken.decision is Decision.RUN:
                 return self._run_owned(record, args, kwargs)
             if taken.decision is Decision.REPLAY:
-                if copy_of_running:
-                    raise self._quiet(identity, task_id, "the running attempt settled")
+                if (quiet := wait.replayed()) is not None:
+                    raise quiet
                 self.idem.count("replays")
                 return self.idem.replay(record)
             if taken.decision is Decision.MISMATCH:
                 self.idem.count("mismatches")
                 raise self._mismatch(identity, record)
-            # BUSY: another attempt holds a live lease.
-            copy_of_running = copy_of_running or record.task_id == task_id
-            if deadline is None:
-                self.idem.count("busy_waits")
-                waits = policy.on_busy == "wait" or copy_of_running
-                deadline = time.monotonic() + (policy.busy_wait_seconds if waits else 0)
-            if copy_of_running and not self._still_running(identity, task_id):
-                raise self._quiet(identity, task_id, "the running attempt settled")
-            if time.monotonic() >= deadline:
-                if copy_of_running:
-                    # Still held under this id: the attempt may be alive (it owns the outcome) or dead
-                    # with a lease nobody renews. The copy goes back to the broker, never dropped: it
-                    # ends quietly once that attempt settles, or takes over once its lease runs out.
-                    self._republish(args, kwargs, countdown=policy.lease_seconds)
-                    raise self._quiet(identity, task_id, "the running attempt still runs; the copy waits in the queue")
-                raise task.retry(
-                    countdown=policy.lease_seconds,
-                    exc=DuplicateTaskError(
-                        f"task {task.name!r} with idempotency key {identity.key!r} is still running as task "
-                        f"{record.task_id}; retrying later",
-                        key=identity.key,
-                        task_name=task.name,
-                        task_id=record.task_id,
-                    ),
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, 1.0)
-
-    def _still_running(self, identity: Identity, task_id: str) -> bool:
-        """True while the record is unsettled under ``task_id``: its attempt runs (a copy waits; if
-        that attempt's lease runs out, the copy's next acquire takes over, as a redelivery should),
-        or it went back to PENDING for a Celery retry, which may be this very message (Task.retry
-        publishes before the attempt releases): the next acquire takes it."""
-        try:
-            record = self.idem.store.get(identity)
-        except StoreUnavailableError:
-            return True
-        return record is not None and not record.state.settled and record.task_id == task_id
-
-    def _quiet(self, identity: Identity, task_id: str, why: str) -> Ignore:
-        """A copy of a running task id ends without writing that id's state or result."""
-        logger.info("copy of running task %s (%s) acknowledged quietly: %s", task_id, identity, why)
-        return Ignore(f"copy of running task {task_id}: {why}")
+            wait.busy(record, args, kwargs)  # BUSY: another attempt holds a live lease (celery_idem.busy)
 
     def _republish(
         self,

@@ -46,6 +46,9 @@ class Rec:
     content_encoding: str | None = None
     error: ErrorInfo | None = None
     call: bytes | None = None
+    # Hidden (no store reads it back): when a BUSY waiter will have looked again by. An outcome
+    # is kept at least until then, whatever its TTL ("A waiting duplicate gets its answer").
+    linger: float | None = None
 
 
 @dataclass(frozen=True)
@@ -111,15 +114,17 @@ class Model:
             assert held.lease_expires_at is not None
             if held.lease_expires_at > self.time:
                 return Answer(Decision.DUPLICATE, held)
-        # absent, or a lease that ran out: a new claim, written whole (nothing of the old survives)
+        # absent, or a lease that ran out: a new claim, written whole (nothing of the old survives
+        # but a waiter's mark: a BUSY duplicate of the old attempt is still owed its answer)
         fresh = Rec(identity, fingerprint, State.PENDING, task_id, owner, 0, self.time + lease, self.time,
-                    self.time, self.time + lease + ttl, ttl, call=call)  # fmt: skip
+                    self.time, self.time + lease + ttl, ttl, call=call,
+                    linger=held.linger if held is not None else None)  # fmt: skip
         self.records[identity] = fresh
         return Answer(Decision.NEW, fresh)
 
     def acquire(
         self, identity: Identity, fingerprint: str, task_id: str, *, lease_seconds: float, ttl_seconds: float,
-        owner: str, call: bytes | None = None,
+        owner: str, call: bytes | None = None, next_look_seconds: float = 0.0,
     ) -> Answer:  # fmt: skip
         lease, ttl = lease_seconds, ttl_seconds
         held = self._live(identity)
@@ -135,6 +140,9 @@ class Model:
             return Answer(Decision.REPLAY, held)
         assert held.lease_expires_at is not None
         if held.state is State.IN_PROGRESS and held.lease_expires_at > self.time:
+            # BUSY marks the record (nothing a reader sees changes): kept until the waiter's next look.
+            look = self.time + next_look_seconds
+            self.records[identity] = dataclasses.replace(held, linger=max(held.linger or look, look))
             return Answer(Decision.BUSY, held)
         taken = self._write(
             held, state=State.IN_PROGRESS, task_id=task_id, owner=owner, attempt=held.attempt + 1,
@@ -159,18 +167,19 @@ class Model:
         if held is None:
             return LOST
         self._write(held, state=State.COMPLETED, result=result, content_type=content_type,
-                    content_encoding=content_encoding, lease_expires_at=None,
-                    expires_at=self.time + held.ttl_seconds)  # fmt: skip
+                    content_encoding=content_encoding, lease_expires_at=None, expires_at=self._kept(held))  # fmt: skip
         return OK
 
     def fail(self, identity: Identity, token: str, error: ErrorInfo) -> Answer:
         held = self._owned(identity, token)
         if held is None:
             return LOST
-        self._write(
-            held, state=State.FAILED, error=error, lease_expires_at=None, expires_at=self.time + held.ttl_seconds
-        )
+        self._write(held, state=State.FAILED, error=error, lease_expires_at=None, expires_at=self._kept(held))
         return OK
+
+    def _kept(self, held: Rec) -> float:
+        """Until when an outcome settled now lives: its TTL, and never before a BUSY waiter's next look."""
+        return max(self.time + held.ttl_seconds, held.linger or 0.0)
 
     def release(
         self, identity: Identity, token: str, *, pending_seconds: float | None = None, fence: str = "owner",

@@ -40,6 +40,8 @@ ERRORS = (ErrorInfo(type="CardDeclined", module="shop", message="no", args=["no"
 LEASES = (QUANTUM, 2 * QUANTUM, 3 * QUANTUM)
 TTLS = (2 * QUANTUM, 8 * QUANTUM)
 STEPS = (QUANTUM, 2 * QUANTUM, 4 * QUANTUM)
+# How long a BUSY waiter may take to look again: none, within a TTL, and past the longest TTL.
+NEXT_LOOKS = (0.0, QUANTUM, 10 * QUANTUM)
 LIMITS = (1, 2, 10)
 
 # CELERY_IDEM_MODEL_SCALE=100 runs 100 times the examples/histories; CELERY_IDEM_MODEL_SEED another seed;
@@ -95,7 +97,15 @@ def random_op(rng: random.Random, identities: tuple[Identity, ...], *, with_time
     take = {"ttl_seconds": rng.choice(TTLS), "owner": owner, "call": rng.choice(CALLS)}
     choices: list[Callable[[], Op]] = [
         lambda: op("claim", i, rng.choice(FINGERPRINTS), task_id, pending_seconds=rng.choice(LEASES), **take),
-        lambda: op("acquire", i, rng.choice(FINGERPRINTS), task_id, lease_seconds=rng.choice(LEASES), **take),
+        lambda: op(
+            "acquire",
+            i,
+            rng.choice(FINGERPRINTS),
+            task_id,
+            lease_seconds=rng.choice(LEASES),
+            next_look_seconds=rng.choice(NEXT_LOOKS),
+            **take,
+        ),
         lambda: op("complete", i, owner, rng.choice(RESULTS)),
         lambda: op("fail", i, owner, rng.choice(ERRORS)),
         lambda: op("release", i, owner, pending_seconds=rng.choice((None, *LEASES)), expired_only=rng.random() < 0.2),

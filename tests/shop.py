@@ -100,6 +100,14 @@ def make_app(
         time.sleep(seconds)
         return f"slept {seconds}"
 
+    @task(name="shop.nap", idempotency={"lease_seconds": 1}, max_retries=1)
+    def nap(self: Any, seconds: float) -> str:
+        """A short lease (its BUSY duplicates go back to the broker every second) and one retry; its
+        TTL, on_busy and busy_wait_seconds come from the worker's settings."""
+        effect(self)
+        time.sleep(seconds)
+        return f"napped {seconds}"
+
     @task(name="shop.patient", autoretry_for=(StoreUnavailableError,), max_retries=2, default_retry_delay=0.1)
     def patient(self: Any, order_id: int) -> int:
         effect(self)

@@ -36,6 +36,7 @@ from model_harness import (
     KINDS,
     LEASES,
     LIMITS,
+    NEXT_LOOKS,
     OWNERS,
     RESULTS,
     SCALE,
@@ -119,9 +120,13 @@ class StoreMatchesModel(RuleBasedStateMachine):
     def claim(self, i: Identity, fp: str, task_id: str, pending: float, ttl: float, owner: str, call: Any) -> None:
         self.step(op("claim", i, fp, task_id, pending_seconds=pending, ttl_seconds=ttl, owner=owner, call=call))
 
-    @rule(i=identities, fp=fingerprints, task_id=task_ids, lease=leases, ttl=ttls, owner=owners, call=calls)
-    def acquire(self, i: Identity, fp: str, task_id: str, lease: float, ttl: float, owner: str, call: Any) -> None:
-        self.step(op("acquire", i, fp, task_id, lease_seconds=lease, ttl_seconds=ttl, owner=owner, call=call))
+    @rule(i=identities, fp=fingerprints, task_id=task_ids, lease=leases, ttl=ttls, owner=owners, call=calls,
+          look=st.sampled_from(NEXT_LOOKS))  # fmt: skip
+    def acquire(
+        self, i: Identity, fp: str, task_id: str, lease: float, ttl: float, owner: str, call: Any, look: float
+    ) -> None:
+        self.step(op("acquire", i, fp, task_id, lease_seconds=lease, ttl_seconds=ttl, owner=owner, call=call,
+                     next_look_seconds=look))  # fmt: skip
 
     # The attempt that holds a record writes under its token: these mostly land (OK).
 

@@ -6,6 +6,7 @@ Time moves through the injected fake clock; no test here sleeps.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 from conftest import make_store, wipe
@@ -169,6 +170,59 @@ def test_acquire_while_lease_is_live_is_busy(store: Store) -> None:
     t = acquire(store, task_id="redelivered")
     assert t.decision is Decision.BUSY
     assert snapshot(store) == before
+
+
+def test_a_busy_answer_keeps_the_outcome_until_the_waiters_next_look(store: Store, clock) -> None:
+    # Given an attempt running under a 5 s TTL
+    short = 5.0
+    taken = store.acquire(ID, FP, "task-1", lease_seconds=LEASE_S, ttl_seconds=short)
+    assert taken.decision is Decision.RUN and taken.record is not None
+    before = snapshot(store)
+    # When a duplicate is told BUSY and says it looks again within 100 s (and another within 10 s)
+    for look in (100.0, 10.0):
+        busy = store.acquire(ID, FP, "task-2", lease_seconds=LEASE_S, ttl_seconds=short, next_look_seconds=look)
+        assert busy.decision is Decision.BUSY
+    assert snapshot(store) == before  # nothing a reader sees changed
+    clock.advance(10)
+    assert store.complete(ID, taken.record.owner, RESULT).ok
+    # Then the outcome lives until the latest promised look, past its TTL, and then goes
+    record = store.get(ID)
+    assert record is not None and record.expires_at == pytest.approx(clock() + 90, abs=0.01)
+    clock.advance(89)
+    again = store.acquire(ID, FP, "task-2", lease_seconds=LEASE_S, ttl_seconds=short)
+    assert again.decision is Decision.REPLAY
+    clock.advance(2)
+    assert store.get(ID) is None
+
+
+def test_a_waiters_mark_outlives_a_takeover_but_not_the_record(store: Store, clock) -> None:
+    short = 5.0
+    first = store.acquire(ID, FP, "task-1", lease_seconds=LEASE_S, ttl_seconds=short)
+    assert first.decision is Decision.RUN
+    busy = store.acquire(ID, FP, "task-2", lease_seconds=LEASE_S, ttl_seconds=short, next_look_seconds=200)
+    assert busy.decision is Decision.BUSY
+    # Given the attempt's lease ran out and another attempt took the record over and settled it
+    clock.advance(LEASE_S + 1)
+    takeover = store.acquire(ID, FP, "task-3", lease_seconds=LEASE_S, ttl_seconds=short)
+    assert takeover.decision is Decision.RUN and takeover.record is not None
+    assert store.complete(ID, takeover.record.owner, RESULT).ok
+    # Then the waiter's mark still holds the outcome for its look
+    record = store.get(ID)
+    assert record is not None and record.expires_at == pytest.approx(clock() + 200 - LEASE_S - 1, abs=0.01)
+    # And a record that went (forgotten) comes back without it: its outcome lives its TTL
+    assert store.forget(ID)
+    fresh = store.acquire(ID, FP, "task-4", lease_seconds=LEASE_S, ttl_seconds=short)
+    assert fresh.decision is Decision.RUN and fresh.record is not None
+    assert store.complete(ID, fresh.record.owner, RESULT).ok
+    record = store.get(ID)
+    assert record is not None and record.expires_at == pytest.approx(clock() + short, abs=0.01)
+
+
+def test_acquire_refuses_a_next_look_that_is_negative_or_infinite(store: Store) -> None:
+    for look in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="next_look_seconds"):
+            store.acquire(ID, FP, "task-1", lease_seconds=LEASE_S, ttl_seconds=TTL_S, next_look_seconds=look)
+    assert store.get(ID) is None
 
 
 def test_acquire_past_the_lease_runs_again_and_counts_the_attempt(store: Store, clock) -> None:
@@ -651,16 +705,17 @@ def test_acquire_takes_a_record_that_went_back_to_pending_while_it_looked(store:
     held = acquire(store).record
     assert held is not None
     if type(store).__name__ == "SQLStore":
-        # the SQL store decides from a read after its upsert declined: the attempt releases to
-        # PENDING (a Celery retry queued) exactly between the two
-        read = store._read  # type: ignore[attr-defined]
+        # the SQL store decides BUSY in a statement after its upsert declined: the attempt releases
+        # to PENDING (a Celery retry queued) exactly between the two
+        run = store._run  # type: ignore[attr-defined]
 
-        def released_meanwhile(identity: Identity) -> object:
-            store.release(identity, held.owner, pending_seconds=LEASE_S)
-            store._read = read  # type: ignore[attr-defined]
-            return read(identity)
+        def released_meanwhile(statement: Any, params: Any, fetch: Any) -> object:
+            if statement is store._busy_sql:  # type: ignore[attr-defined]
+                store.release(ID, held.owner, pending_seconds=LEASE_S)
+                store._run = run  # type: ignore[attr-defined]
+            return run(statement, params, fetch)
 
-        store._read = released_meanwhile  # type: ignore[attr-defined]
+        store._run = released_meanwhile  # type: ignore[attr-defined]
     else:
         store.release(ID, held.owner, pending_seconds=LEASE_S)
     # When the retry's message acquires, Then it runs: a PENDING record is free to acquire

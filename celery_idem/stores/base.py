@@ -22,7 +22,14 @@ The rules every store follows (the memory store states them most plainly):
   out. A live IN_PROGRESS record under the same task id is a copy of the task running elsewhere
   (or the task itself): LOST.
 - Times: ``lease_expires_at`` while unsettled; ``expires_at`` = lease + ttl while unsettled (a dead
-  attempt's record is still collected), now + ttl once settled.
+  attempt's record is still collected), now + ttl once settled, but never before a BUSY waiter's
+  next look (below).
+- A waiting duplicate gets its answer: an acquire that answers BUSY records, in the same atomic
+  step and by the server's clock, that the record must live until now + ``next_look_seconds`` (a
+  hidden field, never part of the record read back; it only grows). complete/fail set ``expires_at``
+  to the later of now + ttl and that time, so a short TTL never lets an outcome vanish between a
+  waiter's looks. The mark stays with the record while it lives (takeovers keep it); a record
+  that is absent (never claimed, deleted, past its expiry) starts without one.
 """
 
 from __future__ import annotations
@@ -197,14 +204,21 @@ class Store(ABC):
         ttl_seconds: float,
         owner: str | None = None,
         call: bytes | None = None,
+        next_look_seconds: float = 0.0,
     ) -> Transition:
         """Worker side, before the body: RUN, BUSY, REPLAY or MISMATCH (with the record).
 
         ``call`` is kept as with :meth:`claim`; None keeps the call the claim stored, if any.
+        ``next_look_seconds``: on BUSY, the longest the caller may take to look again; the record,
+        once settled, lives at least that long past now, whatever its TTL.
         """
         lease, ttl = _positive("lease_seconds", lease_seconds), _positive("ttl_seconds", ttl_seconds)
+        if not 0 <= next_look_seconds < math.inf:
+            raise ValueError(f"next_look_seconds must be a finite number of seconds >= 0; got {next_look_seconds!r}")
         with self._guard("acquire", identity):
-            return self._acquire(identity, fingerprint, task_id, owner or new_token(), lease, ttl, call)
+            return self._acquire(
+                identity, fingerprint, task_id, owner or new_token(), lease, ttl, call, float(next_look_seconds)
+            )
 
     def complete(
         self,
@@ -371,7 +385,7 @@ class Store(ABC):
     @abstractmethod
     def _acquire(
         self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float,
-        call: bytes | None,
+        call: bytes | None, next_look: float,
     ) -> Transition: ...  # fmt: skip
 
     @abstractmethod

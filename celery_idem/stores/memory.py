@@ -32,6 +32,9 @@ class MemoryStore(Store):
         )
         self._lock = threading.RLock()
         self._by_identity: dict[Identity, IdempotencyRecord] = {}
+        # The hidden "keep until" a BUSY answer promised a waiter (stores/base.py); only live
+        # records have one: it is dropped with the record.
+        self._linger: dict[Identity, float] = {}
 
     def __len__(self) -> int:
         with self._lock:
@@ -41,9 +44,15 @@ class MemoryStore(Store):
     def _live(self, identity: Identity, now: float) -> IdempotencyRecord | None:
         record = self._by_identity.get(identity)
         if record is not None and record.expires_at <= now:
-            del self._by_identity[identity]
+            self._drop(identity)
             return None
+        if record is None:
+            self._linger.pop(identity, None)  # an absent record starts without a waiter's mark
         return record
+
+    def _drop(self, identity: Identity) -> None:
+        del self._by_identity[identity]
+        self._linger.pop(identity, None)
 
     def _put(
         self, identity: Identity, now: float, base: IdempotencyRecord | None, **fields: object
@@ -94,7 +103,7 @@ class MemoryStore(Store):
 
     def _acquire(
         self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float,
-        call: bytes | None,
+        call: bytes | None, next_look: float,
     ) -> Transition:  # fmt: skip
         with self._lock:
             now = self._clock_now()
@@ -106,6 +115,7 @@ class MemoryStore(Store):
                     return Transition(Decision.REPLAY, record)
                 assert record.lease_expires_at is not None
                 if record.state is State.IN_PROGRESS and record.lease_expires_at > now:
+                    self._linger[identity] = max(self._linger.get(identity, now), now + next_look)
                     return Transition(Decision.BUSY, record)
             taken = self._put(
                 identity,
@@ -145,7 +155,7 @@ class MemoryStore(Store):
                 content_encoding=outcome.content_encoding,
                 error=outcome.error,
                 lease_expires_at=None,
-                expires_at=now + record.ttl_seconds,
+                expires_at=max(now + record.ttl_seconds, self._linger.get(identity, now)),
             )
             return OK
 
@@ -162,7 +172,7 @@ class MemoryStore(Store):
             if live and (expired_only or (fence == "task_id" and record.state is State.IN_PROGRESS)):
                 return LOST
             if lease is None:
-                del self._by_identity[identity]
+                self._drop(identity)
             else:
                 self._put(
                     identity,
@@ -193,7 +203,7 @@ class MemoryStore(Store):
         with self._lock:
             if self._live(identity, self._clock_now()) is None:
                 return False
-            del self._by_identity[identity]
+            self._drop(identity)
             return True
 
     def _expired_leases(self, limit: int) -> list[IdempotencyRecord]:
@@ -202,7 +212,7 @@ class MemoryStore(Store):
             due: list[tuple[float, str, IdempotencyRecord]] = []
             for record in list(self._by_identity.values()):
                 if record.expires_at <= now:
-                    del self._by_identity[record.identity]
+                    self._drop(record.identity)
                 elif record.state in UNSETTLED and record.lease_expires_at is not None:
                     if record.lease_expires_at <= now:
                         bisect.insort(due, (record.lease_expires_at, str(record.identity), record))
@@ -213,7 +223,7 @@ class MemoryStore(Store):
             now = self._clock_now()
             gone = [identity for identity, r in self._by_identity.items() if r.expires_at <= now][:limit]
             for identity in gone:
-                del self._by_identity[identity]
+                self._drop(identity)
             return len(gone)
 
     def _records(self, state: State | None, task_name: str | None, limit: int) -> list[IdempotencyRecord]:

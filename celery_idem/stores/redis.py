@@ -289,9 +289,10 @@ class RedisStore(Store):
 
     def _take(
         self, script: str, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float,
-        call: bytes | None,
+        call: bytes | None, *more: str,
     ) -> Transition:  # fmt: skip
-        args: list[Any] = [self._now(), fingerprint, task_id, owner, repr(lease), repr(ttl), *identity, call or b""]
+        args: list[Any] = [self._now(), fingerprint, task_id, owner, repr(lease), repr(ttl), *identity, call or b"",
+                           *more]  # fmt: skip
         answer = self._scripts[script](keys=self.keys_for(identity), args=args)
         decision = Decision(answer[0].decode("ascii"))
         if decision is not Decision.NEW and decision is not Decision.RUN:
@@ -318,9 +319,9 @@ class RedisStore(Store):
 
     def _acquire(
         self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float,
-        call: bytes | None,
+        call: bytes | None, next_look: float,
     ) -> Transition:  # fmt: skip
-        return self._take("acquire", identity, fingerprint, task_id, owner, lease, ttl, call)
+        return self._take("acquire", identity, fingerprint, task_id, owner, lease, ttl, call, repr(next_look))
 
     def _fenced(self, script: str, identity: Identity, *argv: object) -> Transition:
         args: list[Any] = [self._now(), *argv]

@@ -9,6 +9,8 @@ one transaction and one round trip.
   (DUPLICATE, REPLAY, MISMATCH, BUSY) is named from it. A duplicate writes nothing.
 - complete, fail, release, renew: ``UPDATE``/``DELETE ... WHERE owner = :token AND state IN
   (unsettled)``, judged by the row count.
+- acquire's BUSY answer is itself a write: ``UPDATE ... SET linger_until WHERE <held by a live
+  attempt of this call> RETURNING``, so the waiter's mark lands on exactly the record judged BUSY.
 
 Time is the database's: every statement reads the server clock itself (``:p_now`` is NULL unless a
 test injected a clock; a test that shifts the clock adds ``:p_shift`` to it), so clients whose
@@ -119,6 +121,9 @@ def records_table(metadata: sa.MetaData, name: str = "celery_idem_records") -> s
         sa.Column("content_encoding", sa.String(64), nullable=True),
         sa.Column("error", sa.Text, nullable=True),
         sa.Column("call", sa.LargeBinary, nullable=True),  # kept only for stale_action="requeue"
+        # Hidden (never read into a record): when a BUSY waiter will have looked again by; an
+        # outcome is kept at least until then (stores/base.py, "A waiting duplicate gets its answer").
+        sa.Column("linger_until", sa.Double, nullable=True),
         # The reconciler's index: unsettled records by lease expiry (settled rows hold NULL).
         sa.Index(f"ix_{name}_lease", "namespace", "lease_expires_at"),
         sa.Index(f"ix_{name}_expires", "expires_at"),
@@ -273,6 +278,8 @@ class SQLStore(Store):
                 **{name: p(name) for name in _DATA}, **times,
             )  # fmt: skip
             changes = {name: ins.excluded[name] for name in (*_DATA, *_TIMES)} | special
+            # A live record keeps a BUSY waiter's mark whoever takes it over; an absent one has none.
+            changes["linger_until"] = sa.case((absent, sa.null()), else_=c.linger_until)
             statement: sa.Executable = ins.on_conflict_do_update(
                 index_elements=[c.namespace, c.scope, c.task_name, c.key], set_=changes, where=take
             ).returning(c.fingerprint, c.attempt, c.call, *(c[name] for name in _TIMES))
@@ -297,6 +304,15 @@ class SQLStore(Store):
                 "call": sa.case((absent, p("call")), else_=sa.func.coalesce(p("call"), c.call)),
             },
         )
+        # BUSY: a live attempt of this call (or chain) holds the record. Marked in the same statement
+        # that judges it so, with when the waiter will have looked again by; the mark only grows.
+        look = now + p("next_look")
+        self._busy_sql = (
+            sa.update(t)
+            .where(pk, c.expires_at > now, c.state == State.IN_PROGRESS.value, c.lease_expires_at > now, same)
+            .values(linger_until=sa.case((sa.func.coalesce(c.linger_until, 0.0) > look, c.linger_until), else_=look))
+            .returning(*t.c)
+        )
         # A read carries the database's time, so a held record is judged by the same clock.
         self._get_sql = sa.select(t, now.label("db_now")).where(pk, c.expires_at > now)
 
@@ -312,8 +328,9 @@ class SQLStore(Store):
 
         self._settle_sql = sa.update(t).where(owned("owner")).values(
             state=p("state"), result=p("result"), content_type=p("content_type"),
-            content_encoding=p("content_encoding"), error=p("error"), lease_expires_at=None,
-            updated_at=now, expires_at=now + c.ttl_seconds,
+            content_encoding=p("content_encoding"), error=p("error"), lease_expires_at=None, updated_at=now,
+            expires_at=sa.case((sa.func.coalesce(c.linger_until, 0.0) > now + c.ttl_seconds, c.linger_until),
+                               else_=now + c.ttl_seconds),  # never before a BUSY waiter's next look
         )  # fmt: skip
         only_expired = sa.or_(sa.not_(p("expired_only")), expired_lease)
         self._delete_sql = {fence: sa.delete(t).where(owned(fence), only_expired) for fence in ("owner", "task_id")}
@@ -427,7 +444,7 @@ class SQLStore(Store):
 
     def _take(
         self, statement: sa.Executable, claiming: bool, identity: Identity, fingerprint: str, task_id: str,
-        owner: str, lease: float, ttl: float, call: bytes | None,
+        owner: str, lease: float, ttl: float, call: bytes | None, next_look: float = 0.0,
     ) -> Transition:  # fmt: skip
         values = {
             "fingerprint": fingerprint, "state": (State.PENDING if claiming else State.IN_PROGRESS).value,
@@ -446,11 +463,17 @@ class SQLStore(Store):
                     **(values | {"state": State(values["state"])} | written),
                 )  # fmt: skip
                 return Transition(Decision.NEW if claiming else Decision.RUN, record)
+            if not claiming:
+                busy = self._run(self._busy_sql, params | {"p_next_look": next_look}, _one_or_none)
+                if busy is not None:
+                    return Transition(Decision.BUSY, self._record(busy))
             held, now = self._read(identity)
             if held is not None:
                 decision = classify(held, fingerprint, claiming=claiming, task_id=task_id)
-                if decision is not (Decision.DUPLICATE if claiming else Decision.BUSY) or not _takeable(
-                    held, now, claiming
+                # An acquire's BUSY comes from the marking statement above only: a record read as
+                # BUSY here changed hands since, so the acquire is tried again.
+                if decision is not (Decision.DUPLICATE if claiming else Decision.BUSY) or (
+                    claiming and not _takeable(held, now, claiming)
                 ):
                     return Transition(decision, held)
             # It was freed (deleted, expired, lease ran out) between the upsert and the read: take again.
@@ -464,9 +487,9 @@ class SQLStore(Store):
 
     def _acquire(
         self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float,
-        call: bytes | None,
+        call: bytes | None, next_look: float,
     ) -> Transition:  # fmt: skip
-        return self._take(self._acquire_sql, False, identity, fingerprint, task_id, owner, lease, ttl, call)
+        return self._take(self._acquire_sql, False, identity, fingerprint, task_id, owner, lease, ttl, call, next_look)
 
     # ---- fenced writes --------------------------------------------------------------------------
 

@@ -10,8 +10,10 @@
 -- any other per-identity key a script needs must carry the same {<prefix>:<shard>} tag.
 --
 -- Record hash fields: scope task key fp state task_id owner attempt lease created updated
--- expires ttl [call] [result ctype cenc | error]. Times are POSIX seconds with 6 decimals. `call`
--- (the serialized arguments) is kept only for tasks whose stale action is "requeue".
+-- expires ttl [call] [linger] [result ctype cenc | error]. Times are POSIX seconds with 6 decimals.
+-- `call` (the serialized arguments) is kept only for tasks whose stale action is "requeue".
+-- `linger` (hidden: never read back into a record) is the time a BUSY waiter will have looked
+-- again by (acquire.lua); settle.lua keeps the outcome at least until then.
 -- A record whose `expires` has passed is absent, even while Redis still holds the key.
 
 local function now_of(arg)

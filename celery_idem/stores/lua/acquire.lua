@@ -3,7 +3,9 @@
 -- ARGV[1] now ('' = server clock)  ARGV[2] fingerprint  ARGV[3] task id  ARGV[4] owner token
 -- ARGV[5] lease seconds            ARGV[6] ttl seconds   ARGV[7] scope  ARGV[8] task name  ARGV[9] key
 -- ARGV[10] the serialized call ('' = keep the claim's, if any)
--- Returns {decision, flat record} for BUSY, REPLAY or MISMATCH (untouched), and
+-- ARGV[11] next look seconds: on BUSY, how long the waiter may take to look again
+-- Returns {decision, flat record} for REPLAY or MISMATCH (untouched), for BUSY (whose record now
+-- holds `linger`: it lives, once settled, until the waiter's next look; see settle.lua), and
 -- {'RUN', now, fingerprint, attempt, created, call} when the IN_PROGRESS record was written.
 -- The same task id is the same attempt chain (a Celery retry): it runs even with other arguments,
 -- and the record keeps the fingerprint of the caller's call.
@@ -13,7 +15,11 @@ local fp, attempt, created, call = ARGV[2], 1, now, ARGV[10]
 if rec then
   if rec.fp ~= ARGV[2] and rec.task_id ~= ARGV[3] then return {'MISMATCH', flat} end
   if settled(rec) then return {'REPLAY', flat} end
-  if rec.state == 'IN_PROGRESS' and tonumber(rec.lease) > now then return {'BUSY', flat} end
+  if rec.state == 'IN_PROGRESS' and tonumber(rec.lease) > now then
+    local linger = math.max(tonumber(rec.linger or '0'), now + tonumber(ARGV[11]))
+    redis.call('HSET', KEYS[1], 'linger', fmt(linger))
+    return {'BUSY', flat}
+  end
   fp, attempt, created = rec.fp, tonumber(rec.attempt) + 1, tonumber(rec.created)
   if call == '' and rec.call then call = rec.call end
 end
@@ -27,6 +33,10 @@ local fields = {
 if call ~= '' then
   table.insert(fields, 'call')
   table.insert(fields, call)
+end
+if rec and rec.linger then  -- a waiter's mark stays with the record it was given on
+  table.insert(fields, 'linger')
+  table.insert(fields, rec.linger)
 end
 write_fresh(KEYS[1], KEYS[2], fields, lease, expires, now, existed)
 return {'RUN', fmt(now), fp, tostring(attempt), fmt(created), call}

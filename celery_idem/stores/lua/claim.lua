@@ -23,5 +23,9 @@ if ARGV[10] ~= '' then
   table.insert(fields, 'call')
   table.insert(fields, ARGV[10])
 end
+if rec and rec.linger then  -- a BUSY waiter's mark (acquire.lua) stays with the record it was given on
+  table.insert(fields, 'linger')
+  table.insert(fields, rec.linger)
+end
 write_fresh(KEYS[1], KEYS[2], fields, lease, expires, now, existed)
 return {'NEW', fmt(now)}

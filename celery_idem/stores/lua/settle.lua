@@ -3,10 +3,11 @@
 -- ARGV[1] now ('' = server clock)  ARGV[2] owner token  ARGV[3] new state ('COMPLETED' or 'FAILED')
 -- ARGV[4] result  ARGV[5] content type  ARGV[6] content encoding  ARGV[7] error JSON
 -- Returns 'OK', or 'LOST' (not PENDING/IN_PROGRESS, or another owner holds it).
+-- The outcome lives `ttl` seconds, and at least until a BUSY waiter's next look (`linger`).
 local now = now_of(ARGV[1])
 local rec = load(KEYS[1], now)
 if not rec or settled(rec) or rec.owner ~= ARGV[2] then return 'LOST' end
-local expires = now + tonumber(rec.ttl)
+local expires = math.max(now + tonumber(rec.ttl), tonumber(rec.linger or '0'))
 redis.call('HDEL', KEYS[1], 'lease')
 if ARGV[3] == 'COMPLETED' then
   redis.call('HSET', KEYS[1], 'state', 'COMPLETED', 'updated', fmt(now), 'expires', fmt(expires),

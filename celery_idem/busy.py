@@ -1,0 +1,157 @@
+"""What a message does while its identity is BUSY: another attempt holds a live lease.
+
+DESIGN §3, "A waiting duplicate gets its answer" and "One answer per task id":
+
+- A duplicate under its own task id (a group holding one keyed call twice, a send_task duplicate)
+  looks again until the running attempt settles, then replays its outcome. ``on_busy="wait"``
+  polls the store for ``busy_wait_seconds`` first; either way it then goes back to the broker
+  for ``lease_seconds`` (a Celery retry: state RETRY) and looks again when it returns, as often as
+  it takes. Waiting for another attempt is not failing: those trips neither count against nor are
+  bounded by the task's own ``max_retries``, and the body never sees them in ``request.retries``.
+  It ends when the attempt settles (replay), or when the attempt's lease runs out unrenewed (its
+  holder died): the duplicate then takes over and runs, as at-least-once delivery must.
+- A copy of the running task id (a broker redelivery) waits the same way and ends quietly once
+  that attempt settles: the attempt owns its id's result.
+
+Every look tells the store how long the message may take to look again (``next_look_seconds``):
+the store keeps the record, once settled, at least that long, so a TTL shorter than the wait never
+lets the outcome vanish between two looks (which would run the body a second time).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from celery.exceptions import Ignore, Retry
+
+from .errors import DuplicateTaskError, StoreUnavailableError
+from .records import IdempotencyRecord, Identity
+
+if TYPE_CHECKING:
+    from .config import IdempotencyPolicy
+    from .stores.base import Store
+
+__all__ = ["BusyWait"]
+
+logger = logging.getLogger("celery_idem.handler")
+
+_FIRST_PAUSE, _MAX_PAUSE = 0.02, 1.0  # seconds between looks while waiting in the worker (doubling)
+_SLACK_SECONDS = 1.0  # scheduling, a GC pause: what a look may run late by, past its store calls
+# No look is promised further out than this: a lease of "forever" (float("inf")) must not make
+# every acquire refuse its next look; a message that waits that long is past any promise anyway.
+_LONGEST_LOOK_SECONDS = 7 * 86400.0
+
+Republish = Callable[..., None]
+
+
+class BusyWait:
+    """One message's wait for the attempt that holds its identity.
+
+    Args:
+        task: The Celery task whose message this is (its request, and ``retry`` when eager).
+        identity: The identity the message is for.
+        policy: The task's policy (``on_busy``, ``busy_wait_seconds``, ``lease_seconds``).
+        store: The store (``get``, ``timeout_seconds``).
+        republish: Sends this very message back to the broker: ``republish(args, kwargs, countdown=...)``.
+        count: Bumps a metric by name.
+    """
+
+    def __init__(
+        self,
+        task: Any,
+        identity: Identity,
+        policy: IdempotencyPolicy,
+        store: Store,
+        republish: Republish,
+        count: Callable[[str], None],
+    ) -> None:
+        self.task, self.identity, self.policy, self.store = task, identity, policy, store
+        self.task_id: str = task.request.id
+        self._republish, self._count = republish, count
+        self.copy_of_running = False  # this message carries the id of an attempt that is running now
+        self._deadline: float | None = None  # monotonic; set at the first BUSY
+        self._pause = _FIRST_PAUSE
+        self._last = False  # whether the current look is the last before going back to the broker
+
+    # ---- before each look ------------------------------------------------------------------------
+
+    def next_look_seconds(self) -> float:
+        """How long this message may take to look again should the look about to be made answer
+        BUSY: the store keeps the record for that long (stores/base.py). The last look before a
+        trip back to the broker promises the trip (its countdown); the others, the next pause."""
+        if self._deadline is None:
+            self._last = self.policy.on_busy != "wait" or self.policy.busy_wait_seconds == 0
+        else:
+            self._last = time.monotonic() >= self._deadline
+        gap = self.policy.lease_seconds if self._last else self._pause
+        # Two store calls' worth of time (this look's reply, the next look's request) and some slack.
+        return min(gap + 2 * self.store.timeout_seconds + _SLACK_SECONDS, _LONGEST_LOOK_SECONDS)
+
+    # ---- after a look answered ---------------------------------------------------------------------
+
+    def replayed(self) -> Ignore | None:
+        """The attempt settled: None (replay it), or for a copy of that attempt the quiet ending."""
+        return self._quiet("the running attempt settled") if self.copy_of_running else None
+
+    def busy(self, record: IdempotencyRecord, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        """The look answered BUSY: return after a pause (look again), or raise to leave the worker.
+
+        Raises:
+            Ignore: a copy of the running task id ends quietly (that attempt settled, or the copy was
+                sent back to the broker to wait there).
+            Retry: a duplicate was sent back to the broker to look again in ``lease_seconds``.
+            DuplicateTaskError: an eager call still BUSY past its retries (no broker keeps it).
+        """
+        self.copy_of_running = self.copy_of_running or record.task_id == self.task_id
+        if self._deadline is None:
+            self._count("busy_waits")
+            waits = self.policy.on_busy == "wait" or self.copy_of_running
+            self._deadline = time.monotonic() + (self.policy.busy_wait_seconds if waits else 0)
+        if self.copy_of_running and not self._still_running():
+            raise self._quiet("the running attempt settled")
+        if self._last and time.monotonic() >= self._deadline:
+            self._go_back(record, args, kwargs)
+        time.sleep(self._pause)
+        self._pause = min(self._pause * 2, _MAX_PAUSE)
+
+    def _go_back(self, record: IdempotencyRecord, args: Sequence[Any], kwargs: Mapping[str, Any]) -> NoReturn:
+        countdown = self.policy.lease_seconds
+        if self.copy_of_running:
+            # Still held under this id: the attempt may be alive (it owns the outcome) or dead with
+            # a lease nobody renews. The copy goes back to the broker, never dropped: it ends quietly
+            # once that attempt settles, or takes over once its lease runs out.
+            self._republish(args, kwargs, countdown=countdown)
+            raise self._quiet("the running attempt still runs; the copy waits in the queue")
+        task, identity = self.task, self.identity
+        error = DuplicateTaskError(
+            f"task {task.name!r} with idempotency key {identity.key!r} is still running as task "
+            f"{record.task_id}; retrying later",
+            key=identity.key,
+            task_name=task.name,
+            task_id=record.task_id,
+        )
+        if task.request.is_eager:
+            raise task.retry(countdown=countdown, exc=error)
+        logger.info("%s (task %s) is BUSY with task %s: back to the broker for %gs", identity, self.task_id,
+                    record.task_id, countdown)  # fmt: skip
+        self._republish(args, kwargs, countdown=countdown)
+        raise Retry(exc=error, when=countdown)
+
+    def _still_running(self) -> bool:
+        """True while the record is unsettled under this task id: its attempt runs (a copy waits; if
+        that attempt's lease runs out, the copy's next acquire takes over, as a redelivery should),
+        or it went back to PENDING for a Celery retry, which may be this very message (Task.retry
+        publishes before the attempt releases): the next acquire takes it."""
+        try:
+            record = self.store.get(self.identity)
+        except StoreUnavailableError:
+            return True
+        return record is not None and not record.state.settled and record.task_id == self.task_id
+
+    def _quiet(self, why: str) -> Ignore:
+        """A copy of a running task id ends without writing that id's state or result."""
+        logger.info("copy of running task %s (%s) acknowledged quietly: %s", self.task_id, self.identity, why)
+        return Ignore(f"copy of running task {self.task_id}: {why}")
