@@ -62,6 +62,7 @@ from .protocol import (
     request_header,
 )
 from .records import Decision, ErrorInfo, IdempotencyRecord, Identity, Transition
+from .result import bind_handle
 from .stores.base import Fence, new_token
 
 if TYPE_CHECKING:
@@ -195,7 +196,7 @@ class Handler:
                     # worker that took the record holds it under its own token, so it stays.
                     self._give_back(identity, record.owner, settled_is_fine=True)
                 raise  # the broker's own error, unwrapped
-            return self._result(sent, identity, deduplicated=False)
+            return self._result(sent, identity, deduplicated=False, record=record)
         if claimed.decision is Decision.MISMATCH:
             self.idem.count("mismatches")
             raise self._mismatch(identity, record)
@@ -211,20 +212,8 @@ class Handler:
         if awaited_id or any(options.get(name) for name in _CONTINUATIONS):
             # Published anyway: the worker replays the outcome into the chain (or under the id the
             # caller waits on) instead of running the body.
-            return self._result(send(args, kwargs, options), identity, deduplicated=True)
-        from .result import IdempotentResult
-
-        return IdempotentResult(
-            record.task_id,
-            task_name=self.task.name,
-            backend=self.task.backend,
-            app=self.task.app,
-            deduplicated=True,
-            idempotency_key=identity.key,
-            identity=identity,
-            idempotency=self.idem,
-            record=record if record.state.settled else None,
-        )
+            return self._result(send(args, kwargs, options), identity, deduplicated=True, record=record)
+        return self._result(self.task.AsyncResult(record.task_id), identity, deduplicated=True, record=record)
 
     def _as_sent(
         self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, options: Mapping[str, Any]
@@ -260,12 +249,8 @@ class Handler:
             options = published_options(options, stamped=options.get("stamped_headers") or ())
         return encode_call(self.task.name, args, kwargs, options, serializer=self.serializer)
 
-    def _result(self, result: Any, identity: Identity, *, deduplicated: bool) -> Any:
-        result.deduplicated = deduplicated
-        result.idempotency_key = identity.key
-        result.identity = identity
-        result.idempotency = self.idem
-        return result
+    def _result(self, result: Any, identity: Identity, *, deduplicated: bool, record: IdempotencyRecord | None = None) -> Any:
+        return bind_handle(result, identity, self.idem, deduplicated=deduplicated, record=record)
 
     def _give_back(
         self,
