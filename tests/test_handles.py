@@ -93,7 +93,9 @@ def on_every_store(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Ru
 # ---- a handle answers for its own task id -----------------------------------------------------------
 
 
-def test_an_old_handle_answers_its_own_call_after_a_later_call_reused_the_key(on_every_store: Running, key: str) -> None:
+def test_an_old_handle_answers_its_own_call_after_a_later_call_reused_the_key(
+    on_every_store: Running, key: str
+) -> None:
     shop = on_every_store
     # Given a call and its duplicate (made while it ran), completed with {"run": 1}, untouched since
     first = shop.run.apply_async((1,), {"hold": 0.5}, idempotency_key=key)
