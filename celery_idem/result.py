@@ -180,10 +180,9 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
         deadline = None if timeout is None else time.monotonic() + timeout
         look, gone_since = _FIRST_LOOK, None
         while True:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise CeleryTimeoutError("The operation timed out.")
-            wait = look if left is None else min(look, left)
+            # Never a zero slice: Celery's polling backends read timeout=0 as "wait forever".
+            wait = look if deadline is None else max(min(look, deadline - time.monotonic()), 0.001)
+            look = min(look * 2, _LONGEST_LOOK)
             try:
                 return super().get(timeout=wait, propagate=propagate, interval=min(interval, wait), **kwargs)
             except CeleryTimeoutError:
@@ -191,18 +190,22 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
             try:
                 record = self._stored_record()
             except StoreUnavailableError:
-                continue  # the backend may still answer; the next look asks the store again
-            if record is not None and record.state.settled:
-                return self._answer(record, propagate)
-            if record is not None or self._created_at is None:
-                # Still running; or a call published unprotected (the store was down): no record
-                # was ever this handle's, so only the backend can answer it.
-                gone_since = None
-            elif gone_since is None:
-                gone_since = time.monotonic()
-            elif time.monotonic() - gone_since >= _BACKEND_GRACE_SECONDS:
-                raise self._gone()
-            look = min(look * 2, _LONGEST_LOOK)
+                pass  # the backend may still answer; the next look asks the store again
+            else:
+                if record is not None and record.state.settled:
+                    self.backend.remove_pending_result(self)  # stop listening for this id (Redis: unsubscribe)
+                    return self._answer(record, propagate)
+                if record is not None or self._created_at is None:
+                    # Still running; or a call published unprotected (the store was down): no
+                    # record was ever this handle's, so only the backend can answer it.
+                    gone_since = None
+                elif gone_since is None:
+                    gone_since = time.monotonic()
+                elif time.monotonic() - gone_since >= _BACKEND_GRACE_SECONDS:
+                    self.backend.remove_pending_result(self)
+                    raise self._gone()
+            if deadline is not None and time.monotonic() >= deadline:
+                raise CeleryTimeoutError("The operation timed out.")
 
     def _overruled(self, record: IdempotencyRecord) -> Any:
         """The ledger entry overruling a FAILED record; a known answer is kept, an outage is not
