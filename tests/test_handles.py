@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import redis
+import sqlalchemy as sa
 from celery import Celery, states
 from celery.contrib.testing.worker import start_worker
 from conftest import REDIS_URL, STORE_KINDS, make_store, require_server, wipe
@@ -27,8 +28,9 @@ from shop import COUNTER_URL, effects_key
 from test_worker import BACKEND, BROKERS, GET, require_rabbitmq
 from workers import wait_for
 
-from celery_idem import Idempotency, IdempotentTask, RecordGoneError, State
-from celery_idem.stores import Store
+from celery_idem import Idempotency, IdempotentTask, PermanentError, RecordGoneError, State
+from celery_idem.ledger import Ledger
+from celery_idem.stores import MemoryStore, Store
 
 TTL = 60.0  # seconds; the tests move the store's clock past it instead of sleeping
 
@@ -133,6 +135,37 @@ def test_an_old_handle_that_nothing_answers_for_raises_record_gone_never_a_later
             handle.get(timeout=GET)
         assert gone.value.task_id == first.id
         assert handle.state != states.SUCCESS and not handle.ready() and not handle.successful()
+
+
+def test_a_later_calls_ledger_commit_never_overrules_an_old_handles_failure(tmp_path: Any, key: str) -> None:
+    # An eager app on the memory store (its clock moved past the TTL) with a ledger on SQLite
+    ledger = Ledger(sa.create_engine(f"sqlite:///{tmp_path}/ledger.db"), table_name="ledger_handles")
+    ledger.create_schema()
+    store = MemoryStore()
+    app = Celery("handles-ledger", set_as_current=False)
+    app.conf.update(task_always_eager=True, task_eager_propagates=True)
+    Idempotency(app, store=store, ledger=ledger)
+    commit = [False]
+
+    @app.task(base=IdempotentTask, bind=True, shared=False, name="handles.pay", idempotency={"ttl_seconds": TTL})
+    def pay(self: Any, order_id: int) -> dict[str, int]:
+        if not commit[0]:
+            raise PermanentError(f"card declined for order {order_id}")
+        return ledger.run_once(self, lambda session: {"paid": order_id})  # type: ignore[no-any-return]
+
+    # Given a call that failed for good, and its duplicate's handle (its failure not read yet)
+    with pytest.raises(PermanentError):
+        pay.apply_async((3,), idempotency_key=key)
+    duplicate = pay.apply_async((3,), idempotency_key=key)
+    assert duplicate.deduplicated
+    # When the key's TTL passes and a later call commits its effect through the ledger
+    store.advance_clock_for_tests(TTL + 1)
+    commit[0] = True
+    assert pay.apply_async((3,), idempotency_key=key).get() == {"paid": 3}
+    # Then the old handle still answers its own call: the failure, not the later call's commit
+    assert duplicate.state == states.FAILURE and duplicate.failed()
+    with pytest.raises(PermanentError, match="card declined"):
+        duplicate.get()
 
 
 # ---- a handle waits on whatever can answer it --------------------------------------------------------
