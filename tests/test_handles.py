@@ -55,6 +55,10 @@ def handles_app(*, broker: str, backend: str, store: Any, prefix: str) -> Celery
         time.sleep(hold)
         return {"run": n}
 
+    @app.task(shared=False, name="handles.then")
+    def then(value: Any) -> Any:
+        return value
+
     return app
 
 
@@ -135,6 +139,23 @@ def test_an_old_handle_that_nothing_answers_for_raises_record_gone_never_a_later
             handle.get(timeout=GET)
         assert gone.value.task_id == first.id
         assert handle.state != states.SUCCESS and not handle.ready() and not handle.successful()
+
+
+def test_a_duplicate_published_under_its_own_id_reads_the_record_it_was_handed(
+    on_every_store: Running, key: str
+) -> None:
+    shop = on_every_store
+    # Given a running call, and a duplicate with a continuation: published anyway under its own id,
+    # its worker replays the original's outcome into it (both sent with ignore_result: only the
+    # store can answer either handle)
+    first = shop.run.apply_async((1,), {"hold": 1}, idempotency_key=key, ignore_result=True)
+    linked = shop.run.apply_async(
+        (1,), idempotency_key=key, ignore_result=True, link=shop.app.signature("handles.then")
+    )
+    assert linked.deduplicated and linked.id != first.id
+    # Then its handle answers with the record it was handed (the original's task id is on it)
+    assert linked.get(timeout=GET) == {"run": 1}
+    assert first.get(timeout=GET) == {"run": 1}
 
 
 def test_a_later_calls_ledger_commit_never_overrules_an_old_handles_failure(tmp_path: Any, key: str) -> None:
