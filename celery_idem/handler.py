@@ -62,6 +62,7 @@ from .protocol import (
 )
 from .pydantic_sets import parameter_shapes
 from .records import Decision, ErrorInfo, IdempotencyRecord, Identity, Transition
+from .result import bind_handle
 from .stores.base import Fence, new_token
 
 if TYPE_CHECKING:
@@ -169,7 +170,7 @@ class Handler:
                 # id no message will carry would hand every retry of the key that id. Give it back.
                 self._give_back(identity, claim_token, settled_is_fine=True)
                 raise
-            return self._result(send(args, kwargs, options), identity, deduplicated=False)
+            return bind_handle(send(args, kwargs, options), identity, self.idem, deduplicated=False)
         self.idem.count("claims")
         record = claimed.record
         assert record is not None
@@ -191,7 +192,7 @@ class Handler:
                     # worker that took the record holds it under its own token, so it stays.
                     self._give_back(identity, record.owner, settled_is_fine=True)
                 raise  # the broker's own error, unwrapped
-            return self._result(sent, identity, deduplicated=False)
+            return bind_handle(sent, identity, self.idem, deduplicated=False, record=record)
         if claimed.decision is Decision.MISMATCH:
             self.idem.count("mismatches")
             raise self._mismatch(identity, record)
@@ -207,20 +208,8 @@ class Handler:
         if awaited_id or any(options.get(name) for name in _CONTINUATIONS):
             # Published anyway: the worker replays the outcome into the chain (or under the id the
             # caller waits on) instead of running the body.
-            return self._result(send(args, kwargs, options), identity, deduplicated=True)
-        from .result import IdempotentResult
-
-        return IdempotentResult(
-            record.task_id,
-            task_name=self.task.name,
-            backend=self.task.backend,
-            app=self.task.app,
-            deduplicated=True,
-            idempotency_key=identity.key,
-            identity=identity,
-            idempotency=self.idem,
-            record=record if record.state.settled else None,
-        )
+            return bind_handle(send(args, kwargs, options), identity, self.idem, deduplicated=True, record=record)
+        return bind_handle(self.task.AsyncResult(record.task_id), identity, self.idem, deduplicated=True, record=record)
 
     def as_sent(
         self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, options: Mapping[str, Any]
@@ -255,13 +244,6 @@ class Handler:
         else:
             options = published_options(options, stamped=options.get("stamped_headers") or ())
         return encode_call(self.task.name, args, kwargs, options, serializer=self.serializer)
-
-    def _result(self, result: Any, identity: Identity, *, deduplicated: bool) -> Any:
-        result.deduplicated = deduplicated
-        result.idempotency_key = identity.key
-        result.identity = identity
-        result.idempotency = self.idem
-        return result
 
     def _give_back(
         self,

@@ -4,6 +4,18 @@
 fingerprint for a key-less call). ``.get()`` answers from the store when the result backend cannot:
 a replayed outcome at once, and a task that keeps no result in the backend (``ignore_result=True``,
 no backend configured) by watching the store.
+
+A handle answers for its own task id. The store is read by key, and after the key's TTL the record
+under it may be a later call's: a record is this handle's answer only when it names the handle's
+task id, or when it is the very record the call was handed at publish (same ``created_at``: a copy
+under another task id acquired it, and the handle's own message replays it). Anything else is
+another call's, and where nothing else answers for the id, ``get()`` raises RecordGoneError.
+
+A handle also waits on whatever can answer it. The backend may never hear of a duplicate's id: the
+original was sent with ``ignore_result=True`` by another process (nothing is written), or ``rpc://``
+sends the result to the publishing process's reply queue only. So ``get()`` waits on the backend in
+short slices (the backend answers at once when it can) and looks at the store between them, with
+backoff.
 """
 
 from __future__ import annotations
@@ -24,11 +36,36 @@ if TYPE_CHECKING:
     from .extension import Idempotency
     from .records import IdempotencyRecord, Identity
 
-__all__ = ["IdempotentResult"]
+__all__ = ["IdempotentResult", "bind_handle"]
 
 logger = logging.getLogger("celery_idem")
 
 _UNASKED = object()
+# Seconds between looks at the store while get() also waits on the backend: doubling from the first
+# to the longest, so a long task costs one store read a second and a short one is answered quickly.
+_FIRST_LOOK, _LONGEST_LOOK = 0.05, 1.0
+# Seconds the backend may still answer once the store holds nothing for this task id: a retryable
+# failure's record is released on the worker before Celery writes the FAILURE to the backend.
+_BACKEND_GRACE_SECONDS = 5.0
+
+
+def bind_handle(
+    result: Any,
+    identity: Identity,
+    idempotency: Idempotency,
+    *,
+    deduplicated: bool,
+    record: IdempotencyRecord | None = None,
+) -> Any:
+    """Make ``result`` (what Celery's apply_async returned, or a new handle) the handle of a call
+    whose claim answered ``record`` (None when the store could not be asked)."""
+    result.deduplicated = deduplicated
+    result.idempotency_key = identity.key
+    result.identity = identity
+    result.idempotency = idempotency
+    if isinstance(result, IdempotentResult) and record is not None:
+        result._handed(record)
+    return result
 
 
 class IdempotentResult(AsyncResult):  # type: ignore[misc]
@@ -55,8 +92,20 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
         self.idempotency_key = idempotency_key
         self.identity = identity
         self.idempotency = idempotency
-        self._record = record
+        self._record: IdempotencyRecord | None = None
+        self._created_at: float | None = None  # of the record this call was handed at publish
         self._ledger_entry: Any = _UNASKED
+        if record is not None:
+            self._handed(record)
+
+    def _handed(self, record: IdempotencyRecord) -> None:
+        self._created_at = record.created_at
+        if record.state.settled:
+            self._record = record
+
+    def _answers_for_me(self, record: IdempotencyRecord) -> bool:
+        """Whether ``record`` holds this handle's outcome, not a later call's under the same key."""
+        return record.task_id == self.id or record.created_at == self._created_at
 
     def __repr__(self) -> str:
         flag = " deduplicated" if self.deduplicated else ""
@@ -74,7 +123,9 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
             return self._record
         assert self.identity is not None and self.idempotency is not None
         record = self.idempotency.store.get(self.identity)
-        if record is not None and record.state.settled:
+        if record is None or not self._answers_for_me(record):
+            return None  # gone for this task id: expired, released, forgotten, or another call's now
+        if record.state.settled:
             self._record = record
         return record
 
@@ -97,19 +148,26 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
         return not (task is not None and task.ignore_result)
 
     def get(self, timeout: float | None = None, propagate: bool = True, interval: float = 0.5, **kwargs: Any) -> Any:
-        """The task's outcome: from the stored record when there is one, else as Celery gets it.
+        """The task's outcome: from the stored record when there is one, else from whichever of the
+        result backend and the store answers first.
 
         Raises:
             celery.exceptions.TimeoutError: no outcome within ``timeout`` seconds.
-            RecordGoneError: the task keeps no result in the backend and its record is gone
-                (released after a retryable failure, expired, or forgotten): nothing will answer.
+            RecordGoneError: nothing can answer for this task id: its record is gone (released after
+                a retryable failure, expired, forgotten) or holds another call's outcome, and the
+                result backend keeps nothing for it.
         """
         record = self._settled_record_or_none()
         if record is None and self.identity is not None and self.idempotency is not None:
             if not self._backend_keeps_results():
                 record = self._watch_store(timeout, interval)
+            else:
+                return self._wait_for_either(timeout, propagate, interval, **kwargs)
         if record is None:
             return super().get(timeout=timeout, propagate=propagate, interval=interval, **kwargs)
+        return self._answer(record, propagate)
+
+    def _answer(self, record: IdempotencyRecord, propagate: bool) -> Any:
         entry = self._overruled(record)
         if entry is not None:  # the ledger wins over a stored failure
             return entry.value(self._accepted_content_types())
@@ -117,12 +175,47 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
             return rebuild_exception(record.error)
         return replay(record, self._accepted_content_types())
 
+    def _wait_for_either(self, timeout: float | None, propagate: bool, interval: float, **kwargs: Any) -> Any:
+        """Wait on the backend in slices and look at the store between them, until one answers."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        look, gone_since = _FIRST_LOOK, None
+        while True:
+            # Never a zero slice: Celery's polling backends read timeout=0 as "wait forever".
+            wait = look if deadline is None else max(min(look, deadline - time.monotonic()), 0.001)
+            look = min(look * 2, _LONGEST_LOOK)
+            try:
+                return super().get(timeout=wait, propagate=propagate, interval=min(interval, wait), **kwargs)
+            except CeleryTimeoutError:
+                pass
+            try:
+                record = self._stored_record()
+            except StoreUnavailableError:
+                pass  # the backend may still answer; the next look asks the store again
+            else:
+                if record is not None and record.state.settled:
+                    self.backend.remove_pending_result(self)  # stop listening for this id (Redis: unsubscribe)
+                    return self._answer(record, propagate)
+                if record is not None or self._created_at is None:
+                    # Still running; or a call published unprotected (the store was down): no
+                    # record was ever this handle's, so only the backend can answer it.
+                    gone_since = None
+                elif gone_since is None:
+                    gone_since = time.monotonic()
+                elif time.monotonic() - gone_since >= _BACKEND_GRACE_SECONDS:
+                    self.backend.remove_pending_result(self)
+                    raise self._gone()
+            if deadline is not None and time.monotonic() >= deadline:
+                raise CeleryTimeoutError("The operation timed out.")
+
     def _overruled(self, record: IdempotencyRecord) -> Any:
         """The ledger entry overruling a FAILED record; a known answer is kept, an outage is not
         (the next read asks again), and meanwhile the stored failure stands."""
         if self._ledger_entry is _UNASKED and self.idempotency is not None:
             try:
-                self._ledger_entry = self.idempotency.overruled(record)
+                entry = self.idempotency.overruled(record)
+                # The ledger keeps one row per identity for good: a row committed under another task
+                # id is a later call's (this record expired meanwhile), never this handle's answer.
+                self._ledger_entry = entry if entry is None or entry.task_id in (self.id, record.task_id) else None
             except Exception as exc:  # noqa: BLE001 - the ledger cannot be asked: the store's outcome stands
                 logger.warning("could not read the ledger for %s: %s; the stored failure stands", record.identity, exc)
                 return None
@@ -149,14 +242,15 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
 
     def _gone(self) -> RecordGoneError:
         # The claim is written before the message is published, and a retry keeps it (PENDING):
-        # a record that is absent now was released, forgotten or expired, and no backend keeps
-        # this task's result, so nothing can ever answer.
+        # a record that is absent now, or that names another call, was released, forgotten or
+        # expired, and no backend keeps this task's result, so nothing can ever answer.
         assert self.identity is not None
         return RecordGoneError(
-            f"the record of idempotency key {self.identity.key!r} of task {self.identity.task_name!r} is gone "
-            f"and task {self.id} keeps no result in the result backend, so nothing will answer: the call "
-            "failed with a retryable error (after its last retry), expired, or was forgotten. The key is free: "
-            "a new call with it runs again",
+            f"the record of task {self.id} (idempotency key {self.identity.key!r} of task "
+            f"{self.identity.task_name!r}) is gone and the result backend keeps nothing for that id, so "
+            "nothing will answer: the call failed with a retryable error (after its last retry), expired, "
+            "or was forgotten, and the key may hold a later call's record now. The key is free once its "
+            "record is gone: a new call with it runs again",
             key=self.identity.key,
             task_name=self.identity.task_name,
             task_id=self.id,
