@@ -661,3 +661,64 @@ def test_acquire_takes_a_record_that_went_back_to_pending_while_it_looked(store:
         store.release(ID, held.owner, pending_seconds=LEASE_S)
     # When the retry's message acquires, Then it runs: a PENDING record is free to acquire
     assert acquire(store, task_id="task-1").decision is Decision.RUN
+
+
+# ---- liveness (DESIGN "Death is a fact, not a silence") -----------------------------------------
+
+
+def test_a_process_is_alive_from_its_first_beat_until_its_record_expires(store: Store, clock) -> None:
+    assert store.alive(["p1", "p2"]) == frozenset()
+    assert store.keep_alive("p1", "tok-1", seconds=10, create=True).ok
+    assert store.keep_alive("p2", "tok-2", seconds=30, create=True).ok
+    assert store.alive(["p1", "p2", "p3"]) == {"p1", "p2"}
+    clock.advance(10)  # p1's lifetime is over to the instant (expiry is inclusive, as for leases)
+    assert store.alive(["p1", "p2", "p3"]) == {"p2"}
+    assert store.alive([]) == frozenset()
+
+
+def test_a_renewal_extends_the_liveness_record_and_never_shortens_it(store: Store, clock) -> None:
+    assert store.keep_alive("p1", "tok", seconds=10, create=True).ok
+    clock.advance(8)
+    assert store.keep_alive("p1", "tok", seconds=10).ok
+    clock.advance(8)
+    assert store.alive(["p1"]) == {"p1"}
+    assert store.keep_alive("p1", "tok", seconds=1).ok  # a short beat leaves the longer lifetime
+    clock.advance(1.5)
+    assert store.alive(["p1"]) == {"p1"}
+
+
+def test_liveness_is_fenced_by_the_process_token_and_a_dead_process_stays_dead(store: Store, clock) -> None:
+    assert store.keep_alive("p1", "tok", seconds=10, create=True).ok
+    assert store.keep_alive("p1", "tok", seconds=10, create=True).ok  # a retried first beat
+    assert not store.keep_alive("p1", "other", seconds=10).ok
+    assert not store.keep_alive("p1", "other", seconds=10, create=True).ok
+    assert not store.keep_alive("p2", "tok", seconds=10).ok  # never created: a renewal creates nothing
+    assert store.alive(["p2"]) == frozenset()
+    clock.advance(11)  # frozen past its lifetime: taken for dead
+    assert not store.keep_alive("p1", "tok", seconds=10).ok
+    assert store.alive(["p1"]) == frozenset()
+
+
+def test_liveness_is_per_store_prefix(store: Store, store_kind: str, tmp_path, clock) -> None:
+    other = make_store(store_kind, tmp_path, f"{store.key_prefix}x", clock=clock)
+    try:
+        assert store.keep_alive("p1", "tok", seconds=10, create=True).ok
+        assert other.alive(["p1"]) == frozenset()
+    finally:
+        wipe(other)
+
+
+def test_many_holders_are_read_in_one_call(store: Store) -> None:
+    ids = [f"p{i}" for i in range(300)]
+    for process in ids[::3]:
+        assert store.keep_alive(process, "tok", seconds=10, create=True).ok
+    assert store.alive(ids) == set(ids[::3])
+
+
+def test_purge_expired_drops_dead_liveness_records_only(store: Store, clock) -> None:
+    assert store.keep_alive("dead", "tok", seconds=5, create=True).ok
+    assert store.keep_alive("live", "tok", seconds=50, create=True).ok
+    clock.advance(10)
+    store.purge_expired()
+    assert store.alive(["dead", "live"]) == {"live"}
+    assert not store.keep_alive("dead", "tok", seconds=10).ok

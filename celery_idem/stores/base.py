@@ -21,6 +21,12 @@ The rules every store follows (the memory store states them most plainly):
   what that delivery may still hold, a PENDING record or an IN_PROGRESS one whose lease has run
   out. A live IN_PROGRESS record under the same task id is a copy of the task running elsewhere
   (or the task itself): LOST.
+- Liveness (DESIGN "Death is a fact"): a worker process keeps a record of its own, named by an id it
+  mints, under a token of its own, for ``seconds`` of the server's clock. keep_alive creates it
+  (``create``: absent or expired -> OK; live under the same token -> OK, a retried create) or renews
+  it (live under the same token -> OK); anything else is LOST, and an expired record is never
+  revived by a renewal: a process once seen dead stays dead under that id. alive() reads many ids at
+  once and answers the ones whose record is live.
 - Times: ``lease_expires_at`` while unsettled; ``expires_at`` = lease + ttl while unsettled (a dead
   attempt's record is still collected), now + ttl once settled.
 """
@@ -31,7 +37,7 @@ import contextlib
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import ClassVar, Literal, NamedTuple
 
 from celery.exceptions import SoftTimeLimitExceeded
@@ -251,6 +257,31 @@ class Store(ABC):
         with self._guard("forget", identity):
             return self._forget(identity)
 
+    def keep_alive(self, process: str, token: str, *, seconds: float, create: bool = False) -> Transition:
+        """Liveness: keep the record of the worker process ``process`` live for ``seconds`` more.
+
+        Args:
+            process: The process's liveness id (fresh per process, never reused).
+            token: The process's own token: a renewal under another token, or of a record that has
+                expired, is LOST (the process was taken for dead; it mints a new id).
+            seconds: How long the record lives without another beat (the server's clock).
+            create: The first beat: an absent record is written.
+        """
+        _check_process(process)
+        lifetime = _positive("seconds", seconds)
+        with self._guard("keep_alive"):
+            return self._keep_alive(process, token, lifetime, create)
+
+    def alive(self, processes: Collection[str]) -> frozenset[str]:
+        """Which of ``processes`` (liveness ids) have a live record now, in one round trip."""
+        wanted = sorted(set(processes))
+        for process in wanted:
+            _check_process(process)
+        if not wanted:
+            return frozenset()
+        with self._guard("alive"):
+            return frozenset(self._alive(wanted))
+
     def expired_leases(self, *, limit: int = 100) -> list[IdempotencyRecord]:
         """Unsettled records whose lease has expired, oldest lease first, at most ``limit``.
 
@@ -379,6 +410,20 @@ class Store(ABC):
 
     @abstractmethod
     def _ping(self) -> None: ...
+
+    @abstractmethod
+    def _keep_alive(self, process: str, token: str, seconds: float, create: bool) -> Transition: ...
+
+    @abstractmethod
+    def _alive(self, processes: list[str]) -> set[str]: ...
+
+
+PROCESS_MAX_LENGTH = 64
+
+
+def _check_process(process: str) -> None:
+    if not (isinstance(process, str) and 0 < len(process) <= PROCESS_MAX_LENGTH and process.isprintable()):
+        raise ValueError(f"a liveness id must be 1-{PROCESS_MAX_LENGTH} printable characters; got {process!r}")
 
 
 def classify(record: IdempotencyRecord, fingerprint: str, *, claiming: bool, task_id: str) -> Decision:

@@ -32,6 +32,7 @@ class MemoryStore(Store):
         )
         self._lock = threading.RLock()
         self._by_identity: dict[Identity, IdempotencyRecord] = {}
+        self._liveness: dict[str, tuple[str, float]] = {}  # process id -> (token, expires at)
 
     def __len__(self) -> int:
         with self._lock:
@@ -236,3 +237,21 @@ class MemoryStore(Store):
 
     def _ping(self) -> None:
         return None
+
+    def _keep_alive(self, process: str, token: str, seconds: float, create: bool) -> Transition:
+        with self._lock:
+            now = self._clock_now()
+            held = self._liveness.get(process)
+            live = held is not None and held[1] > now
+            if (live and held is not None and held[0] != token) or (not live and not create):
+                return LOST
+            expires = max(held[1] if live and held is not None else 0.0, now + seconds)  # never shortened
+            self._liveness[process] = (token, expires)
+            return OK
+
+    def _alive(self, processes: list[str]) -> set[str]:
+        with self._lock:
+            now = self._clock_now()
+            for process in [p for p, (_, expires) in self._liveness.items() if expires <= now]:
+                del self._liveness[process]  # dead for good: ids are never reused
+            return {process for process in processes if process in self._liveness}

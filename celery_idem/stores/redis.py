@@ -29,7 +29,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 __all__ = ["RedisStore"]
 
-_SCRIPTS = ("claim", "acquire", "settle", "release", "renew", "forget", "due")
+_SCRIPTS = ("claim", "acquire", "settle", "release", "renew", "forget", "due", "keep_alive", "alive")
 
 
 @functools.cache
@@ -207,6 +207,11 @@ class RedisStore(Store):
         tag = self._tag(shard)
         return f"{tag}:r:{len(scope)}:{scope}:{len(task)}:{task}:{key}", f"{tag}:lease"
 
+    def liveness_key(self, process: str) -> str:
+        """A worker process's liveness record; all of them share one hash tag (one cluster slot),
+        so a reconcile run reads every holder it needs in one script."""
+        return f"{{{self.key_prefix}:live}}:{process}"
+
     def _tag(self, shard: int) -> str:
         return f"{{{self.key_prefix}:{shard}}}"
 
@@ -281,6 +286,16 @@ class RedisStore(Store):
 
     def _renew(self, identity: Identity, token: str, lease: float) -> Transition:
         return self._fenced("renew", identity, token, repr(lease))
+
+    def _keep_alive(self, process: str, token: str, seconds: float, create: bool) -> Transition:
+        args = [self._now(), token, repr(seconds), "1" if create else "0"]
+        answer = self._scripts["keep_alive"](keys=[self.liveness_key(process)], args=args)
+        return OK if answer == b"OK" else LOST
+
+    def _alive(self, processes: list[str]) -> set[str]:
+        keys = [self.liveness_key(process) for process in processes]
+        answer = self._scripts["alive"](keys=keys, args=[self._now()])
+        return {process for process, live in zip(processes, answer, strict=True) if int(live)}
 
     def _live(self, flat: dict[bytes, bytes]) -> IdempotencyRecord | None:
         if not flat:
