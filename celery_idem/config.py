@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = ["IdempotencyPolicy", "IdempotencySettings", "POLICY_FIELDS"]
 
@@ -86,6 +86,22 @@ class IdempotencySettings(IdempotencyPolicy):
     stale_grace_seconds: float = Field(
         default=3600, ge=0, description="Release a stale record with no evidence once this far past its lease."
     )
+    liveness_seconds: float = Field(
+        default=10,
+        gt=0,
+        allow_inf_nan=False,
+        description="Lifetime of a worker process's liveness record (beaten every third of it); a dead "
+        "holder is seen this long after its last beat (keep it at most lease_seconds: then at its lease's end).",
+    )
+
+    @model_validator(mode="after")
+    def _liveness_fits(self) -> IdempotencySettings:
+        if self.liveness_seconds < self.store_timeout_seconds:
+            raise ValueError(
+                f"liveness_seconds ({self.liveness_seconds:g}) must be at least store_timeout_seconds "
+                f"({self.store_timeout_seconds:g}): one slow beat would otherwise pass for a death"
+            )
+        return self
 
     def policy(self, overrides: IdempotencyPolicy | dict[str, Any] | None = None) -> IdempotencyPolicy:
         """The effective policy of one task: these defaults under the task's own fields."""

@@ -310,7 +310,7 @@ class Handler:
         pause = 0.02
         call = self._call(args, kwargs)
         while True:
-            owner = worker_token(getattr(request, "hostname", None))
+            owner = worker_token(getattr(request, "hostname", None), self.idem.heartbeat.process_id)
             try:
                 taken = self.idem.store.acquire(
                     identity,
