@@ -110,8 +110,8 @@ class Reconciler:
         undecided = [record for record in stale if not self._guarded(self._settle_on_evidence, record)]
         if undecided:
             alive = self._alive(undecided)
-            # inspect only for what the liveness records do not answer (tokens naming no process)
-            asked = [r.task_id for r in undecided if alive is None or self._holder(r) is None]
+            # inspect only for what the liveness records do not settle (a live holder, a token naming none)
+            asked = [r.task_id for r in undecided if not self._dead_by_liveness(r, alive)]
             evidence = Evidence(alive, self._live_task_ids(asked) if asked else None)
             for record in undecided:
                 self._guarded(self._settle_on_liveness, record, evidence)
@@ -211,6 +211,10 @@ class Reconciler:
         """The liveness id of the process holding an IN_PROGRESS record (None: a claim, an old token)."""
         return holder_process(record.owner) if record.state is State.IN_PROGRESS else None
 
+    def _dead_by_liveness(self, record: IdempotencyRecord, alive: frozenset[str] | None) -> bool:
+        process = self._holder(record)
+        return process is not None and alive is not None and process not in alive
+
     def _alive(self, records: list[IdempotencyRecord]) -> frozenset[str] | None:
         """Which holder processes named by the records' tokens have a live liveness record: one read."""
         processes = {self._holder(record) for record in records}
@@ -221,13 +225,10 @@ class Reconciler:
             return None
 
     def _settle_on_liveness(self, record: IdempotencyRecord, evidence: Evidence) -> None:
-        process = self._holder(record)
-        alive, liveness = evidence
-        if process is not None and alive is not None:
+        if self._dead_by_liveness(record, evidence.alive):
             # The holder's own record answers for it: no reply, a late one, another node's, all moot.
-            dead, why = process not in alive, "its holder's liveness record has expired"
-            unknown = "its holder process is alive"
-        elif liveness is not None and record.task_id in liveness.holding:
+            dead, why, unknown = True, "its holder's liveness record has expired", ""
+        elif evidence.inspected is not None and record.task_id in evidence.inspected.holding:
             self._leave(record, "a live worker holds its task")
             return
         else:
@@ -235,6 +236,7 @@ class Reconciler:
             # answer in time may be busy (a solo pool answers between tasks), not dead. A PENDING
             # claim has no holder yet; an IN_PROGRESS record whose token names no worker (an older
             # token) has an unknown one, and waits for the grace period.
+            liveness = evidence.inspected
             dead = liveness is not None and (
                 record.state is State.PENDING or holder_node(record.owner) in liveness.answered
             )

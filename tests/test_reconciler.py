@@ -43,6 +43,7 @@ from celery_idem.stores import Store
 
 BROKER = "redis://127.0.0.1:6379/14"
 GET = 30
+LIVE_PAST_THE_SKEW = 7200  # a worker's liveness record outlives the reconcilers' hour ahead below
 FP = "e" * 64
 
 
@@ -430,9 +431,10 @@ def test_the_grace_period_is_timed_by_the_store_server_not_the_reconcilers_clock
 @pytest.mark.slow
 def test_a_task_active_on_a_live_worker_is_left_alone_even_past_its_lease(workers, prefix, counter) -> None:
     # Given a task running on a live worker (its heartbeat keeps the lease; a reconciler whose
-    # clock runs an hour ahead sees the lease as long expired)
+    # clock runs an hour ahead sees the lease as long expired; the worker's liveness record lives
+    # two hours, so that reconciler sees it live, as a true clock would)
     app = make_app(broker=BROKER, backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix)
-    workers()
+    workers(liveness_seconds=LIVE_PAST_THE_SKEW)
     key = f"k-{uuid.uuid4().hex}"
     result = app.tasks["shop.slow"].apply_async((3,), idempotency_key=key)
     wait_for(lambda: counter.get(effects_key(prefix, "shop.slow", key)), "task start")
@@ -460,7 +462,7 @@ def test_absence_is_evidence_only_when_the_worker_holding_the_attempt_answered(w
     # Given an attempt running on a solo-pool worker, which answers no inspect while its task runs,
     # and another worker that answers (on another queue: it never holds the task)
     app = make_app(broker=BROKER, backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix)
-    busy = workers(pool="solo")
+    busy = workers(pool="solo", liveness_seconds=LIVE_PAST_THE_SKEW)  # alive to a reconciler an hour ahead
     idle = workers(queue=f"{prefix}-idle")
     key = f"k-{uuid.uuid4().hex}"
     result = app.tasks["shop.slow"].apply_async((5,), idempotency_key=key)
