@@ -722,3 +722,32 @@ def test_purge_expired_drops_dead_liveness_records_only(store: Store, clock) -> 
     store.purge_expired()
     assert store.alive(["dead", "live"]) == {"live"}
     assert not store.keep_alive("dead", "tok", seconds=10).ok
+
+
+# ---- a takeover keeps the task id of the attempt it took over ---------------------------------------
+
+
+def test_a_takeover_past_the_lease_keeps_the_earlier_attempts_task_id(store: Store, clock) -> None:
+    # Given an attempt whose lease ran out (its body may have run; its outcome never landed)
+    running(store, task_id="task-1")
+    assert acquire(store, task_id="task-1").decision is Decision.BUSY
+    clock.advance(LEASE_S + 1)
+    # When a new call claims the key, and its worker acquires it
+    claimed = claim(store, task_id="task-2")
+    taken = acquire(store, task_id="task-2")
+    # Then both keep the earlier attempt's task id, for the worker to read its evidence first
+    assert claimed.decision is Decision.NEW and claimed.record.previous_task_id == "task-1"
+    assert taken.decision is Decision.RUN and taken.record.previous_task_id == "task-1"
+    assert store.get(ID).previous_task_id == "task-1"
+    # And an acquire that takes over the second attempt names the second
+    clock.advance(LEASE_S + 1)
+    assert acquire(store, task_id="task-3").record.previous_task_id == "task-2"
+
+
+def test_a_fresh_record_or_a_takeover_of_a_bare_claim_names_no_earlier_attempt(store: Store, clock) -> None:
+    assert claim(store).record.previous_task_id is None
+    assert acquire(store).record.previous_task_id is None
+    other = Identity("", "shop.charge", "order-43")
+    assert claim(store, identity=other).record.previous_task_id is None
+    clock.advance(PENDING_S + 1)  # a claim whose message never ran
+    assert claim(store, task_id="task-2", identity=other).record.previous_task_id is None

@@ -27,6 +27,9 @@ The rules every store follows (the memory store states them most plainly):
   it (live under the same token -> OK); anything else is LOST, and an expired record is never
   revived by a renewal: a process once seen dead stays dead under that id. alive() reads many ids at
   once and answers the ones whose record is live.
+- A claim or acquire that takes over an unsettled record keeps ``previous_task_id``: the task id of
+  an IN_PROGRESS record it takes (an attempt past its lease, whose body may have run), else the
+  previous_task_id of the PENDING record it takes; None on an absent record.
 - Times: ``lease_expires_at`` while unsettled; ``expires_at`` = lease + ttl while unsettled (a dead
   attempt's record is still collected), now + ttl once settled.
 """
@@ -437,6 +440,13 @@ def classify(record: IdempotencyRecord, fingerprint: str, *, claiming: bool, tas
     if record.state.settled:
         return Decision.REPLAY
     return Decision.DUPLICATE if claiming else Decision.BUSY
+
+
+def taken_over(record: IdempotencyRecord | None) -> str | None:
+    """The previous_task_id a claim or acquire that takes ``record`` over writes (see the rules above)."""
+    if record is None:
+        return None
+    return record.task_id if record.state is State.IN_PROGRESS else record.previous_task_id
 
 
 LOST = Transition(Decision.LOST)

@@ -11,7 +11,7 @@ import bisect
 import threading
 
 from ..records import Decision, IdempotencyRecord, Identity, State, Transition
-from .base import LOST, OK, UNSETTLED, Clock, Fence, Settlement, Store
+from .base import LOST, OK, UNSETTLED, Clock, Fence, Settlement, Store, taken_over
 
 __all__ = ["MemoryStore"]
 
@@ -90,6 +90,7 @@ class MemoryStore(Store):
                 expires_at=now + lease + ttl,
                 ttl_seconds=ttl,
                 call=call,
+                previous_task_id=taken_over(record),
             )
             return Transition(Decision.NEW, new)
 
@@ -121,6 +122,7 @@ class MemoryStore(Store):
                 expires_at=now + lease + ttl,
                 ttl_seconds=ttl,
                 call=call if call is not None else (record.call if record else None),
+                previous_task_id=taken_over(record),
             )
             return Transition(Decision.RUN, taken)
 

@@ -65,6 +65,7 @@ def _record(flat: Sequence[bytes]) -> IdempotencyRecord:
         content_encoding=_text(fields.get("cenc")),
         error=ErrorInfo.model_validate_json(error) if error else None,
         call=fields.get("call"),
+        previous_task_id=_text(fields.get("prev")),
     )
 
 
@@ -244,6 +245,7 @@ class RedisStore(Store):
             created_at=now if claimed else float(answer[4]), updated_at=now, expires_at=now + lease + ttl,
             ttl_seconds=ttl, result=None, content_type=None, content_encoding=None, error=None,
             call=call if claimed else answer[5] or None,  # a run without a call keeps the claim's
+            previous_task_id=_text(answer[2 if claimed else 6] or None),
         )  # fmt: skip
         return Transition(decision, record)
 

@@ -48,7 +48,7 @@ _UNSETTLED = [s.value for s in UNSETTLED]
 _INSERTS: dict[str, Callable[[sa.Table], Any]] = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
 _TAKE_TRIES = 5  # a held record that frees itself between our upsert and our read is taken on a retry
 _DATA = ("fingerprint", "state", "task_id", "owner", "attempt", "ttl_seconds", "result", "content_type",
-         "content_encoding", "error", "call")  # fmt: skip
+         "content_encoding", "error", "call", "previous_task_id")  # fmt: skip
 _TIMES = ("lease_expires_at", "created_at", "updated_at", "expires_at")
 
 
@@ -118,6 +118,7 @@ def records_table(metadata: sa.MetaData, name: str = "celery_idem_records") -> s
         sa.Column("content_encoding", sa.String(64), nullable=True),
         sa.Column("error", sa.Text, nullable=True),
         sa.Column("call", sa.LargeBinary, nullable=True),  # kept only for stale_action="requeue"
+        sa.Column("previous_task_id", sa.String(255), nullable=True),  # an attempt taken over past its lease
         # The reconciler's index: unsettled records by lease expiry (settled rows hold NULL).
         sa.Index(f"ix_{name}_lease", "namespace", "lease_expires_at"),
         sa.Index(f"ix_{name}_expires", "expires_at"),
@@ -267,10 +268,13 @@ class SQLStore(Store):
                 namespace=p("ns"), scope=p("scope"), task_name=p("task_name"), key=p("key"),
                 **{name: p(name) for name in _DATA}, **times,
             )  # fmt: skip
-            changes = {name: ins.excluded[name] for name in (*_DATA, *_TIMES)} | special
+            # A takeover keeps the task id of the attempt it takes (stores/base.py: taken_over).
+            previous = sa.case((absent, None), (c.state == State.IN_PROGRESS.value, c.task_id),
+                               else_=c.previous_task_id)  # fmt: skip
+            changes = {name: ins.excluded[name] for name in (*_DATA, *_TIMES)} | {"previous_task_id": previous}
             statement: sa.Executable = ins.on_conflict_do_update(
-                index_elements=[c.namespace, c.scope, c.task_name, c.key], set_=changes, where=take
-            ).returning(c.fingerprint, c.attempt, c.call, *(c[name] for name in _TIMES))
+                index_elements=[c.namespace, c.scope, c.task_name, c.key], set_=changes | special, where=take
+            ).returning(c.fingerprint, c.attempt, c.call, c.previous_task_id, *(c[name] for name in _TIMES))
             return statement
 
         # claim takes an absent record, or one whose lease ran out under the same fingerprint.
@@ -442,6 +446,7 @@ class SQLStore(Store):
             content_encoding=row.content_encoding,
             error=ErrorInfo.model_validate_json(row.error) if row.error else None,
             call=bytes(row.call) if row.call is not None else None,
+            previous_task_id=row.previous_task_id,
         )
 
     # ---- take-or-read: claim and acquire ------------------------------------------------------
@@ -454,6 +459,7 @@ class SQLStore(Store):
             "fingerprint": fingerprint, "state": (State.PENDING if claiming else State.IN_PROGRESS).value,
             "task_id": task_id, "owner": owner, "attempt": 0 if claiming else 1, "ttl_seconds": ttl,
             "result": None, "content_type": None, "content_encoding": None, "error": None, "call": call,
+            "previous_task_id": None,
         }  # fmt: skip
         params = self._params(identity, lease=lease, **values)
         for _ in range(_TAKE_TRIES):

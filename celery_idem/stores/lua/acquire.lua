@@ -4,13 +4,15 @@
 -- ARGV[5] lease seconds            ARGV[6] ttl seconds   ARGV[7] scope  ARGV[8] task name  ARGV[9] key
 -- ARGV[10] the serialized call ('' = keep the claim's, if any)
 -- Returns {decision, flat record} for BUSY, REPLAY or MISMATCH (untouched), and
--- {'RUN', now, fingerprint, attempt, created, call} when the IN_PROGRESS record was written.
+-- {'RUN', now, fingerprint, attempt, created, call, prev} when the IN_PROGRESS record was written;
+-- prev: the task id of the attempt it took over past its lease (or the prev its claim kept), '' if none.
 -- The same task id is the same attempt chain (a Celery retry): it runs even with other arguments,
 -- and the record keeps the fingerprint of the caller's call.
 local now = now_of(ARGV[1])
 local rec, flat, existed = load(KEYS[1], now)
-local fp, attempt, created, call = ARGV[2], 1, now, ARGV[10]
+local fp, attempt, created, call, prev = ARGV[2], 1, now, ARGV[10], ''
 if rec then
+  prev = (rec.state == 'IN_PROGRESS' and rec.task_id) or rec.prev or ''
   if rec.fp ~= ARGV[2] and rec.task_id ~= ARGV[3] then return {'MISMATCH', flat} end
   if settled(rec) then return {'REPLAY', flat} end
   if rec.state == 'IN_PROGRESS' and tonumber(rec.lease) > now then return {'BUSY', flat} end
@@ -28,5 +30,9 @@ if call ~= '' then
   table.insert(fields, 'call')
   table.insert(fields, call)
 end
+if prev ~= '' then
+  table.insert(fields, 'prev')
+  table.insert(fields, prev)
+end
 write_fresh(KEYS[1], KEYS[2], fields, lease, expires, now, existed)
-return {'RUN', fmt(now), fp, tostring(attempt), fmt(created), call}
+return {'RUN', fmt(now), fp, tostring(attempt), fmt(created), call, prev}
