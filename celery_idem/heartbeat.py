@@ -36,6 +36,7 @@ from .stores.base import Store
 __all__ = ["Heartbeat", "Lease", "Settlement"]
 
 SETTLE_RETRY_SECONDS = 1.0  # how often a deferred outcome is tried again
+FLUSH_SECONDS = 5.0  # how long a process about to exit keeps trying its deferred outcomes
 
 logger = logging.getLogger("celery_idem.heartbeat")
 
@@ -136,6 +137,29 @@ class Heartbeat:
             self._settlements.add(settlement)
             self._start()
         return settlement
+
+    def flush(self, timeout_seconds: float = FLUSH_SECONDS) -> int:
+        """Try every deferred outcome now and again until it lands or ``timeout_seconds`` pass: this
+        process is about to exit (a pool child recycled, a warm shutdown), and its heartbeat thread
+        with it. Each one that could not land is logged; how many are left.
+
+        What does not land is not lost for good: the attempt left its value in the result backend
+        (and the ledger holds a committed effect), and the next attempt that takes the record over
+        past its lease reads that evidence before it runs anything (:mod:`celery_idem.evidence`).
+        """
+        deadline = time.monotonic() + timeout_seconds
+        while True:
+            with self._lock:
+                left = list(self._settlements)
+            if not left or time.monotonic() >= deadline:
+                break
+            for item in left:
+                self._settle(item)
+            time.sleep(min(0.2, max(deadline - time.monotonic(), 0.0)))
+        for item in left:
+            logger.error("exiting with the outcome of %s not stored (no answer in %gs): the next attempt "
+                         "settles it from the result backend or the ledger", item.identity, timeout_seconds)  # fmt: skip
+        return len(left)
 
     @property
     def deferred(self) -> int:
