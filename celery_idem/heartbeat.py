@@ -157,8 +157,8 @@ class Heartbeat:
                 self._settle(item)
             time.sleep(min(0.2, max(deadline - time.monotonic(), 0.0)))
         for item in left:
-            logger.error("exiting with the outcome of %s not stored (no answer in %gs): the next attempt "
-                         "settles it from the result backend or the ledger", item.identity, timeout_seconds)  # fmt: skip
+            logger.error("exiting with the outcome of %s not stored (no answer in %gs): the next attempt settles "
+                         "it from the result backend or the ledger", item.identity, timeout_seconds)  # fmt: skip
         return len(left)
 
     @property
