@@ -14,15 +14,16 @@ token), and the call is answered from it instead of running the body again.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from celery import states
 from celery.backends.base import DisabledBackend
 
-from .errors import LockLostError
+from .errors import LockLostError, StoreUnavailableError
 from .outcome import encode_result
-from .records import IdempotencyRecord
+from .records import IdempotencyRecord, Identity, Transition
 
 if TYPE_CHECKING:
     from .extension import Idempotency
@@ -73,10 +74,24 @@ def earlier_outcome(idem: Idempotency, task: Any, record: IdempotencyRecord) -> 
     except Exception as exc:  # noqa: BLE001 - no evidence could be read: the body runs, as without any
         logger.warning("could not read the evidence of %s's earlier attempt %s: %r", record.identity, earlier, exc)
         return None
-    answer = idem.store.complete(
-        record.identity, record.owner, payload, content_type=content_type or "application/json",
-        content_encoding=encoding or "utf-8",
-    )  # fmt: skip
+    identity, owner = record.identity, record.owner
+
+    def write() -> Transition:
+        return idem.store.complete(
+            identity, owner, payload, content_type=content_type or "application/json",
+            content_encoding=encoding or "utf-8",
+        )  # fmt: skip
+
+    try:
+        answer = write()
+    except StoreUnavailableError as exc:
+        # The earlier attempt's outcome is known: never run the body for it. The heartbeat stores it
+        # once the store answers (this attempt holds the record), as for an outcome of its own.
+        logger.warning("%s: storing the earlier attempt's outcome failed (%s); the heartbeat goes on", identity, exc)
+        idem.heartbeat.defer(identity, write, functools.partial(_settled_by, idem, identity, owner),
+                             seconds=record.ttl_seconds)  # fmt: skip
+        idem.count("replays")
+        return Found(value)
     if not answer.ok:
         raise LockLostError(
             f"{record.identity} was taken by another attempt while its earlier attempt's outcome was read",
@@ -86,3 +101,11 @@ def earlier_outcome(idem: Idempotency, task: Any, record: IdempotencyRecord) -> 
                    record.identity, earlier, why)  # fmt: skip
     idem.count("replays")
     return Found(value)
+
+
+def _settled_by(idem: Idempotency, identity: Identity, owner: str) -> bool:
+    try:
+        record = idem.store.get(identity)
+    except StoreUnavailableError:
+        return False
+    return record is not None and record.state.settled and record.owner == owner
