@@ -514,6 +514,33 @@ def test_a_deferred_outcome_does_not_die_with_its_recycled_child(prefix, counter
         assert record.task_id == again.id != result.id and record.previous_task_id == result.id
 
 
+@pytest.mark.parametrize("pool", ["solo", "threads"])
+def test_a_warm_shutdown_stores_the_deferred_outcome_before_the_process_exits(
+    prefix, counter, workers, linked_store, pool
+) -> None:
+    # Given a solo (or threads) pool, whose tasks run in the worker's main process
+    _, proxy = linked_store
+    app = producer(proxy.url(), prefix)
+    worker = workers(proxy.url(), pool=pool)
+    idem, work, key = Idempotency.of(app), app.tasks["chaos.work"], f"k-{uuid.uuid4().hex}"
+    result = work.apply_async((1.0,), idempotency_key=key)
+    wait_for(lambda: count(counter, prefix, "chaos.work", key), "the body to start")
+    # When the store is cut as the task returns, longer than its lease (its outcome is deferred),
+    # and the worker is shut down warm before the store is back
+    back = time.monotonic() + 6.0
+    proxy.cut(6.0)
+    assert result.get(timeout=GET) == "worked 1.0"
+    worker.stop()
+    time.sleep(max(0.0, back - time.monotonic()) + 0.2)
+    # Then the process stored its outcome before it exited (within its flush bound): the record is
+    # the first call's, COMPLETED, and a second call replays it
+    record = idem.get("chaos.work", key)
+    assert record is not None and record.state is State.COMPLETED and record.task_id == result.id
+    again = work.apply_async((1.0,), idempotency_key=key)
+    assert again.deduplicated and again.get(timeout=GET) == "worked 1.0"
+    assert count(counter, prefix, "chaos.work", key) == 1
+
+
 def test_a_claim_whose_reply_is_lost_does_not_hand_later_calls_an_unpublished_task_id(
     prefix, counter, workers, linked_store
 ) -> None:
