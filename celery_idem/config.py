@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 __all__ = [
     "MAX_RESULT_BYTES",
@@ -130,13 +130,29 @@ class IdempotencySettings(IdempotencyPolicy):
     stale_grace_seconds: float = Field(
         default=3600, ge=0, description="Release a stale record with no evidence once this far past its lease."
     )
+    liveness_seconds: float = Field(
+        default=10,
+        gt=0,
+        allow_inf_nan=False,
+        description="Lifetime of a worker process's liveness record (beaten every third of it); a dead "
+        "holder is seen this long after its last beat (keep it at most lease_seconds: then at its lease's end).",
+    )
+
+    @model_validator(mode="after")
+    def _liveness_fits(self) -> IdempotencySettings:
+        if self.liveness_seconds < self.store_timeout_seconds:
+            raise ValueError(
+                f"liveness_seconds ({self.liveness_seconds:g}) must be at least store_timeout_seconds "
+                f"({self.store_timeout_seconds:g}): one slow beat would otherwise pass for a death"
+            )
+        return self
 
     @field_validator("store_timeout_seconds", "inspect_timeout_seconds")
     @classmethod
     def _waits_finite(cls, value: float, info: ValidationInfo) -> float | None:
         return _finite(str(info.field_name), value, MAX_STORE_TIMEOUT_SECONDS)
 
-    @field_validator("reconcile_interval_seconds", "stale_grace_seconds")
+    @field_validator("reconcile_interval_seconds", "stale_grace_seconds", "liveness_seconds")
     @classmethod
     def _app_durations_finite(cls, value: float | None, info: ValidationInfo) -> float | None:
         return _finite(str(info.field_name), value)

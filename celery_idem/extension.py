@@ -117,7 +117,9 @@ class Idempotency:
         self._lock = threading.Lock()
         self._counters = dict.fromkeys(COUNTERS, 0)
         self._policies: dict[str, IdempotencyPolicy] = {}
-        self.heartbeat = Heartbeat(on_error=functools.partial(self.count, "store_errors"))
+        self.heartbeat = Heartbeat(
+            on_error=functools.partial(self.count, "store_errors"), liveness_seconds=self._liveness_seconds
+        )
         previous = app.__dict__.get(_ATTRIBUTE)
         if previous is not None:
             previous.disconnect()
@@ -190,6 +192,9 @@ class Idempotency:
             return IdempotencySettings(**values)
         except ValidationError as exc:
             raise _invalid(f"celery-idem settings of app {self.app.main!r}", exc) from None
+
+    def _liveness_seconds(self) -> float:
+        return self.settings.liveness_seconds
 
     @functools.cached_property
     def accepted_content_types(self) -> frozenset[str]:

@@ -28,11 +28,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from celery import Task as CeleryTask
-from celery import group, states
-from celery.backends.base import DisabledBackend
+from celery import group
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 
-from . import outage, timing
+from . import evidence, outage, timing
 from .busy import BusyWait
 from .calls import encode_call, published_options
 from .errors import (
@@ -287,7 +286,7 @@ class Handler:
         wait = BusyWait(task, identity, policy, self.idem.store, self._republish, self.idem.count)
         call = self._call(args, kwargs)
         while True:
-            owner = worker_token(getattr(request, "hostname", None))
+            owner = worker_token(getattr(request, "hostname", None), self.idem.heartbeat.process_id)
             try:
                 taken = self.idem.store.acquire(
                     identity,
@@ -318,8 +317,9 @@ class Handler:
             record = taken.record
             assert record is not None
             self._log(taken.decision, identity, task_id, record)
-            if taken.decision is Decision.RUN:
-                return self._run_owned(record, args, kwargs)
+            if taken.decision is Decision.RUN:  # an earlier attempt's evidence first (its body may have run)
+                found = evidence.earlier_outcome(self.idem, self.task, record)
+                return self._run_owned(record, args, kwargs) if found is None else found.value
             if taken.decision is Decision.REPLAY:
                 if (quiet := wait.replayed()) is not None:
                     raise quiet
@@ -392,7 +392,7 @@ class Handler:
         self._defer(identity, owner, lambda: store.complete(
             identity, owner, payload, content_type=content_type, content_encoding=encoding
         ))  # fmt: skip
-        self._leave_evidence(value)
+        evidence.leave(self.task, value)
 
     def _settle_exception(self, record: IdempotencyRecord, exc: BaseException, lease: Lease) -> None:
         """What an attempt that ended by raising leaves behind (DESIGN §3, "Not failures"):
@@ -425,7 +425,7 @@ class Handler:
         evidence for the reconciler."""
         written = self._store_value(record.identity, record.owner, record.task_id, value)
         if written is None:
-            self._leave_evidence(value)
+            evidence.leave(self.task, value)
         elif not written:
             raise LockLostError(
                 f"task {self.task.name!r} ({record.task_id}) lost its lease on idempotency key "
@@ -508,15 +508,6 @@ class Handler:
         except StoreUnavailableError:
             return False
         return record is not None and record.state.settled and record.owner == owner
-
-    def _leave_evidence(self, value: Any) -> None:
-        """The record could not be settled: the task returns its value, so the result backend holds
-        SUCCESS, which the reconciler settles COMPLETED from. An ignore_result task writes it there
-        anyway in this one case (no other evidence would survive the outage)."""
-        task, request = self.task, self.task.request
-        if task.ignore_result or getattr(request, "ignore_result", False):
-            if not isinstance(task.backend, DisabledBackend):
-                task.backend.store_result(request.id, value, states.SUCCESS, request=request)
 
     def _await_replacement(self, identity: Identity, owner: str) -> None:
         """A replaced attempt: its record stays IN_PROGRESS under its token (claims are handed its id,

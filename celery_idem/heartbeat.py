@@ -13,6 +13,9 @@ while its lease lasted is handed over (:meth:`Heartbeat.defer`) and tried again 
 it lands, is refused (another attempt owns the record) or the record's TTL is over. The first write
 after the store comes back is then, almost always, this one, not a duplicate's takeover of the
 lease that ran out during the outage.
+
+The same thread beats the process's liveness record (:mod:`celery_idem.liveness`) every
+``liveness_seconds / 3`` from the first attempt on, in the store of the attempts' leases.
 """
 
 from __future__ import annotations
@@ -26,12 +29,14 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .liveness import ProcessLiveness
 from .records import Identity, Transition
 from .stores.base import Store
 
 __all__ = ["Heartbeat", "Lease", "Settlement"]
 
 SETTLE_RETRY_SECONDS = 1.0  # how often a deferred outcome is tried again
+FLUSH_SECONDS = 5.0  # how long a process about to exit keeps trying its deferred outcomes
 
 logger = logging.getLogger("celery_idem.heartbeat")
 
@@ -74,9 +79,13 @@ class Heartbeat:
 
     Args:
         on_error: Called once per failed renewal (the extension counts it as a store error).
+        liveness_seconds: The lifetime of this process's liveness record (read at its first use);
+            None keeps no liveness record.
     """
 
-    def __init__(self, on_error: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, on_error: Callable[[], None] | None = None, liveness_seconds: Callable[[], float] | None = None
+    ) -> None:
         self._leases: set[Lease] = set()
         self._settlements: set[Settlement] = set()
         self._lock = threading.Lock()
@@ -85,6 +94,9 @@ class Heartbeat:
         self._pid = 0
         self._stopping = False
         self._on_error = on_error
+        self._liveness_seconds = liveness_seconds
+        self._liveness: ProcessLiveness | None = None
+        self._store: Store | None = None  # where the liveness record lives: the leases' store
         # A forked child has none of this process's attempts: it must neither renew their leases nor
         # write their outcomes (a prefork parent runs none, but a body may fork).
         os.register_at_fork(after_in_child=functools.partial(_forget_after_fork, weakref.ref(self)))
@@ -95,10 +107,22 @@ class Heartbeat:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._thread = None
+        self._liveness = None  # a child is a process of its own, with a record of its own
+
+    @property
+    def process_id(self) -> str | None:
+        """This process's liveness id, for the owner tokens it mints (None: no liveness kept)."""
+        if self._liveness_seconds is None:
+            return None
+        with self._lock:
+            if self._liveness is None:
+                self._liveness = ProcessLiveness(self._liveness_seconds())
+            return self._liveness.id
 
     def add(self, store: Store, identity: Identity, owner: str, seconds: float) -> Lease:
         lease = Lease(store, identity, owner, seconds)
         with self._lock:
+            self._store = store
             self._leases.add(lease)
             self._start()
         return lease
@@ -113,6 +137,29 @@ class Heartbeat:
             self._settlements.add(settlement)
             self._start()
         return settlement
+
+    def flush(self, timeout_seconds: float = FLUSH_SECONDS) -> int:
+        """Try every deferred outcome now and again until it lands or ``timeout_seconds`` pass: this
+        process is about to exit (a pool child recycled, a warm shutdown), and its heartbeat thread
+        with it. Each one that could not land is logged; how many are left.
+
+        What does not land is not lost for good: the attempt left its value in the result backend
+        (and the ledger holds a committed effect), and the next attempt that takes the record over
+        past its lease reads that evidence before it runs anything (:mod:`celery_idem.evidence`).
+        """
+        deadline = time.monotonic() + timeout_seconds
+        while True:
+            with self._lock:
+                left = list(self._settlements)
+            if not left or time.monotonic() >= deadline:
+                break
+            for item in left:
+                self._settle(item)
+            time.sleep(min(0.2, max(deadline - time.monotonic(), 0.0)))
+        for item in left:
+            logger.error("exiting with the outcome of %s not stored (no answer in %gs): the next attempt settles "
+                         "it from the result backend or the ledger", item.identity, timeout_seconds)  # fmt: skip
+        return len(left)
 
     @property
     def deferred(self) -> int:
@@ -170,10 +217,15 @@ class Heartbeat:
                     now = time.monotonic()
                     due = [lease for lease in self._leases if lease.due <= now]
                     settle = [item for item in self._settlements if item.due <= now]
-                    if not due and not settle:
+                    liveness = self._liveness if self._store is not None else None
+                    beat = liveness is not None and liveness.due <= now
+                    if not due and not settle and not beat:
                         upcoming = [lease.due for lease in self._leases] + [item.due for item in self._settlements]
+                        upcoming += [liveness.due] if liveness is not None else []
                         self._wake.wait(timeout=max(min(upcoming, default=now + 60) - now, 0.01))
                         continue
+                if beat and liveness is not None:
+                    self._keep_alive(liveness)
                 for lease in due:
                     self._renew(lease)
                 if settle:
@@ -202,6 +254,20 @@ class Heartbeat:
             logger.warning("settled %s after the store came back (try %d)", item.identity, item.tries)
         elif ok is not None:
             logger.warning("late outcome of %s was LOST: another attempt owns the record", item.identity)
+
+    def _keep_alive(self, liveness: ProcessLiveness) -> None:
+        assert self._store is not None
+        try:
+            kept = liveness.beat(self._store)
+        except Exception as exc:  # noqa: BLE001 - a missed beat; the record lives on until its lifetime
+            logger.warning("liveness beat %s failed: %r; retrying at the next beat", liveness.id, exc)
+            if self._on_error is not None:
+                self._on_error()
+            return
+        if kept is not liveness:
+            with self._lock:
+                if self._liveness is liveness:
+                    self._liveness = kept
 
     def _renew(self, lease: Lease) -> None:
         lease.due = time.monotonic() + lease.seconds / 3

@@ -7,13 +7,18 @@ with all records). Each is settled against the truth, in order, and only on posi
 2. the result backend, for the record's task id: SUCCESS -> COMPLETED; FAILURE -> FAILED if the
    task's policy classes the error permanent, else released; but a FAILURE that says "the body
    may have run" (StoreUnavailableError, LockLostError) is no evidence: left, and counted;
-3. worker liveness (one ``inspect().query_task`` broadcast for all undecided records): a live
-   worker holds the task id (active, reserved or scheduled) -> left alone; the worker that holds
-   the attempt (named in its owner token) answered without it, or, for a PENDING claim no worker
-   has taken, some worker answered -> provably dead: released, or re-published under the same key
-   and task id (``stale_action="requeue"``); otherwise (no answer, or not from the holder: a busy
-   or solo pool answers late) -> unknown, left, until the lease is ``stale_grace_seconds`` past,
-   then released.
+3. worker liveness, read once for all undecided records: the holder processes' liveness records
+   in the store (one :meth:`Store.alive` call for every id the owner tokens name,
+   :mod:`celery_idem.liveness`) and one ``inspect().query_task`` broadcast. An IN_PROGRESS record
+   whose token names a process whose liveness record has expired (or never landed) -> provably
+   dead, whatever ``inspect`` says: released, or re-published under the same key and task id
+   (``stale_action="requeue"``). A holder whose record is live -> left (it is alive: a deferred
+   outcome may still land). For a token that names no process (a claim, an older worker) inspect
+   is the evidence: a live worker holds the task id (active, reserved or scheduled) -> left alone;
+   the worker named in the token answered without it, or, for a PENDING claim no worker has taken,
+   some worker answered -> provably dead; otherwise (no answer, or not from the holder: a busy or
+   solo pool answers late) -> unknown. Whatever is left as unknown or alive is released once its
+   lease is ``stale_grace_seconds`` past. Silence alone settles nothing.
 
 Every write is a compare-and-set on the owner token the scan saw (a release also requires the lease
 to still be expired), so two reconcilers at once never settle one record twice, and a worker that
@@ -35,7 +40,7 @@ from .calls import CallRefused, decode_call
 from .errors import ConfigurationError, LedgerUnavailableError, ResultTooLargeError, StoreUnavailableError
 from .failures import BODY_MAY_HAVE_RUN, classify_failure
 from .outcome import encode_result
-from .owners import holder_node, node_tag
+from .owners import holder_node, holder_process, node_tag
 from .protocol import KEY_HEADER, SCOPE_HEADER
 from .records import Decision, ErrorInfo, IdempotencyRecord, State
 from .timing import EXPIRY_GRACE_SECONDS
@@ -57,6 +62,13 @@ class Liveness(NamedTuple):
 
     holding: frozenset[str]  # task ids they hold (active, reserved, scheduled)
     answered: frozenset[str]  # their node tags (owners.node_tag of their names)
+
+
+class Evidence(NamedTuple):
+    """What one run knows of the holders of its undecided records."""
+
+    alive: frozenset[str] | None  # the liveness ids with a live record (None: the store did not say)
+    inspected: Liveness | None  # what inspect answered (None: no worker answered)
 
 
 class ReconcileReport(BaseModel):
@@ -97,9 +109,12 @@ class Reconciler:
         self.counts["scanned"] = len(stale)
         undecided = [record for record in stale if not self._guarded(self._settle_on_evidence, record)]
         if undecided:
-            holders = self._live_task_ids([record.task_id for record in undecided])
+            alive = self._alive(undecided)
+            # inspect only for what the liveness records do not settle (a live holder, a token naming none)
+            asked = [r.task_id for r in undecided if not self._dead_by_liveness(r, alive)]
+            evidence = Evidence(alive, self._live_task_ids(asked) if asked else None)
             for record in undecided:
-                self._guarded(self._settle_on_liveness, record, holders)
+                self._guarded(self._settle_on_liveness, record, evidence)
         purged = 0 if self.dry_run else self.store.purge_expired(limit=limit or DEFAULT_LIMIT)
         report = ReconcileReport(**self.counts, purged=purged, seconds=time.monotonic() - started, dry_run=self.dry_run)
         logger.info("reconciled: %s", report.model_dump_json())
@@ -191,28 +206,52 @@ class Reconciler:
             answered=frozenset(node_tag(name) for name in replies),
         )
 
-    def _settle_on_liveness(self, record: IdempotencyRecord, liveness: Liveness | None) -> None:
-        if liveness is not None and record.task_id in liveness.holding:
+    @staticmethod
+    def _holder(record: IdempotencyRecord) -> str | None:
+        """The liveness id of the process holding an IN_PROGRESS record (None: a claim, an old token)."""
+        return holder_process(record.owner) if record.state is State.IN_PROGRESS else None
+
+    def _dead_by_liveness(self, record: IdempotencyRecord, alive: frozenset[str] | None) -> bool:
+        process = self._holder(record)
+        return process is not None and alive is not None and process not in alive
+
+    def _alive(self, records: list[IdempotencyRecord]) -> frozenset[str] | None:
+        """Which holder processes named by the records' tokens have a live liveness record: one read."""
+        processes = {self._holder(record) for record in records}
+        try:
+            return self.store.alive([process for process in processes if process is not None])
+        except StoreUnavailableError as exc:
+            logger.warning("could not read the holders' liveness records (%s): liveness unknown", exc)
+            return None
+
+    def _settle_on_liveness(self, record: IdempotencyRecord, evidence: Evidence) -> None:
+        if self._dead_by_liveness(record, evidence.alive):
+            # The holder's own record answers for it: no reply, a late one, another node's, all moot.
+            dead, why, unknown = True, "its holder's liveness record has expired", ""
+        elif evidence.inspected is not None and record.task_id in evidence.inspected.holding:
             self._leave(record, "a live worker holds its task")
             return
-        # Absence is evidence only from the worker that would hold the task: one that did not answer
-        # in time may be busy (a solo pool answers between tasks), not dead. A PENDING claim has no
-        # holder yet; an IN_PROGRESS record whose token names no worker (an older token) has an
-        # unknown one, and waits for the grace period.
-        dead = liveness is not None and (
-            record.state is State.PENDING or holder_node(record.owner) in liveness.answered
-        )
+        else:
+            # Absence is evidence only from the worker that would hold the task: one that did not
+            # answer in time may be busy (a solo pool answers between tasks), not dead. A PENDING
+            # claim has no holder yet; an IN_PROGRESS record whose token names no worker (an older
+            # token) has an unknown one, and waits for the grace period.
+            liveness = evidence.inspected
+            dead = liveness is not None and (
+                record.state is State.PENDING or holder_node(record.owner) in liveness.answered
+            )
+            why = "provably dead"
+            unknown = "no worker answered" if liveness is None else "not the worker that holds it answered"
         if not dead:
             grace = self.idem.settings.stale_grace_seconds
             overdue = self.now - (record.lease_expires_at or 0)
             if overdue < grace:
-                silent = "no worker" if liveness is None else "not the worker that holds it"
-                self._leave(record, f"{silent} answered; {overdue:.0f}s past its lease, grace {grace:g}s")
+                self._leave(record, f"{unknown}; {overdue:.0f}s past its lease, grace {grace:g}s")
                 return
         if self._policy(record).stale_action == "requeue" and record.call is not None:
             self._requeue(record)
         else:
-            self._release(record, "provably dead" if dead else "dead past the grace period")
+            self._release(record, why if dead else "dead past the grace period")
 
     # ---- writes (compare-and-set on the owner token) -------------------------------------------
 

@@ -93,6 +93,9 @@ class IdempotencyRecord(BaseModel):
     content_encoding: str | None = None
     error: ErrorInfo | None = None
     call: bytes | None = None  # celery_idem.calls: kept only for stale_action="requeue"
+    # The task id of an attempt this record took over past its lease (its body may have run: the
+    # next attempt reads that id's evidence first), or the one its claim kept; None on a fresh record.
+    previous_task_id: str | None = None
 
     @property
     def identity(self) -> Identity:

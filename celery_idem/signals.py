@@ -51,6 +51,9 @@ class _Hooks:
 
         return isinstance(task, IdempotentTask) and task.app is self.idem.app
 
+    def exiting(self, **_: Any) -> None:
+        self.idem.heartbeat.flush()
+
     def received(self, sender: Any = None, request: Any = None, **_: Any) -> None:
         task = getattr(request, "task", None)
         if task is None or not self._ours(task):
@@ -141,6 +144,10 @@ def connect(idem: Idempotency) -> list[tuple[Any, Any]]:
         (signals.task_failure, hooks.failed),
         (signals.task_revoked, hooks.revoked),
         (signals.worker_ready, hooks.worker_ready),
+        # A process about to exit (a pool child recycled; a solo or threads pool's warm shutdown)
+        # first stores the outcomes the store refused during an outage, within a bound.
+        (signals.worker_process_shutdown, hooks.exiting),
+        (signals.worker_shutdown, hooks.exiting),
     ]
     for signal, receiver in receivers:
         signal.connect(receiver, weak=False)

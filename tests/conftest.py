@@ -92,6 +92,8 @@ def wipe(store: Store) -> None:
         store.create_schema()  # type: ignore[attr-defined]
         with store.engine.begin() as connection:  # type: ignore[attr-defined]
             connection.execute(sa.delete(table).where(table.c.namespace == store.key_prefix))
+            liveness = store.liveness  # type: ignore[attr-defined]
+            connection.execute(sa.delete(liveness).where(liveness.c.namespace == store.key_prefix))
     store.close()
 
 

@@ -49,6 +49,7 @@ class Rec:
     # Hidden (no store reads it back): when a BUSY waiter will have looked again by. An outcome
     # is kept at least until then, whatever its TTL ("A waiting duplicate gets its answer").
     linger: float | None = None
+    previous_task_id: str | None = None  # the attempt a takeover took over (its body may have run)
 
 
 @dataclass(frozen=True)
@@ -115,10 +116,11 @@ class Model:
             if held.lease_expires_at > self.time:
                 return Answer(Decision.DUPLICATE, held)
         # absent, or a lease that ran out: a new claim, written whole (nothing of the old survives
-        # but a waiter's mark: a BUSY duplicate of the old attempt is still owed its answer)
+        # but a waiter's mark, since a BUSY duplicate of the old attempt is still owed its answer, and
+        # the task id of the attempt it takes over, or the one the claim it takes over kept)
         fresh = Rec(identity, fingerprint, State.PENDING, task_id, owner, 0, self.time + lease, self.time,
                     self.time, self.time + lease + ttl, ttl, call=call,
-                    linger=held.linger if held is not None else None)  # fmt: skip
+                    linger=held.linger if held is not None else None, previous_task_id=_taken_over(held))  # fmt: skip
         self.records[identity] = fresh
         return Answer(Decision.NEW, fresh)
 
@@ -147,7 +149,7 @@ class Model:
         taken = self._write(
             held, state=State.IN_PROGRESS, task_id=task_id, owner=owner, attempt=held.attempt + 1,
             lease_expires_at=self.time + lease, expires_at=self.time + lease + ttl, ttl_seconds=ttl,
-            call=call if call is not None else held.call,
+            call=call if call is not None else held.call, previous_task_id=_taken_over(held),
         )  # fmt: skip
         return Answer(Decision.RUN, taken)
 
@@ -236,10 +238,17 @@ class Model:
         return min(len(ghosts), limit)
 
 
+def _taken_over(held: Rec | None) -> str | None:
+    """What a claim or acquire taking ``held`` over keeps: an attempt's task id, or a claim's own."""
+    if held is None:
+        return None
+    return held.task_id if held.state is State.IN_PROGRESS else held.previous_task_id
+
+
 # ---- holding a real store's answers to the model ------------------------------------------------
 
 _FIELDS = ("fingerprint", "state", "task_id", "attempt", "ttl_seconds", "result", "content_type",
-           "content_encoding", "error")  # fmt: skip
+           "content_encoding", "error", "previous_task_id")  # fmt: skip
 _TIMES = ("lease_expires_at", "created_at", "updated_at", "expires_at")
 
 

@@ -483,6 +483,64 @@ def test_an_outcome_the_cut_kept_from_the_store_lands_when_the_link_is_back_and_
     assert [count(counter, prefix, "chaos.work", k) for k in keys] == [1, 1]
 
 
+@pytest.mark.parametrize("cut", [4.0, 12.0], ids=["flushed-as-the-child-exits", "read-back-by-the-next-attempt"])
+def test_a_deferred_outcome_does_not_die_with_its_recycled_child(prefix, counter, workers, linked_store, cut) -> None:
+    # Given a worker whose pool children run one task each (--max-tasks-per-child=1), and a body
+    # with no ledger
+    _, proxy = linked_store
+    app = producer(proxy.url(), prefix)
+    workers(proxy.url(), conf={"worker_max_tasks_per_child": 1})
+    idem, work, key = Idempotency.of(app), app.tasks["chaos.work"], f"k-{uuid.uuid4().hex}"
+    result = work.apply_async((1.0,), idempotency_key=key)
+    wait_for(lambda: count(counter, prefix, "chaos.work", key), "the body to start")
+    # When the store is cut as the task returns, for longer than its lease (2 s): its outcome is
+    # deferred, and its child exits right after the task. A 4 s cut ends within the child's flush
+    # at exit; a 12 s cut outlasts it (the write is then lost with the child)
+    back = time.monotonic() + cut
+    proxy.cut(cut)
+    assert result.get(timeout=GET) == "worked 1.0"
+    time.sleep(max(0.0, back - time.monotonic()) + 0.2)
+    # Then a second call with the same key, once the store is back, gets the first call's outcome
+    # (landed at exit, or read from the result backend for the first call's task id before the
+    # takeover runs anything), and the body ran once
+    again = work.apply_async((1.0,), idempotency_key=key)
+    assert again.get(timeout=GET) == "worked 1.0"
+    assert count(counter, prefix, "chaos.work", key) == 1
+    record = idem.get("chaos.work", key)
+    assert record is not None and record.state is State.COMPLETED
+    if cut < 5:  # the exiting child stored the first call's outcome itself
+        assert record.task_id == result.id and again.id == result.id
+    else:  # the second call's attempt took the record over and settled it from the first's evidence
+        assert record.task_id == again.id != result.id and record.previous_task_id == result.id
+
+
+@pytest.mark.parametrize("pool", ["solo", "threads"])
+def test_a_warm_shutdown_stores_the_deferred_outcome_before_the_process_exits(
+    prefix, counter, workers, linked_store, pool
+) -> None:
+    # Given a solo (or threads) pool, whose tasks run in the worker's main process
+    _, proxy = linked_store
+    app = producer(proxy.url(), prefix)
+    worker = workers(proxy.url(), pool=pool)
+    idem, work, key = Idempotency.of(app), app.tasks["chaos.work"], f"k-{uuid.uuid4().hex}"
+    result = work.apply_async((1.0,), idempotency_key=key)
+    wait_for(lambda: count(counter, prefix, "chaos.work", key), "the body to start")
+    # When the store is cut as the task returns, longer than its lease (its outcome is deferred),
+    # and the worker is shut down warm before the store is back
+    back = time.monotonic() + 6.0
+    proxy.cut(6.0)
+    assert result.get(timeout=GET) == "worked 1.0"
+    worker.stop()
+    time.sleep(max(0.0, back - time.monotonic()) + 0.2)
+    # Then the process stored its outcome before it exited (within its flush bound): the record is
+    # the first call's, COMPLETED, and a second call replays it
+    record = idem.get("chaos.work", key)
+    assert record is not None and record.state is State.COMPLETED and record.task_id == result.id
+    again = work.apply_async((1.0,), idempotency_key=key)
+    assert again.deduplicated and again.get(timeout=GET) == "worked 1.0"
+    assert count(counter, prefix, "chaos.work", key) == 1
+
+
 def test_a_claim_whose_reply_is_lost_does_not_hand_later_calls_an_unpublished_task_id(
     prefix, counter, workers, linked_store
 ) -> None:

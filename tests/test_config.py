@@ -46,6 +46,7 @@ SETTINGS_DEFAULTS: dict[str, Any] = {
     "ledger": None,
     "stale_grace_seconds": 3600,
     "inspect_timeout_seconds": 1.0,  # not in DESIGN §6: the reconciler's inspect deadline
+    "liveness_seconds": 10,  # not in DESIGN §6: a worker process's liveness record (DESIGN §3 rules)
 }
 MODELS = [IdempotencyPolicy, IdempotencySettings]
 
@@ -120,6 +121,13 @@ def test_invalid_value_is_refused_naming_the_field(model: type[IdempotencyPolicy
 
     assert [e["loc"] for e in excinfo.value.errors()] == [(field,)]
     assert field in str(excinfo.value)
+
+
+@pytest.mark.parametrize("value", [0, -1, float("inf"), float("nan"), 1.0])
+def test_a_liveness_lifetime_that_cannot_work_is_refused(value: float) -> None:
+    # 1.0 is under the default store timeout (2 s): one slow beat would pass for a death
+    with pytest.raises(ValidationError, match="liveness_seconds"):
+        IdempotencySettings(liveness_seconds=value)
 
 
 def test_key_args_list_of_names_is_accepted() -> None:

@@ -7,6 +7,8 @@ and each ledger function makes (tests/shop.py).
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 import uuid
@@ -34,13 +36,14 @@ from celery_idem import (
 )
 from celery_idem.calls import MAX_CALL_BYTES, encode_call
 from celery_idem.outcome import replay
-from celery_idem.owners import OWNER_MAX_LENGTH, holder_node, node_tag, worker_token
+from celery_idem.owners import OWNER_MAX_LENGTH, holder_node, holder_process, node_tag, worker_token
 from celery_idem.reconciler import BEAT_ENTRY, TASK_NAME
 from celery_idem.records import Identity
 from celery_idem.stores import Store
 
 BROKER = "redis://127.0.0.1:6379/14"
 GET = 30
+LIVE_PAST_THE_SKEW = 7200  # a worker's liveness record outlives the reconcilers' hour ahead below
 FP = "e" * 64
 
 
@@ -428,9 +431,10 @@ def test_the_grace_period_is_timed_by_the_store_server_not_the_reconcilers_clock
 @pytest.mark.slow
 def test_a_task_active_on_a_live_worker_is_left_alone_even_past_its_lease(workers, prefix, counter) -> None:
     # Given a task running on a live worker (its heartbeat keeps the lease; a reconciler whose
-    # clock runs an hour ahead sees the lease as long expired)
+    # clock runs an hour ahead sees the lease as long expired; the worker's liveness record lives
+    # two hours, so that reconciler sees it live, as a true clock would)
     app = make_app(broker=BROKER, backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix)
-    workers()
+    workers(liveness_seconds=LIVE_PAST_THE_SKEW)
     key = f"k-{uuid.uuid4().hex}"
     result = app.tasks["shop.slow"].apply_async((3,), idempotency_key=key)
     wait_for(lambda: counter.get(effects_key(prefix, "shop.slow", key)), "task start")
@@ -458,7 +462,7 @@ def test_absence_is_evidence_only_when_the_worker_holding_the_attempt_answered(w
     # Given an attempt running on a solo-pool worker, which answers no inspect while its task runs,
     # and another worker that answers (on another queue: it never holds the task)
     app = make_app(broker=BROKER, backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix)
-    busy = workers(pool="solo")
+    busy = workers(pool="solo", liveness_seconds=LIVE_PAST_THE_SKEW)  # alive to a reconciler an hour ahead
     idle = workers(queue=f"{prefix}-idle")
     key = f"k-{uuid.uuid4().hex}"
     result = app.tasks["shop.slow"].apply_async((5,), idempotency_key=key)
@@ -481,6 +485,80 @@ def test_absence_is_evidence_only_when_the_worker_holding_the_attempt_answered(w
     assert store.get(dead) is None
 
 
+# ---- liveness: death is a fact, not a silence ----------------------------------------------------------
+
+
+def _holder_of(app: Celery, task: str, key: str) -> tuple[Any, str]:
+    record = Idempotency.of(app).get(task, key)
+    assert record is not None and record.state is State.IN_PROGRESS
+    process = holder_process(record.owner)
+    assert process is not None, f"the token {record.owner!r} names no liveness record"
+    return record, process
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stale_action", ["release", "requeue"])
+def test_a_worker_killed_for_good_is_settled_once_its_lease_is_past(workers, prefix, counter, stale_action) -> None:
+    # Given a prefork worker running a call, and a second worker that answers inspect (another queue:
+    # it never holds the call); the reconciler's grace period is an hour
+    app = make_app(broker=BROKER, backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix,
+                   inspect_timeout_seconds=1.0, stale_action=stale_action)  # fmt: skip
+    doomed = workers(liveness_seconds=2)
+    workers(queue=f"{prefix}-idle", liveness_seconds=2)
+    key = f"k-{uuid.uuid4().hex}"
+    app.tasks["shop.slow"].apply_async((60,), idempotency_key=key)
+    wait_for(lambda: counter.get(effects_key(prefix, "shop.slow", key)), "task start")
+    record, process = _holder_of(app, "shop.slow", key)
+    store = Idempotency.of(app).store
+    assert store.alive([process]) == {process}
+    # When the whole worker is SIGKILLed (a node that never comes back under its name)
+    doomed.kill()
+    wait_for(lambda: not store.alive([process]), "the holder's liveness record to expire", 30)
+    stale = Idempotency.of(app).get("shop.slow", key)
+    time.sleep(max(0.0, stale.lease_expires_at - time.time()) + 0.2)
+    # Then one reconcile run settles it, long before stale_grace_seconds
+    report = Idempotency.of(app).reconcile()
+    assert report.scanned == 1
+    if stale_action == "release":
+        assert report.released == 1
+        assert Idempotency.of(app).get("shop.slow", key) is None
+    else:
+        assert report.requeued == 1
+        assert Idempotency.of(app).get("shop.slow", key).state is State.PENDING
+
+
+@pytest.mark.slow
+def test_a_frozen_holder_past_its_lease_is_settled_and_its_writes_are_fenced_when_it_wakes(
+    workers, prefix, counter
+) -> None:
+    # Given a worker running a call (nobody else answers inspect)
+    app = make_app(broker=BROKER, backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix,
+                   inspect_timeout_seconds=0.5)  # fmt: skip
+    frozen = workers(liveness_seconds=2)
+    key = f"k-{uuid.uuid4().hex}"
+    result = app.tasks["shop.slow"].apply_async((4,), idempotency_key=key)
+    wait_for(lambda: counter.get(effects_key(prefix, "shop.slow", key)), "task start")
+    _, process = _holder_of(app, "shop.slow", key)
+    store = Idempotency.of(app).store
+    # When every process of it is frozen past its liveness and its lease (a zombie)
+    os.killpg(frozen.process.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: not store.alive([process]), "the holder's liveness record to expire", 30)
+        stale = Idempotency.of(app).get("shop.slow", key)
+        time.sleep(max(0.0, stale.lease_expires_at - time.time()) + 0.2)
+        report = Idempotency.of(app).reconcile()
+    finally:
+        os.killpg(frozen.process.pid, signal.SIGCONT)
+    # Then the reconciler released it, on the evidence of the expired record alone
+    assert (report.scanned, report.released) == (1, 1)
+    # And the zombie, woken, writes nothing: its outcome is refused by its token
+    with pytest.raises(LockLostError):
+        result.get(timeout=GET)
+    assert Idempotency.of(app).get("shop.slow", key) is None
+    assert not store.alive([process])  # dead under that id for good
+    assert int(counter.get(effects_key(prefix, "shop.slow", key))) == 1
+
+
 def test_an_owner_token_names_its_worker_within_the_owner_column() -> None:
     long_a, long_b = "w" * 40 + "-a@host", "w" * 40 + "-b@host"
     for name in ("celery@host", long_a, long_b):
@@ -488,6 +566,10 @@ def test_an_owner_token_names_its_worker_within_the_owner_column() -> None:
         assert len(token) <= OWNER_MAX_LENGTH and holder_node(token) == node_tag(name)
     assert node_tag(long_a) != node_tag(long_b)
     assert holder_node(worker_token(None)) is None
+    # ...and the process that holds it, whose liveness record the reconciler reads
+    token = worker_token("w" * 80 + "@host", "0123456789abcdef")
+    assert len(token) <= OWNER_MAX_LENGTH and holder_process(token) == "0123456789abcdef"
+    assert holder_process(worker_token("celery@host")) is None and holder_process(uuid.uuid4().hex) is None
 
 
 # ---- concurrency -------------------------------------------------------------------------------------------

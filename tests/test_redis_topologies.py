@@ -208,6 +208,11 @@ def test_redis_cluster_runs_every_transition_across_nodes(redis_cluster_url: str
     nodes_used = {store.client.get_node_from_key(store.keys_for(i)[0]).port for i in identities}
     assert len(nodes_used) == 3, "records should spread over all three masters"
     assert store.forget(identities[0]) is True
+    # every worker process's liveness record is read in one script: one slot, whatever the ids
+    processes = [f"{n:016x}" for n in range(50)]
+    for process in processes[::2]:
+        assert store.keep_alive(process, "tok", seconds=30, create=True).ok
+    assert store.alive(processes) == set(processes[::2])
     store.close()
 
 

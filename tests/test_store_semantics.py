@@ -720,3 +720,93 @@ def test_acquire_takes_a_record_that_went_back_to_pending_while_it_looked(store:
         store.release(ID, held.owner, pending_seconds=LEASE_S)
     # When the retry's message acquires, Then it runs: a PENDING record is free to acquire
     assert acquire(store, task_id="task-1").decision is Decision.RUN
+
+
+# ---- liveness (DESIGN "Death is a fact, not a silence") -----------------------------------------
+
+
+def test_a_process_is_alive_from_its_first_beat_until_its_record_expires(store: Store, clock) -> None:
+    assert store.alive(["p1", "p2"]) == frozenset()
+    assert store.keep_alive("p1", "tok-1", seconds=10, create=True).ok
+    assert store.keep_alive("p2", "tok-2", seconds=30, create=True).ok
+    assert store.alive(["p1", "p2", "p3"]) == {"p1", "p2"}
+    clock.advance(10)  # p1's lifetime is over to the instant (expiry is inclusive, as for leases)
+    assert store.alive(["p1", "p2", "p3"]) == {"p2"}
+    assert store.alive([]) == frozenset()
+
+
+def test_a_renewal_extends_the_liveness_record_and_never_shortens_it(store: Store, clock) -> None:
+    assert store.keep_alive("p1", "tok", seconds=10, create=True).ok
+    clock.advance(8)
+    assert store.keep_alive("p1", "tok", seconds=10).ok
+    clock.advance(8)
+    assert store.alive(["p1"]) == {"p1"}
+    assert store.keep_alive("p1", "tok", seconds=1).ok  # a short beat leaves the longer lifetime
+    clock.advance(1.5)
+    assert store.alive(["p1"]) == {"p1"}
+
+
+def test_liveness_is_fenced_by_the_process_token_and_a_dead_process_stays_dead(store: Store, clock) -> None:
+    assert store.keep_alive("p1", "tok", seconds=10, create=True).ok
+    assert store.keep_alive("p1", "tok", seconds=10, create=True).ok  # a retried first beat
+    assert not store.keep_alive("p1", "other", seconds=10).ok
+    assert not store.keep_alive("p1", "other", seconds=10, create=True).ok
+    assert not store.keep_alive("p2", "tok", seconds=10).ok  # never created: a renewal creates nothing
+    assert store.alive(["p2"]) == frozenset()
+    clock.advance(11)  # frozen past its lifetime: taken for dead
+    assert not store.keep_alive("p1", "tok", seconds=10).ok
+    assert store.alive(["p1"]) == frozenset()
+
+
+def test_liveness_is_per_store_prefix(store: Store, store_kind: str, tmp_path, clock) -> None:
+    other = make_store(store_kind, tmp_path, f"{store.key_prefix}x", clock=clock)
+    try:
+        assert store.keep_alive("p1", "tok", seconds=10, create=True).ok
+        assert other.alive(["p1"]) == frozenset()
+    finally:
+        wipe(other)
+
+
+def test_many_holders_are_read_in_one_call(store: Store) -> None:
+    ids = [f"p{i}" for i in range(300)]
+    for process in ids[::3]:
+        assert store.keep_alive(process, "tok", seconds=10, create=True).ok
+    assert store.alive(ids) == set(ids[::3])
+
+
+def test_purge_expired_drops_dead_liveness_records_only(store: Store, clock) -> None:
+    assert store.keep_alive("dead", "tok", seconds=5, create=True).ok
+    assert store.keep_alive("live", "tok", seconds=50, create=True).ok
+    clock.advance(10)
+    store.purge_expired()
+    assert store.alive(["dead", "live"]) == {"live"}
+    assert not store.keep_alive("dead", "tok", seconds=10).ok
+
+
+# ---- a takeover keeps the task id of the attempt it took over ---------------------------------------
+
+
+def test_a_takeover_past_the_lease_keeps_the_earlier_attempts_task_id(store: Store, clock) -> None:
+    # Given an attempt whose lease ran out (its body may have run; its outcome never landed)
+    running(store, task_id="task-1")
+    assert acquire(store, task_id="task-1").decision is Decision.BUSY
+    clock.advance(LEASE_S + 1)
+    # When a new call claims the key, and its worker acquires it
+    claimed = claim(store, task_id="task-2")
+    taken = acquire(store, task_id="task-2")
+    # Then both keep the earlier attempt's task id, for the worker to read its evidence first
+    assert claimed.decision is Decision.NEW and claimed.record.previous_task_id == "task-1"
+    assert taken.decision is Decision.RUN and taken.record.previous_task_id == "task-1"
+    assert store.get(ID).previous_task_id == "task-1"
+    # And an acquire that takes over the second attempt names the second
+    clock.advance(LEASE_S + 1)
+    assert acquire(store, task_id="task-3").record.previous_task_id == "task-2"
+
+
+def test_a_fresh_record_or_a_takeover_of_a_bare_claim_names_no_earlier_attempt(store: Store, clock) -> None:
+    assert claim(store).record.previous_task_id is None
+    assert acquire(store).record.previous_task_id is None
+    other = Identity("", "shop.charge", "order-43")
+    assert claim(store, identity=other).record.previous_task_id is None
+    clock.advance(PENDING_S + 1)  # a claim whose message never ran
+    assert claim(store, task_id="task-2", identity=other).record.previous_task_id is None

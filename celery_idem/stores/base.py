@@ -21,6 +21,15 @@ The rules every store follows (the memory store states them most plainly):
   what that delivery may still hold, a PENDING record or an IN_PROGRESS one whose lease has run
   out. A live IN_PROGRESS record under the same task id is a copy of the task running elsewhere
   (or the task itself): LOST.
+- Liveness (DESIGN "Death is a fact"): a worker process keeps a record of its own, named by an id it
+  mints, under a token of its own, for ``seconds`` of the server's clock. keep_alive creates it
+  (``create``: absent or expired -> OK; live under the same token -> OK, a retried create) or renews
+  it (live under the same token -> OK); anything else is LOST, and an expired record is never
+  revived by a renewal: a process once seen dead stays dead under that id. alive() reads many ids at
+  once and answers the ones whose record is live.
+- A claim or acquire that takes over an unsettled record keeps ``previous_task_id``: the task id of
+  an IN_PROGRESS record it takes (an attempt past its lease, whose body may have run), else the
+  previous_task_id of the PENDING record it takes; None on an absent record.
 - Times: ``lease_expires_at`` while unsettled; ``expires_at`` = lease + ttl while unsettled (a dead
   attempt's record is still collected), now + ttl once settled, but never before a BUSY waiter's
   next look (below).
@@ -39,7 +48,7 @@ import math
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import ClassVar, Literal, NamedTuple
 
 from celery.exceptions import SoftTimeLimitExceeded
@@ -288,6 +297,31 @@ class Store(ABC):
         with self._guard("forget", identity):
             return self._forget(identity)
 
+    def keep_alive(self, process: str, token: str, *, seconds: float, create: bool = False) -> Transition:
+        """Liveness: keep the record of the worker process ``process`` live for ``seconds`` more.
+
+        Args:
+            process: The process's liveness id (fresh per process, never reused).
+            token: The process's own token: a renewal under another token, or of a record that has
+                expired, is LOST (the process was taken for dead; it mints a new id).
+            seconds: How long the record lives without another beat (the server's clock).
+            create: The first beat: an absent record is written.
+        """
+        _check_process(process)
+        lifetime = _positive("seconds", seconds)
+        with self._guard("keep_alive"):
+            return self._keep_alive(process, token, lifetime, create)
+
+    def alive(self, processes: Collection[str]) -> frozenset[str]:
+        """Which of ``processes`` (liveness ids) have a live record now, in one round trip."""
+        wanted = sorted(set(processes))
+        for process in wanted:
+            _check_process(process)
+        if not wanted:
+            return frozenset()
+        with self._guard("alive"):
+            return frozenset(self._alive(wanted))
+
     def expired_leases(self, *, limit: int = 100) -> list[IdempotencyRecord]:
         """Unsettled records whose lease has expired, oldest lease first, at most ``limit``.
 
@@ -417,6 +451,20 @@ class Store(ABC):
     @abstractmethod
     def _ping(self) -> None: ...
 
+    @abstractmethod
+    def _keep_alive(self, process: str, token: str, seconds: float, create: bool) -> Transition: ...
+
+    @abstractmethod
+    def _alive(self, processes: list[str]) -> set[str]: ...
+
+
+PROCESS_MAX_LENGTH = 64
+
+
+def _check_process(process: str) -> None:
+    if not (isinstance(process, str) and 0 < len(process) <= PROCESS_MAX_LENGTH and process.isprintable()):
+        raise ValueError(f"a liveness id must be 1-{PROCESS_MAX_LENGTH} printable characters; got {process!r}")
+
 
 def classify(record: IdempotencyRecord, fingerprint: str, *, claiming: bool, task_id: str) -> Decision:
     """What claim (``claiming``) or acquire decides about a live record it may not take.
@@ -429,6 +477,13 @@ def classify(record: IdempotencyRecord, fingerprint: str, *, claiming: bool, tas
     if record.state.settled:
         return Decision.REPLAY
     return Decision.DUPLICATE if claiming else Decision.BUSY
+
+
+def taken_over(record: IdempotencyRecord | None) -> str | None:
+    """The previous_task_id a claim or acquire that takes ``record`` over writes (see the rules above)."""
+    if record is None:
+        return None
+    return record.task_id if record.state is State.IN_PROGRESS else record.previous_task_id
 
 
 LOST = Transition(Decision.LOST)

@@ -11,7 +11,7 @@ import bisect
 import threading
 
 from ..records import Decision, IdempotencyRecord, Identity, State, Transition
-from .base import LOST, OK, UNSETTLED, Clock, Fence, Settlement, Store
+from .base import LOST, OK, UNSETTLED, Clock, Fence, Settlement, Store, taken_over
 
 __all__ = ["MemoryStore"]
 
@@ -35,6 +35,7 @@ class MemoryStore(Store):
         # The hidden "keep until" a BUSY answer promised a waiter (stores/base.py); only live
         # records have one: it is dropped with the record.
         self._linger: dict[Identity, float] = {}
+        self._liveness: dict[str, tuple[str, float]] = {}  # process id -> (token, expires at)
 
     def __len__(self) -> int:
         with self._lock:
@@ -98,6 +99,7 @@ class MemoryStore(Store):
                 expires_at=now + lease + ttl,
                 ttl_seconds=ttl,
                 call=call,
+                previous_task_id=taken_over(record),
             )
             return Transition(Decision.NEW, new)
 
@@ -130,6 +132,7 @@ class MemoryStore(Store):
                 expires_at=now + lease + ttl,
                 ttl_seconds=ttl,
                 call=call if call is not None else (record.call if record else None),
+                previous_task_id=taken_over(record),
             )
             return Transition(Decision.RUN, taken)
 
@@ -246,3 +249,21 @@ class MemoryStore(Store):
 
     def _ping(self) -> None:
         return None
+
+    def _keep_alive(self, process: str, token: str, seconds: float, create: bool) -> Transition:
+        with self._lock:
+            now = self._clock_now()
+            held = self._liveness.get(process)
+            live = held is not None and held[1] > now
+            if (live and held is not None and held[0] != token) or (not live and not create):
+                return LOST
+            expires = max(held[1] if live and held is not None else 0.0, now + seconds)  # never shortened
+            self._liveness[process] = (token, expires)
+            return OK
+
+    def _alive(self, processes: list[str]) -> set[str]:
+        with self._lock:
+            now = self._clock_now()
+            for process in [p for p, (_, expires) in self._liveness.items() if expires <= now]:
+                del self._liveness[process]  # dead for good: ids are never reused
+            return {process for process in processes if process in self._liveness}

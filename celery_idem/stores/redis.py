@@ -31,7 +31,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 __all__ = ["RedisStore"]
 
-_SCRIPTS = ("claim", "acquire", "settle", "release", "renew", "forget", "due")
+_SCRIPTS = ("claim", "acquire", "settle", "release", "renew", "forget", "due", "keep_alive", "alive")
 
 INDEX_SHARDS = 16
 """How many hash tags (lease-index shards) records are spread over: part of the key layout, fixed."""
@@ -70,6 +70,7 @@ def _record(flat: Sequence[bytes]) -> IdempotencyRecord:
         content_encoding=_text(fields.get("cenc")),
         error=ErrorInfo.model_validate_json(error) if error else None,
         call=fields.get("call"),
+        previous_task_id=_text(fields.get("prev")),
     )
 
 
@@ -275,6 +276,11 @@ class RedisStore(Store):
         tag = self._tag(shard)
         return f"{tag}:r:{len(scope)}:{scope}:{len(task)}:{task}:{key}", f"{tag}:lease"
 
+    def liveness_key(self, process: str) -> str:
+        """A worker process's liveness record; all of them share one hash tag (one cluster slot),
+        so a reconcile run reads every holder it needs in one script."""
+        return f"{{{self.key_prefix}:live}}:{process}"
+
     def _tag(self, shard: int) -> str:
         return f"{{{self.key_prefix}:{shard}}}"
 
@@ -308,6 +314,7 @@ class RedisStore(Store):
             created_at=now if claimed else float(answer[4]), updated_at=now, expires_at=now + lease + ttl,
             ttl_seconds=ttl, result=None, content_type=None, content_encoding=None, error=None,
             call=call if claimed else answer[5] or None,  # a run without a call keeps the claim's
+            previous_task_id=_text(answer[2 if claimed else 6] or None),
         )  # fmt: skip
         return Transition(decision, record)
 
@@ -350,6 +357,16 @@ class RedisStore(Store):
 
     def _renew(self, identity: Identity, token: str, lease: float) -> Transition:
         return self._fenced("renew", identity, token, repr(lease))
+
+    def _keep_alive(self, process: str, token: str, seconds: float, create: bool) -> Transition:
+        args = [self._now(), token, repr(seconds), "1" if create else "0"]
+        answer = self._scripts["keep_alive"](keys=[self.liveness_key(process)], args=args)
+        return OK if answer == b"OK" else LOST
+
+    def _alive(self, processes: list[str]) -> set[str]:
+        keys = [self.liveness_key(process) for process in processes]
+        answer = self._scripts["alive"](keys=keys, args=[self._now()])
+        return {process for process, live in zip(processes, answer, strict=True) if int(live)}
 
     def _live(self, flat: dict[bytes, bytes]) -> IdempotencyRecord | None:
         if not flat:

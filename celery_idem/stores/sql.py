@@ -40,7 +40,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ConfigurationError("SQLStore needs SQLAlchemy: pip install 'celery-idem[sql]'") from exc
 
-__all__ = ["SQLStore", "records_table"]
+__all__ = ["SQLStore", "liveness_table", "records_table"]
 
 T = TypeVar("T")
 # One watchdog per process cuts off a PostgreSQL call whose server went silent (see stores.deadline).
@@ -51,7 +51,7 @@ _UNSETTLED = [s.value for s in UNSETTLED]
 _INSERTS: dict[str, Callable[[sa.Table], Any]] = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
 _TAKE_TRIES = 5  # a held record that frees itself between our upsert and our read is taken on a retry
 _DATA = ("fingerprint", "state", "task_id", "owner", "attempt", "ttl_seconds", "result", "content_type",
-         "content_encoding", "error", "call")  # fmt: skip
+         "content_encoding", "error", "call", "previous_task_id")  # fmt: skip
 _TIMES = ("lease_expires_at", "created_at", "updated_at", "expires_at")
 
 
@@ -124,9 +124,22 @@ def records_table(metadata: sa.MetaData, name: str = "celery_idem_records") -> s
         # Hidden (never read into a record): when a BUSY waiter will have looked again by; an
         # outcome is kept at least until then (stores/base.py, "A waiting duplicate gets its answer").
         sa.Column("linger_until", sa.Double, nullable=True),
+        sa.Column("previous_task_id", sa.String(255), nullable=True),  # an attempt taken over past its lease
         # The reconciler's index: unsettled records by lease expiry (settled rows hold NULL).
         sa.Index(f"ix_{name}_lease", "namespace", "lease_expires_at"),
         sa.Index(f"ix_{name}_expires", "expires_at"),
+    )
+
+
+def liveness_table(metadata: sa.MetaData, name: str = "celery_idem_liveness") -> sa.Table:
+    """Worker processes' liveness records (DESIGN "Death is a fact"): one row per process id."""
+    return sa.Table(
+        name,
+        metadata,
+        sa.Column("namespace", sa.String(64), primary_key=True),
+        sa.Column("process", sa.String(64), primary_key=True),
+        sa.Column("token", sa.String(64), nullable=False),
+        sa.Column("expires_at", sa.Double, nullable=False),
     )
 
 
@@ -189,6 +202,7 @@ class SQLStore(Store):
             The store runs its statements in autocommit mode on a private pool derived from it,
             whose connections honour ``timeout_seconds``; ``store.engine`` is that private engine.
         table_name: The records table.
+        liveness_table_name: The worker processes' liveness table.
     """
 
     _unavailable = (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError)
@@ -226,6 +240,7 @@ class SQLStore(Store):
         engine: sa.Engine,
         *,
         table_name: str = "celery_idem_records",
+        liveness_table_name: str = "celery_idem_liveness",
         key_prefix: str = "idem",
         timeout_seconds: float = 2.0,
         max_result_bytes: int = 1_048_576,
@@ -243,6 +258,7 @@ class SQLStore(Store):
         self._autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
         self.metadata = sa.MetaData()
         self.table = records_table(self.metadata, table_name)
+        self.liveness = liveness_table(self.metadata, liveness_table_name)
         self._schema_ready = False
         self._schema_lock = threading.Lock()
         # The injected clock when there is one, else the database's clock, in every statement.
@@ -277,12 +293,15 @@ class SQLStore(Store):
                 namespace=p("ns"), scope=p("scope"), task_name=p("task_name"), key=p("key"),
                 **{name: p(name) for name in _DATA}, **times,
             )  # fmt: skip
-            changes = {name: ins.excluded[name] for name in (*_DATA, *_TIMES)} | special
+            # A takeover keeps the task id of the attempt it takes (stores/base.py: taken_over).
+            previous = sa.case((absent, None), (c.state == State.IN_PROGRESS.value, c.task_id),
+                               else_=c.previous_task_id)  # fmt: skip
+            changes = {name: ins.excluded[name] for name in (*_DATA, *_TIMES)} | {"previous_task_id": previous}
             # A live record keeps a BUSY waiter's mark whoever takes it over; an absent one has none.
             changes["linger_until"] = sa.case((absent, sa.null()), else_=c.linger_until)
             statement: sa.Executable = ins.on_conflict_do_update(
-                index_elements=[c.namespace, c.scope, c.task_name, c.key], set_=changes, where=take
-            ).returning(c.fingerprint, c.attempt, c.call, *(c[name] for name in _TIMES))
+                index_elements=[c.namespace, c.scope, c.task_name, c.key], set_=changes | special, where=take
+            ).returning(c.fingerprint, c.attempt, c.call, c.previous_task_id, *(c[name] for name in _TIMES))
             return statement
 
         # claim takes an absent record, or one whose lease ran out under the same fingerprint.
@@ -362,6 +381,32 @@ class SQLStore(Store):
         doomed = sa.select(c.namespace, c.scope, c.task_name, c.key).where(expired).limit(p("limit"))
         self._purge_sql = sa.delete(t).where(expired, sa.tuple_(c.namespace, c.scope, c.task_name, c.key).in_(doomed))
         self._now_sql = sa.select(now)
+        self._build_liveness_statements(insert)
+
+    def _build_liveness_statements(self, insert: Callable[[sa.Table], Any]) -> None:
+        t, c, now = self.liveness, self.liveness.c, self._now
+        mine = sa.and_(c.namespace == sa.bindparam("p_ns"), c.process == sa.bindparam("p_process"))
+        live = c.expires_at > now
+        until = now + sa.bindparam("p_seconds", type_=sa.Double)
+        longer = sa.case((c.expires_at > until, c.expires_at), else_=until)  # never shortened
+        self._renew_liveness_sql = (
+            sa.update(t).where(mine, c.token == sa.bindparam("p_token"), live).values(expires_at=longer)
+        )
+        ins = insert(t).values(
+            namespace=sa.bindparam("p_ns"), process=sa.bindparam("p_process"), token=sa.bindparam("p_token"),
+            expires_at=until,
+        )  # fmt: skip
+        # Created when absent or expired; a live record is taken only under its own token (a retry).
+        self._create_liveness_sql = ins.on_conflict_do_update(
+            index_elements=[c.namespace, c.process],
+            set_={"token": ins.excluded.token, "expires_at": sa.case((live, longer), else_=until)},
+            where=sa.or_(sa.not_(live), c.token == ins.excluded.token),
+        ).returning(c.process)
+        self._alive_sql = sa.select(c.process).where(
+            c.namespace == sa.bindparam("p_ns"), c.process.in_(sa.bindparam("p_processes", expanding=True)), live
+        )
+        dead = sa.and_(c.namespace == sa.bindparam("p_ns"), sa.not_(live))
+        self._purge_liveness_sql = sa.delete(t).where(dead)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> SQLStore:
@@ -438,6 +483,7 @@ class SQLStore(Store):
             content_encoding=row.content_encoding,
             error=ErrorInfo.model_validate_json(row.error) if row.error else None,
             call=bytes(row.call) if row.call is not None else None,
+            previous_task_id=row.previous_task_id,
         )
 
     # ---- take-or-read: claim and acquire ------------------------------------------------------
@@ -450,6 +496,7 @@ class SQLStore(Store):
             "fingerprint": fingerprint, "state": (State.PENDING if claiming else State.IN_PROGRESS).value,
             "task_id": task_id, "owner": owner, "attempt": 0 if claiming else 1, "ttl_seconds": ttl,
             "result": None, "content_type": None, "content_encoding": None, "error": None, "call": call,
+            "previous_task_id": None,
         }  # fmt: skip
         params = self._params(identity, lease=lease, **values)
         for _ in range(_TAKE_TRIES):
@@ -533,7 +580,19 @@ class SQLStore(Store):
 
     def _purge_expired(self, limit: int) -> int:
         params = {"p_ns": self.key_prefix, "p_limit": limit, **self._clock_params()}
+        self._run(self._purge_liveness_sql, {"p_ns": self.key_prefix, **self._clock_params()}, _rowcount)
         return self._run(self._purge_sql, params, _rowcount)
+
+    def _keep_alive(self, process: str, token: str, seconds: float, create: bool) -> Transition:
+        params = {"p_ns": self.key_prefix, "p_process": process, "p_token": token, "p_seconds": seconds}
+        params |= self._clock_params()
+        if create:
+            return OK if self._run(self._create_liveness_sql, params, _one_or_none) is not None else LOST
+        return OK if self._run(self._renew_liveness_sql, params, _rowcount) == 1 else LOST
+
+    def _alive(self, processes: list[str]) -> set[str]:
+        params = {"p_ns": self.key_prefix, "p_processes": processes, **self._clock_params()}
+        return {row.process for row in self._run(self._alive_sql, params, _all)}
 
     def _live_rows(self) -> sa.ColumnElement[bool]:
         c = self.table.c

@@ -6,13 +6,15 @@
 -- ARGV[11] next look seconds: on BUSY, how long the waiter may take to look again
 -- Returns {decision, flat record} for REPLAY or MISMATCH (untouched), for BUSY (whose record now
 -- holds `linger`: it lives, once settled, until the waiter's next look; see settle.lua), and
--- {'RUN', now, fingerprint, attempt, created, call} when the IN_PROGRESS record was written.
+-- {'RUN', now, fingerprint, attempt, created, call, prev} when the IN_PROGRESS record was written;
+-- prev: the task id of the attempt it took over past its lease (or the prev its claim kept), '' if none.
 -- The same task id is the same attempt chain (a Celery retry): it runs even with other arguments,
 -- and the record keeps the fingerprint of the caller's call.
 local now = now_of(ARGV[1])
 local rec, flat, existed = load(KEYS[1], now)
-local fp, attempt, created, call = ARGV[2], 1, now, ARGV[10]
+local fp, attempt, created, call, prev = ARGV[2], 1, now, ARGV[10], ''
 if rec then
+  prev = (rec.state == 'IN_PROGRESS' and rec.task_id) or rec.prev or ''
   if rec.fp ~= ARGV[2] and rec.task_id ~= ARGV[3] then return {'MISMATCH', flat} end
   if settled(rec) then return {'REPLAY', flat} end
   if rec.state == 'IN_PROGRESS' and tonumber(rec.lease) > now then
@@ -38,5 +40,9 @@ if rec and rec.linger then  -- a waiter's mark stays with the record it was give
   table.insert(fields, 'linger')
   table.insert(fields, rec.linger)
 end
+if prev ~= '' then
+  table.insert(fields, 'prev')
+  table.insert(fields, prev)
+end
 write_fresh(KEYS[1], KEYS[2], fields, lease, expires, now, existed)
-return {'RUN', fmt(now), fp, tostring(attempt), fmt(created), call}
+return {'RUN', fmt(now), fp, tostring(attempt), fmt(created), call, prev}

@@ -3,8 +3,10 @@
 -- ARGV[1] now ('' = server clock)  ARGV[2] fingerprint  ARGV[3] task id  ARGV[4] owner token
 -- ARGV[5] pending lease seconds    ARGV[6] ttl seconds   ARGV[7] scope  ARGV[8] task name  ARGV[9] key
 -- ARGV[10] the serialized call ('' = not kept)
--- Returns {decision, flat record} for DUPLICATE, REPLAY or MISMATCH (untouched), and {'NEW', now}
--- when the PENDING record was written (the caller knows every other field of it).
+-- Returns {decision, flat record} for DUPLICATE, REPLAY or MISMATCH (untouched), and
+-- {'NEW', now, prev} when the PENDING record was written (the caller knows every other field of it).
+-- A claim that takes over an attempt past its lease keeps that attempt's task id as `prev` (or the
+-- `prev` of a claim it takes over): its body may have run, and the worker reads its evidence first.
 local now = now_of(ARGV[1])
 local rec, flat, existed = load(KEYS[1], now)
 if rec then
@@ -12,6 +14,8 @@ if rec then
   if settled(rec) then return {'REPLAY', flat} end
   if tonumber(rec.lease) > now then return {'DUPLICATE', flat} end
 end
+local prev = ''
+if rec then prev = (rec.state == 'IN_PROGRESS' and rec.task_id) or rec.prev or '' end
 local lease = now + tonumber(ARGV[5])
 local expires = lease + tonumber(ARGV[6])
 local fields = {
@@ -27,5 +31,9 @@ if rec and rec.linger then  -- a BUSY waiter's mark (acquire.lua) stays with the
   table.insert(fields, 'linger')
   table.insert(fields, rec.linger)
 end
+if prev ~= '' then
+  table.insert(fields, 'prev')
+  table.insert(fields, prev)
+end
 write_fresh(KEYS[1], KEYS[2], fields, lease, expires, now, existed)
-return {'NEW', fmt(now)}
+return {'NEW', fmt(now), prev}
