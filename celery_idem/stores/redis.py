@@ -29,7 +29,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 __all__ = ["RedisStore"]
 
-_SCRIPTS = ("claim", "acquire", "settle", "release", "renew", "forget", "due")
+_SCRIPTS = ("claim", "acquire", "settle", "release", "renew", "hand_over", "forget", "due")
 
 
 @functools.cache
@@ -281,6 +281,9 @@ class RedisStore(Store):
 
     def _renew(self, identity: Identity, token: str, lease: float) -> Transition:
         return self._fenced("renew", identity, token, repr(lease))
+
+    def _hand_over(self, identity: Identity, token: str, new_owner: str, lease: float) -> Transition:
+        return self._fenced("hand_over", identity, token, new_owner, repr(lease))
 
     def _live(self, flat: dict[bytes, bytes]) -> IdempotencyRecord | None:
         if not flat:
