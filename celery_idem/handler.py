@@ -50,6 +50,7 @@ from .outcome import encode_result
 from .owners import worker_token
 from .protocol import (
     BYPASS_HEADER,
+    HANDOVER_HEADER,
     KEY_HEADER,
     OUTAGE_HEADER,
     SCOPE_HEADER,
@@ -195,7 +196,7 @@ class Handler:
             self.idem.count("mismatches")
             raise self._mismatch(identity, record)
         self.idem.count("replays" if claimed.decision is Decision.REPLAY else "duplicates")
-        if policy.on_duplicate == "raise":
+        if policy.on_duplicate == "raise" and not headers.get(HANDOVER_HEADER):  # a replace() is no duplicate
             raise DuplicateTaskError(
                 f"task {self.task.name!r} with idempotency key {identity.key!r} is a duplicate of task "
                 f"{record.task_id} ({record.state.value}); on_duplicate='raise' refuses it",

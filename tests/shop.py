@@ -210,7 +210,6 @@ def make_app(
         effect(self)
         raise self.replace(replacement.si(order_id))
 
-    @task(name="shop.moving")
     def moving(self: Any, order_id: int, how: str) -> dict[str, Any]:
         """Replaces itself once with its own call: on the heavy queue (``how="queue"``), or a little
         later as polling does (``"countdown"``: 1 s, ``"later"``: 4 s); the second run answers."""
@@ -220,6 +219,9 @@ def make_app(
             delay = {"countdown": 1, "later": 4}.get(how)
             raise self.replace(again.set(queue=f"{queue}.heavy") if delay is None else again.set(countdown=delay))
         return {"order": order_id, "runs": runs, "queue": (self.request.delivery_info or {}).get("routing_key")}
+
+    task(name="shop.moving")(moving)
+    task(name="shop.moving_strict", idempotency={"on_duplicate": "raise"})(moving)
 
     @task(name="shop.replaced_declined")
     def replaced_declined(self: Any, order_id: int) -> Any:

@@ -621,6 +621,13 @@ def test_a_task_that_replaces_itself_hands_its_record_over_and_the_replacement_r
     assert shop.effects("moving", identity_key) == 2
 
 
+def test_a_task_that_refuses_duplicates_can_still_replace_itself(shop: Shop, key: str) -> None:
+    # on_duplicate="raise" refuses a second call of a running key; the replacement is not one: its
+    # publish carries the handover token and is not claimed again (as a Celery retry's is not)
+    first = shop.task("moving_strict").apply_async((int(uuid.uuid4().int % 10**9), "countdown"), idempotency_key=key)
+    assert first.get(timeout=GET)["runs"] == 2
+
+
 def test_a_copy_of_a_message_that_replaced_itself_does_not_run_while_the_replacement_holds_the_record(
     shop: Shop, key: str
 ) -> None:
