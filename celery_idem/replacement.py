@@ -77,7 +77,11 @@ def on_replace(handler: Handler, sig: Any, publish: Callable[[Any], Any]) -> Any
         # fails too: both go there (chord.link_error would warn, and may link the members as well).
         last = sig.body if isinstance(sig, chord) else sig
         last.link(task.app.signature(REPLACED_TASK, kwargs=fence))
-        last.link_error(task.app.signature(REPLACED_FAILED_TASK, kwargs=fence))
+        errback = task.app.signature(REPLACED_FAILED_TASK, kwargs=fence)
+        if type(last) is Signature:  # first: a user errback that raises stops the rest on Celery 5.3
+            last.options["link_error"] = [errback, *(last.options.get("link_error") or [])]
+        else:
+            last.link_error(errback)
         attempt.replaced = True
         return publish(sig)
     store, policy, identity, owner = handler.idem.store, handler.policy, attempt.identity, attempt.owner
