@@ -19,7 +19,6 @@ Worker (``run``): acquire, then
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import time
@@ -28,10 +27,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from celery import Task as CeleryTask
-from celery import group
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
 
-from . import evidence, outage, timing
+from . import attempts, evidence, outage, replacement, timing
 from .busy import BusyWait
 from .calls import encode_call, published_options
 from .errors import (
@@ -51,11 +49,8 @@ from .outcome import encode_result
 from .owners import worker_token
 from .protocol import (
     BYPASS_HEADER,
+    HANDOVER_HEADER,
     KEY_HEADER,
-    LEDGER_ATTEMPT_ATTRIBUTE,
-    LEDGER_USED_ATTRIBUTE,
-    REPLACED_FAILED_TASK,
-    REPLACED_TASK,
     SCOPE_HEADER,
     request_header,
 )
@@ -196,7 +191,7 @@ class Handler:
             self.idem.count("mismatches")
             raise self._mismatch(identity, record)
         self.idem.count("replays" if claimed.decision is Decision.REPLAY else "duplicates")
-        if policy.on_duplicate == "raise":
+        if policy.on_duplicate == "raise" and not headers.get(HANDOVER_HEADER):  # a replace() is no duplicate
             raise DuplicateTaskError(
                 f"task {self.task.name!r} with idempotency key {identity.key!r} is a duplicate of task "
                 f"{record.task_id} ({record.state.value}); on_duplicate='raise' refuses it",
@@ -225,9 +220,9 @@ class Handler:
     def _running_identity(self, fp: str) -> tuple[str | None, str | None]:
         """A key-less call of this task from inside its own body, with the same arguments, is the
         running call itself: it inherits that call's key and scope (and so gets its own id back)."""
-        request = self.task.request
-        if getattr(request, "idempotency_fingerprint", None) == fp:
-            return request.idempotency_key, request.idempotency_scope
+        attempt = attempts.current(self.task)
+        if attempt is not None and attempt.fingerprint == fp:
+            return attempt.identity.key, attempt.identity.scope or None
         return None, None
 
     def _call(
@@ -280,7 +275,7 @@ class Handler:
             request.headers = {**(request.headers or {}), KEY_HEADER: key, **({SCOPE_HEADER: scope} if scope else {})}
         request.idempotency_key = identity.key
         request.idempotency_scope = identity.scope or None
-        request.idempotency_fingerprint = fp
+        attempts.begin(task, identity, fp)  # what the library keeps of this attempt: never on the request
         task_id = request.id
         policy = self.policy
         wait = BusyWait(task, identity, policy, self.idem.store, self._republish, self.idem.count)
@@ -314,6 +309,8 @@ class Handler:
                 pending = timing.pending_seconds(policy.pending_timeout_seconds, {}, request.expires)
                 self._give_back(identity, owner, pending, settled_is_fine=True)
                 raise outage.keep_message(task, args, kwargs, exc, self._republish) from None
+            if taken.decision is Decision.BUSY:  # the replacement of a replaced attempt takes its record
+                taken = replacement.take_over(self, taken, owner)
             record = taken.record
             assert record is not None
             self._log(taken.decision, identity, task_id, record)
@@ -355,11 +352,11 @@ class Handler:
 
     def _run_owned(self, record: IdempotencyRecord, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         identity, owner, policy, store = record.identity, record.owner, self.policy, self.idem.store
-        request = self.task.request
+        attempt = attempts.current(self.task)
+        assert attempt is not None  # begun by run()
         # The caller's call, which a retry with changed arguments still answers for (the ledger checks it).
-        request.idempotency_fingerprint = record.fingerprint
-        request.idempotency_owner = owner
-        lease = self.idem.heartbeat.add(store, identity, owner, policy.lease_seconds)
+        attempt.fingerprint, attempt.owner = record.fingerprint, owner
+        lease = attempt.lease = self.idem.heartbeat.add(store, identity, owner, policy.lease_seconds)
         try:
             try:
                 value = self._run_function(*args, **kwargs)
@@ -398,7 +395,7 @@ class Handler:
         """What an attempt that ended by raising leaves behind (DESIGN §3, "Not failures"):
 
         Retry                 -> PENDING past its countdown (the retry message is this attempt chain)
-        Ignore from replace() -> kept IN_PROGRESS for the replacement, whose callbacks settle it
+        Ignore from replace() -> the replacement's (handed over, or settled by callbacks: replacement.py)
         Reject(requeue=True)  -> PENDING when the message really goes back (acks_late), else freed
         anything else         -> stored (permanent: Reject, Ignore, PermanentError...) or freed,
                                  unless the ledger holds the call committed (then COMPLETED)
@@ -409,9 +406,8 @@ class Handler:
             delay = {"countdown": exc.when} if isinstance(exc.when, (int, float)) else {"eta": exc.when}
             pending = timing.pending_seconds(policy.pending_timeout_seconds, delay, self.task.request.expires)
             self._give_back(identity, owner, pending_seconds=pending)
-        elif isinstance(exc, Ignore) and getattr(self.task.request, "idempotency_replaced", False):
-            self.idem.heartbeat.remove(lease)  # no renewal may shorten the lease set here
-            self._await_replacement(identity, owner)
+        elif isinstance(exc, Ignore) and (attempt := attempts.current(self.task)) and attempt.replaced:
+            replacement.await_replacement(self, attempt, lease)
         elif isinstance(exc, Reject) and exc.requeue:
             requeued = bool(self.task.acks_late)  # an early-acked message is gone: Celery drops it
             pending = timing.pending_seconds(policy.pending_timeout_seconds, {}, self.task.request.expires)
@@ -509,44 +505,6 @@ class Handler:
             return False
         return record is not None and record.state.settled and record.owner == owner
 
-    def _await_replacement(self, identity: Identity, owner: str) -> None:
-        """A replaced attempt: its record stays IN_PROGRESS under its token (claims are handed its id,
-        whose result is the replacement's), for as long as a published message may wait and run.
-        The callbacks linked by :meth:`replacing` settle it; failing those, the reconciler does,
-        from the result backend under the same id."""
-        seconds = self.policy.pending_timeout_seconds + self.policy.lease_seconds
-        try:
-            self.idem.store.renew(identity, owner, lease_seconds=seconds)
-        except StoreUnavailableError as exc:
-            self.idem.count("store_errors")
-            logger.warning("could not extend %s for its replacement: %s", identity, exc)
-
-    def replacing(self, sig: Any) -> Any:
-        """``self.replace(sig)`` is about to publish ``sig`` under this task id: link the callbacks
-        that settle this attempt's record with the replacement's outcome (fenced by its token)."""
-        request = self.task.request
-        owner = getattr(request, "idempotency_owner", None)
-        if owner is None or request.is_eager:
-            return sig  # eager: the replacement runs inline and the body returns its value
-        if isinstance(sig, group):
-            # As Celery's replace does: a group becomes a chord, whose body carries the links.
-            sig |= self.task.app.tasks["celery.accumulate"].s(index=0)
-        fence = {"scope": request.idempotency_scope or "", "task_name": self.task.name,
-                 "key": request.idempotency_key, "owner": owner}  # fmt: skip
-        sig.link(self.task.app.signature(REPLACED_TASK, kwargs=fence))
-        sig.link_error(self.task.app.signature(REPLACED_FAILED_TASK, kwargs=fence))
-        request.idempotency_replaced = True
-        return sig
-
-    def settle_replaced(
-        self, identity: Identity, owner: str, value: Any = None, exc: BaseException | None = None
-    ) -> None:
-        """The replacement of a replaced attempt ended: its outcome is the record's."""
-        if exc is not None:
-            self._settle_failure(identity, owner, exc)
-            return
-        with contextlib.suppress(SerializationError):  # stored as the record's permanent failure
-            self._store_value(identity, owner, "(replacement)", value)
 
     def classify(self, exc: BaseException) -> FailureClass:
         """``"permanent"`` (stored and replayed) or ``"retryable"`` (released) for an exception."""
@@ -568,17 +526,17 @@ class Handler:
         with the record.
         """
         retryable = not isinstance(exc, Exception) or self.classify(exc) == "retryable"
-        request = self.task.request
+        attempt = attempts.current(self.task)  # None: a callback settles a replaced attempt's record
         # Whether an effect of this identity may stand committed: this attempt called run_once, or
         # an earlier attempt (a retry, a redelivery, a takeover) ran and may have.
-        touched = getattr(request, LEDGER_ATTEMPT_ATTRIBUTE, None) is not None or (
+        touched = (attempt is not None and attempt.ledger_nonce is not None) or (
             earlier_attempts and self.idem.settings.ledger is not None
         )
         if retryable and not touched:
             self._give_back(identity, owner)
             return
         try:
-            entry = self.idem.committed(identity, fingerprint, getattr(request, LEDGER_USED_ATTRIBUTE, None))
+            entry = self.idem.committed(identity, fingerprint, attempt.ledger if attempt else None)
         except LedgerUnavailableError as down:
             if touched:
                 # Unknown is not failed: no outcome is stored and the key is not freed. The lease runs

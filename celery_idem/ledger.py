@@ -29,9 +29,10 @@ import uuid
 from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
+from . import attempts
 from .errors import ConfigurationError, LedgerUnavailableError, PayloadMismatchError
 from .outcome import JSON_ONLY, decode_result, encode_result
-from .protocol import BYPASS_HEADER, LEDGER_ATTEMPT_ATTRIBUTE, LEDGER_USED_ATTRIBUTE, request_header
+from .protocol import BYPASS_HEADER, request_header
 from .records import IdempotencyRecord, Identity, State
 from .stores.deadline import Watchdog, socket_of
 
@@ -50,9 +51,8 @@ logger = logging.getLogger("celery_idem.ledger")
 _DOWN = (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.DisconnectionError, sa_exc.TimeoutError, OSError)
 _WATCHDOG = Watchdog()
 
-# What a task request remembers of its run_once call: the nonce of the row it stands on, or this
-# when that row is known to be committed.
-_USED = LEDGER_ATTEMPT_ATTRIBUTE
+# What an attempt remembers of its run_once call (Attempt.ledger_nonce): the nonce of the row it
+# stands on, or this when that row is known to be committed.
 _COMMITTED = "committed"
 # A row's outcome until run_once stores fn's result with it; committed so only if fn ended the transaction.
 _UNSETTLED = State.IN_PROGRESS.value
@@ -292,7 +292,7 @@ class Ledger:
         """Run ``fn(session)`` in a transaction that also records the outcome, once per identity.
 
         Args:
-            task: The running idempotent task (``self`` of a bound task): its request holds the
+            task: The running idempotent task (``self`` of a bound task): its running attempt holds the
                 identity and the fingerprint of the call.
             fn: Does the business writes on the session it is given and returns the outcome
                 (serializable with the task's serializer). The session is joined to the ledger's
@@ -312,9 +312,10 @@ class Ledger:
                 attempt whose first row stands.
         """
         request = task.request
-        key = getattr(request, "idempotency_key", None)
-        fingerprint = getattr(request, "idempotency_fingerprint", None)
-        if key is None or fingerprint is None:
+        # The identity and the call from the handler's attempt, never from the request: a message
+        # header becomes a request attribute, so a forged one could name another identity.
+        attempt = attempts.current(task)
+        if attempt is None:
             if _bypassed(request):
                 logger.debug("bypassed call of %s (task_id=%s): fn runs without a ledger row", task.name, request.id)
                 return self._bypass(fn, session)
@@ -323,23 +324,23 @@ class Ledger:
                 "is not running under celery-idem (is its base IdempotentTask?)"
             )
         self._check_columns()
-        identity = Identity(request.idempotency_scope or "", task.name, key)
-        self._refuse_second_call(request, identity, session)
+        identity, fingerprint = attempt.identity, attempt.fingerprint
+        self._refuse_second_call(attempt.ledger_nonce, identity, session)
         serializer = task.serializer or task.app.conf.task_serializer or "json"
         row = {"namespace": self.namespace, "scope": identity.scope, "task_name": identity.task_name,
                "key": identity.key, "task_id": request.id or "", "fingerprint": fingerprint, "nonce": uuid.uuid4().hex,
                "outcome": _UNSETTLED, "committed_at": _DB_NOW[self.engine.dialect.name]}  # fmt: skip
         # Marked before the row can commit: an attempt whose COMMIT's fate is unknown has touched the
         # ledger, and the handler leaves such an attempt's failure to the reconciler.
-        setattr(request, _USED, row["nonce"])
-        setattr(request, LEDGER_USED_ATTRIBUTE, self)
+        nonce = str(row["nonce"])
+        attempt.ledger_nonce, attempt.ledger = nonce, self
         self._warn_if_unread(task)
         if session is None:
             committed, value = self._record_and_commit(identity, row, fn, serializer)
-            setattr(request, _USED, _COMMITTED)
+            attempt.ledger_nonce = _COMMITTED
         else:
             committed, value = self._record(_connection_of(session), identity, row, fn, serializer)
-            setattr(request, _USED, _COMMITTED if committed is not None else row["nonce"])
+            attempt.ledger_nonce = _COMMITTED if committed is not None else nonce
         if committed is None:
             return value
         if committed.fingerprint != fingerprint:
@@ -374,9 +375,10 @@ class Ledger:
                 task.name, task.app.main, "it has none" if configured is None else "it has another",
             )  # fmt: skip
 
-    def _refuse_second_call(self, request: Any, identity: Identity, session: Session | sa.Connection | None) -> None:
+    def _refuse_second_call(
+        self, used: str | None, identity: Identity, session: Session | sa.Connection | None
+    ) -> None:
         """One ledger row per identity: a second call in an attempt whose first row stands is a bug."""
-        used = getattr(request, _USED, None)
         if used is None:
             return
         if used != _COMMITTED:  # the first call joined a transaction: does its row still stand?

@@ -1,6 +1,7 @@
 """The message protocol: the headers celery-idem adds to a task message, and the names of its
 internal tasks. Small and import-free, so the signal hooks, the ledger and the reconciler read a
-message without importing the state machine."""
+message without importing the state machine. What the library keeps about a running attempt is
+never a header or a request attribute (celery_idem.attempts)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,8 @@ from typing import Any
 
 __all__ = [
     "BYPASS_HEADER",
+    "HANDOVER_HEADER",
     "KEY_HEADER",
-    "LEDGER_ATTEMPT_ATTRIBUTE",
-    "LEDGER_USED_ATTRIBUTE",
     "OPTION_HEADERS",
     "OUTAGE_HEADER",
     "REPLACED_FAILED_TASK",
@@ -31,10 +31,9 @@ OUTAGE_HEADER = "idempotency_store_waits"  # how often this message went back fo
 SURPRISES_HEADER = "idempotency_store_surprises"  # ...of those, for an error no outage mapping knows
 # The callbacks self.replace() links to the replacement (registered by celery_idem.replacement).
 REPLACED_TASK, REPLACED_FAILED_TASK = "celery_idem.replaced", "celery_idem.replaced_failed"
-# Set on a task request by Ledger.run_once before its row can commit: this attempt has touched the
-# ledger, so a failure of it may stand on a committed effect.
-LEDGER_ATTEMPT_ATTRIBUTE = "idempotency_ledger_nonce"
-LEDGER_USED_ATTRIBUTE = "idempotency_ledger"  # ...and the Ledger it wrote to, which the handler asks
+# The token a self.replace() hands its record over to, carried by the replacement's message. Input
+# like any header: it is worth something only while the store holds the record under that token.
+HANDOVER_HEADER = "idempotency_handover"
 
 
 def request_header(request: Any, name: str) -> Any:

@@ -1,38 +1,187 @@
-"""The callbacks ``self.replace()`` links to a replacement, so the replaced task's record follows it.
+"""``self.replace()``: the replacement inherits the replaced task's id, and what becomes of its record.
 
 Celery's replace publishes the replacement under the replaced task's own id and ends the replaced
-attempt with ``Ignore``. The handler keeps that attempt's record IN_PROGRESS under its owner token
-(a claim is handed the id, whose result is the replacement's) and links these two tasks to the
-replacement; they settle the record with its outcome, fenced by the token:
+attempt with ``Ignore`` (DESIGN, "Not failures"). The replaced attempt's record (IN_PROGRESS under
+its owner token) follows the replacement, in one of two ways:
 
-- ``celery_idem.replaced`` (link): the replacement returned -> COMPLETED with its value;
-- ``celery_idem.replaced_failed`` (link_error, called in the failing worker): FAILED when the
-  replaced task's policy classes the error permanent, else released.
+- **Its own call** (the same task and identity: ``self.replace(self.s(x).set(queue="heavy"))``, or a
+  poll that replaces itself with a countdown): the record is *handed over*. Before publishing, the
+  replaced attempt hands it to a fresh token (``Store.hand_over``, fenced by its owner token), leased
+  for as long as the message may wait, and the replacement's message carries that token in the
+  header ``idempotency_handover``. The replacement's acquire answers BUSY under its own task id;
+  when the record's owner is the token its message carries, it takes the record under its own owner
+  token (``hand_over`` again, fenced by that token) and runs at once. The store compares the token,
+  so a forged header is worth nothing, and one message only takes it: a copy of the replaced message
+  (no token) or a second copy of the replacement (its token is spent) waits as any copy of a running
+  task id does, and ends quietly once the record settles.
+- **Anything else** (another task, other arguments, a group, a chain's last step): the record stays
+  IN_PROGRESS under the replaced attempt's token for as long as the replacement may wait, and two
+  callbacks linked to the replacement settle it with its outcome, fenced by that token:
+  ``celery_idem.replaced`` (link) stores its value; ``celery_idem.replaced_failed`` (link_error,
+  a ``(request, exc, traceback)`` errback that Celery calls in the failing worker) stores the
+  failure when the replaced task's policy classes it permanent, else frees the key.
 
-Should neither ever run (the replacement revoked or lost), the record's lease runs out and the
-reconciler settles it from the result backend under the same id.
+Should neither happen (the replacement revoked or lost), the lease runs out and the reconciler
+settles the record from the result backend under the same id.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from celery import Task
+from celery import Task, current_task
+from celery.canvas import Signature, _chain, chord
+from celery.exceptions import Ignore
 
-from .protocol import REPLACED_FAILED_TASK, REPLACED_TASK
-from .records import Identity
+from . import attempts, timing
+from .errors import IdempotencyError, SerializationError, StoreUnavailableError
+from .owners import worker_token
+from .protocol import (
+    BYPASS_HEADER,
+    HANDOVER_HEADER,
+    KEY_HEADER,
+    REPLACED_FAILED_TASK,
+    REPLACED_TASK,
+    SCOPE_HEADER,
+    request_header,
+)
+from .records import Decision, Identity, Transition
 
 if TYPE_CHECKING:
     from .extension import Idempotency
+    from .handler import Handler
 
-__all__ = ["install", "replaced", "replaced_failed"]
+__all__ = ["await_replacement", "install", "on_replace", "replaced", "replaced_failed", "take_over"]
+
+logger = logging.getLogger("celery_idem.replacement")
+
+
+# ---- the replaced attempt --------------------------------------------------------------------------
+
+
+def on_replace(handler: Handler, sig: Any, publish: Callable[[Any], Any]) -> Any:
+    """``Task.on_replace``: ``sig`` (final: frozen under this task id, the chain's rest appended) is
+    about to be published by ``publish`` (Celery's own on_replace, which raises ``Ignore``)."""
+    task = handler.task
+    attempt = attempts.current(task)
+    if attempt is None or attempt.owner is None or task.request.is_eager:
+        return publish(sig)  # eager: the replacement runs inline; unprotected: no record to hand on
+    same = _own_call(handler, attempt, sig)
+    if same is None:
+        fence = {"scope": attempt.identity.scope, "task_name": task.name, "key": attempt.identity.key,
+                 "owner": attempt.owner}  # fmt: skip
+        # A chord (a group, as Celery's replace makes it one) ends in its body, which a failing member
+        # fails too: both go there (chord.link_error would warn, and may link the members as well).
+        last = sig.body if isinstance(sig, chord) else sig
+        last.link(task.app.signature(REPLACED_TASK, kwargs=fence))
+        errback = task.app.signature(REPLACED_FAILED_TASK, kwargs=fence)
+        if type(last) is Signature:  # first: a user errback that raises stops the rest on Celery 5.3
+            last.options["link_error"] = [errback, *(last.options.get("link_error") or [])]
+        else:
+            last.link_error(errback)
+        attempt.replaced = True
+        return publish(sig)
+    store, policy, identity, owner = handler.idem.store, handler.policy, attempt.identity, attempt.owner
+    token = worker_token(getattr(task.request, "hostname", None))
+    seconds = timing.pending_seconds(policy.pending_timeout_seconds, same.options, task.expires) + policy.lease_seconds
+    if attempt.lease is not None:
+        handler.idem.heartbeat.remove(attempt.lease)  # no beat under the old token after the handover
+    try:
+        if not store.hand_over(identity, owner, token, lease_seconds=seconds).ok:
+            logger.warning("%s was taken by another attempt before its replacement was sent", identity)
+    except StoreUnavailableError as exc:
+        # Handed over or not, the replacement can take it: by the token, or once this attempt's
+        # lease (no longer renewed) runs out.
+        handler.idem.count("store_errors")
+        logger.warning("could not hand %s over to its replacement: %s", identity, exc)
+    same.set(headers={**(same.options.get("headers") or {}), HANDOVER_HEADER: token})
+    attempt.replaced = attempt.handed_over = True
+    try:
+        return publish(sig)
+    except Ignore:
+        raise
+    except BaseException:
+        # Not sent: the record comes back to this attempt, whose failure settles it as usual.
+        attempt.replaced = attempt.handed_over = False
+        with contextlib.suppress(IdempotencyError):
+            store.hand_over(identity, token, owner, lease_seconds=policy.lease_seconds)
+        raise
+
+
+def _own_call(handler: Handler, attempt: attempts.Attempt, sig: Any) -> Signature | None:
+    """The step of ``sig`` that carries this task id, if it is this very call (task and identity)."""
+    for step in sig.tasks if isinstance(sig, _chain) else (sig,):
+        options = step.options
+        if options.get("task_id") != attempt.task_id:
+            continue
+        if type(step) is not Signature or step.task != attempt.task_name:
+            return None
+        headers = options.get("headers") or {}
+        if options.get(BYPASS_HEADER) is False or headers.get(BYPASS_HEADER) is False:
+            return None
+        key = options.get(KEY_HEADER, headers.get(KEY_HEADER))
+        scope = options.get(SCOPE_HEADER, headers.get(SCOPE_HEADER))
+        args, kwargs = handler.as_sent(step.args, step.kwargs, options)
+        fp = handler.fingerprint(args, kwargs)
+        if key is None and scope is None:  # a key-less call of the running call is the running call
+            return step if fp == attempt.fingerprint else None
+        return step if handler.identify(key, scope, fp) == attempt.identity else None
+    return None
+
+
+def await_replacement(handler: Handler, attempt: attempts.Attempt, lease: Any) -> None:
+    """The replaced attempt ended (``Ignore``). Handed over: the record is the replacement's now.
+    Else it stays IN_PROGRESS under this attempt's token, for as long as a published message may
+    wait and run; the linked callbacks settle it, failing those, the reconciler does."""
+    handler.idem.heartbeat.remove(lease)  # no renewal may shorten the lease set here
+    if attempt.handed_over or attempt.owner is None:
+        return
+    seconds = handler.policy.pending_timeout_seconds + handler.policy.lease_seconds
+    try:
+        handler.idem.store.renew(attempt.identity, attempt.owner, lease_seconds=seconds)
+    except StoreUnavailableError as exc:
+        handler.idem.count("store_errors")
+        logger.warning("could not extend %s for its replacement: %s", attempt.identity, exc)
+
+
+# ---- the replacement -------------------------------------------------------------------------------
+
+
+def take_over(handler: Handler, taken: Transition, owner: str) -> Transition:
+    """An acquire answered BUSY: if the record is held by the handover token this message carries
+    under its own task id, take it under ``owner`` and RUN; else the answer stands (a copy)."""
+    record, request = taken.record, handler.task.request
+    token = request_header(request, HANDOVER_HEADER)
+    if record is None or not isinstance(token, str) or record.task_id != request.id or record.owner != token:
+        return taken
+    try:
+        answer = handler.idem.store.hand_over(record.identity, token, owner, lease_seconds=handler.policy.lease_seconds)
+    except StoreUnavailableError as exc:  # the wait goes on; this attempt's next acquire asks again
+        handler.idem.count("store_errors")
+        logger.warning("replacement %s could not take %s over: %s", request.id, record.identity, exc)
+        return taken
+    if not answer.ok:
+        return taken  # another copy of this replacement took it
+    logger.info("replacement %s took %s over from the attempt it replaced", request.id, record.identity)
+    return Transition(Decision.RUN, record.model_copy(update={"owner": owner}))
+
+
+# ---- the callbacks of a replacement by another call ----------------------------------------------
 
 
 def _settle(app: Any, task_name: str, scope: str, key: str, owner: str, value: Any = None, exc: Any = None) -> None:
     task = app.tasks.get(task_name)
     if task is None or not hasattr(task, "idempotency_handler"):
         return
-    task.idempotency_handler.settle_replaced(Identity(scope, task_name, key), owner, value=value, exc=exc)
+    handler, identity = task.idempotency_handler, Identity(scope, task_name, key)
+    if exc is not None:
+        handler._settle_failure(identity, owner, exc)
+        return
+    with contextlib.suppress(SerializationError):  # stored as the record's permanent failure
+        handler._store_value(identity, owner, "(replacement)", value)
 
 
 def replaced(self: Any, value: Any, *, task_name: str, scope: str, key: str, owner: str) -> None:
@@ -40,11 +189,20 @@ def replaced(self: Any, value: Any, *, task_name: str, scope: str, key: str, own
     _settle(self.app, task_name, scope, key, owner, value=value)
 
 
-def replaced_failed(self: Any, request: Any, exc: Any, traceback: Any, *, task_name: str, scope: str, key: str,
+def replaced_failed(request: Any, exc: Any, traceback: Any, *, task_name: str, scope: str, key: str,
                     owner: str) -> None:  # fmt: skip
-    """Error link of the replacement: the replaced task's record takes its failure (classed as usual)."""
-    if isinstance(exc, BaseException):  # else the reconciler settles it from the result backend
-        _settle(self.app, task_name, scope, key, owner, exc=exc)
+    """Error link of the replacement: the replaced task's record takes its failure (classed as usual).
+
+    Not bound: Celery calls an errback whose signature it reads as ``(request, exc, traceback)`` in
+    the failing worker, and sends any other (a bound task's) as a new message with the task id only.
+    Never raises: an errback's error would run the failing task's error handling again.
+    """
+    if not isinstance(exc, BaseException):  # else the reconciler settles it from the result backend
+        return
+    try:
+        _settle(current_task.app, task_name, scope, key, owner, exc=exc)
+    except Exception:  # noqa: BLE001 - the lease runs out and the reconciler settles it
+        logger.exception("could not settle the record of %s key %r after its replacement failed", task_name, key)
 
 
 def install(idem: Idempotency) -> None:
@@ -56,4 +214,4 @@ def install(idem: Idempotency) -> None:
     """
     app = idem.app
     app.task(name=REPLACED_TASK, base=Task, bind=True, shared=False, ignore_result=True)(replaced)
-    app.task(name=REPLACED_FAILED_TASK, base=Task, bind=True, shared=False, ignore_result=True)(replaced_failed)
+    app.task(name=REPLACED_FAILED_TASK, base=Task, shared=False, ignore_result=True)(replaced_failed)

@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 
 from celery import Task
 
+from . import attempts, replacement
 from .config import IdempotencyPolicy
 from .errors import ConfigurationError
 from .extension import Idempotency
@@ -139,13 +140,14 @@ class IdempotentTask(Task):  # type: ignore[misc]
         running = _running_here()  # never a request attribute: message headers become those
         running.add(attempt)
         try:
-            return self.idempotency_handler.run(args, kwargs)
+            with attempts.running():  # what the handler keeps of this attempt lives and ends here
+                return self.idempotency_handler.run(args, kwargs)
         finally:
             running.discard(attempt)
 
-    def replace(self, sig: Any) -> Any:
-        # The replacement inherits this task id; the handler links what settles this record with it.
-        return super().replace(self.idempotency_handler.replacing(sig))
+    def on_replace(self, sig: Any) -> Any:
+        # The replacement inherits this task id: it takes this attempt's record, or callbacks settle it.
+        return replacement.on_replace(self.idempotency_handler, sig, super().on_replace)
 
     def AsyncResult(self, task_id: str, **kwargs: Any) -> IdempotentResult:  # noqa: N802 - Celery's name
         return IdempotentResult(task_id, backend=self.backend, task_name=self.name, app=self.app, **kwargs)

@@ -77,7 +77,8 @@ ENDINGS: tuple[Ending, ...] = (
     Ending("`autoretry_for`, retries exhausted", "autoretried", "as a retryable error with no retry left",
            same(Seen("none", "none", RUNS, "2, then 3")), args=(2,)),
     Ending("`self.replace(sig)`", "replaced",
-           "the body handed its work on and must not run again: the record stays `IN_PROGRESS` (lease "
+           "the body handed its work on and must not run again: a replacement by its own call takes the record "
+           "over at once (a handover token the store checks); any other keeps it `IN_PROGRESS` (lease "
            "`pending_timeout_seconds` + `lease_seconds`) until callbacks linked to the replacement settle it with "
            "its outcome, fenced by the owner token; duplicates get the original task id, whose result is the "
            "replacement's",

@@ -16,7 +16,7 @@ from typing import Any
 
 import redis
 import sqlalchemy as sa
-from celery import Celery
+from celery import Celery, group
 from celery.exceptions import Ignore, Reject
 from pydantic import BaseModel
 
@@ -217,6 +217,39 @@ def make_app(
     def replaced(self: Any, order_id: int) -> Any:
         effect(self)
         raise self.replace(replacement.si(order_id))
+
+    def moving(self: Any, order_id: int, how: str) -> dict[str, Any]:
+        """Replaces itself once with its own call: on the heavy queue (``how="queue"``), or a little
+        later as polling does (``"countdown"``: 1 s, ``"later"``: 4 s); the second run answers."""
+        runs = effect(self)
+        if runs == 1:
+            again = self.s(order_id, how)
+            delay = {"countdown": 1, "later": 4}.get(how)
+            raise self.replace(again.set(queue=f"{queue}.heavy") if delay is None else again.set(countdown=delay))
+        return {"order": order_id, "runs": runs, "queue": (self.request.delivery_info or {}).get("routing_key")}
+
+    task(name="shop.moving")(moving)
+    task(name="shop.moving_strict", idempotency={"on_duplicate": "raise"})(moving)
+
+    @task(name="shop.replaced_declined")
+    def replaced_declined(self: Any, order_id: int) -> Any:
+        """Replaced by a call that fails for good (shop.declined)."""
+        effect(self)
+        raise self.replace(declined.si(order_id))
+
+    @task(name="shop.to_all")
+    def to_all(self: Any, numbers: list[int], value: int) -> Any:
+        """Replaces itself with a group (Celery's add_to_all in its integration tests)."""
+        raise self.replace(group(*(plus.s(number, value) for number in numbers)))
+
+    @task(name="shop.plus")
+    def plus(self: Any, number: int, value: int) -> int:
+        return number + value
+
+    @app.task(shared=False, name="shop.noted_error")
+    def noted_error(request: Any, exc: Any, traceback: Any, tag: str) -> None:
+        """A new-style error callback (request, exception, traceback), counted."""
+        counter.incr(effects_key(prefix, "shop.noted_error", tag))
 
     @task(name="shop.rejecting", acks_late=True)
     def rejecting(self: Any, requeue: bool) -> dict[str, Any]:

@@ -423,6 +423,37 @@ def test_renew_of_a_pending_claim_or_wrong_token_is_lost(store: Store) -> None:
     assert store.renew(ID, "not-mine", lease_seconds=LEASE_S).decision is Decision.LOST
 
 
+def test_hand_over_passes_the_record_to_the_new_token_with_exactly_its_lease(store: Store, clock) -> None:
+    # Given a running attempt, handed over (as replace() does) with an hour for its replacement
+    owner = running(store)
+    assert store.hand_over(ID, owner, "handover", lease_seconds=3600).ok
+    record = store.get(ID)
+    assert record is not None and record.state is State.IN_PROGRESS and record.owner == "handover"
+    assert record.task_id == "task-1" and record.lease_expires_at == pytest.approx(clock() + 3600, abs=1e-3)
+    # Then the old token can write nothing, and a copy of the task id without the token is busy
+    assert store.renew(ID, owner, lease_seconds=LEASE_S).decision is Decision.LOST
+    assert store.complete(ID, owner, RESULT).decision is Decision.LOST
+    assert store.hand_over(ID, owner, "again", lease_seconds=LEASE_S).decision is Decision.LOST
+    assert acquire(store).decision is Decision.BUSY
+    # When the replacement takes it under its own token, its lease is its own (shorter) one
+    assert store.hand_over(ID, "handover", "replacement", lease_seconds=LEASE_S).ok
+    record = store.get(ID)
+    assert record is not None and record.owner == "replacement"
+    assert record.lease_expires_at == pytest.approx(clock() + LEASE_S, abs=1e-3)
+    # and a second copy of the replacement's message, with the same token, is LOST
+    assert store.hand_over(ID, "handover", "copy", lease_seconds=LEASE_S).decision is Decision.LOST
+    assert store.complete(ID, "replacement", RESULT).ok
+
+
+def test_hand_over_of_a_claim_or_a_settled_record_is_lost(store: Store) -> None:
+    t = claim(store)
+    assert t.record is not None
+    assert store.hand_over(ID, t.record.owner, "x", lease_seconds=LEASE_S).decision is Decision.LOST
+    owner = acquire(store).record.owner  # type: ignore[union-attr]
+    assert store.complete(ID, owner, RESULT).ok
+    assert store.hand_over(ID, owner, "x", lease_seconds=LEASE_S).decision is Decision.LOST
+
+
 # ---- fencing after a takeover -----------------------------------------------------------------
 
 

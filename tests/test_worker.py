@@ -6,22 +6,26 @@ Redis; executions are counted by the INCR each task body makes (tests/shop.py), 
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import multiprocessing
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
-from celery import Celery, chain, signals
+from celery import Celery, chain, group, signals
 from celery.contrib.testing.worker import start_worker
 from celery.exceptions import Ignore, Reject
 from celery.result import AsyncResult
 from conftest import IN_CI, REDIS_URL, plant_pickle, require_server
 from shop import COUNTER_URL, Order, effects_key, make_app
+from workers import Worker
 
 from celery_idem import (
     Idempotency,
@@ -79,7 +83,8 @@ def shop(request: pytest.FixtureRequest) -> Iterator[Shop]:
         require_rabbitmq()
     prefix = f"w{uuid.uuid4().hex[:10]}"
     app = make_app(broker=BROKERS[request.param], backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix)
-    with start_worker(app, pool="threads", concurrency=8, perform_ping_check=False, shutdown_timeout=20):
+    queues = [prefix, f"{prefix}.heavy"]  # shop.moving moves to the second
+    with start_worker(app, pool="threads", concurrency=8, perform_ping_check=False, shutdown_timeout=20, queues=queues):
         yield Shop(app, Idempotency.of(app), prefix, request.param, redis.Redis.from_url(COUNTER_URL))
 
 
@@ -614,6 +619,130 @@ def test_a_duplicate_while_the_replacement_is_queued_is_handed_the_original_id(s
     ours = [record for task_id, record in seen if task_id == first.id]
     assert ours and all(record is not None for record in ours)
     assert all(r.state in (State.IN_PROGRESS, State.COMPLETED) and r.task_id == first.id for r in ours)
+
+
+@contextlib.contextmanager
+def busy_lines() -> Iterator[list[str]]:
+    """The handler's BUSY decision lines (INFO) while the block runs."""
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            line = record.getMessage()
+            if line.startswith("BUSY"):
+                lines.append(line)
+
+    logger = logging.getLogger("celery_idem.handler")
+    keep, level = Keep(), logger.level
+    logger.addHandler(keep)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(keep)
+        logger.setLevel(level)
+
+
+@pytest.mark.parametrize("keyed", [True, False], ids=["keyed", "keyless"])
+@pytest.mark.parametrize("how", ["queue", "countdown"])
+def test_a_task_that_replaces_itself_hands_its_record_over_and_the_replacement_runs_at_once(
+    shop: Shop, key: str, how: str, keyed: bool
+) -> None:
+    # Given a task that replaces itself with its own call on another queue, or after a countdown
+    # (the replacement carries the running task id: it used to be taken for a copy of the running
+    # attempt and busy-wait 60 s of every 90 s until the replaced attempt's hour-long lease ran out)
+    order, moving = int(uuid.uuid4().int % 10**9), shop.task("moving")
+    options = {"idempotency_key": key} if keyed else {}
+    with busy_lines() as busy:
+        first = moving.apply_async((order, how), **options)
+        # Then it answers well within the busy wait, from the replacement's run
+        value = first.get(timeout=GET)
+    assert value["runs"] == 2 and value["order"] == order
+    assert how != "queue" or value["queue"] == f"{shop.prefix}.heavy"
+    assert not [line for line in busy if first.id in line], busy
+    identity_key = key if keyed else first.idempotency_key
+    _until(lambda: getattr(shop.idem.get("shop.moving", identity_key), "state", None) is State.COMPLETED)
+    # and the record is the replacement's outcome: a duplicate replays it without running
+    again = moving.apply_async((order, how), **options)
+    assert again.deduplicated and again.id == first.id and again.get(timeout=GET) == value
+    assert shop.effects("moving", identity_key) == 2
+
+
+def test_a_task_that_refuses_duplicates_can_still_replace_itself(shop: Shop, key: str) -> None:
+    # on_duplicate="raise" refuses a second call of a running key; the replacement is not one: its
+    # publish carries the handover token and is not claimed again (as a Celery retry's is not)
+    first = shop.task("moving_strict").apply_async((int(uuid.uuid4().int % 10**9), "countdown"), idempotency_key=key)
+    assert first.get(timeout=GET)["runs"] == 2
+
+
+def test_a_copy_of_a_message_that_replaced_itself_does_not_run_while_the_replacement_holds_the_record(
+    shop: Shop, key: str
+) -> None:
+    ended: list[Any] = []
+
+    def attempt_ended(sender: Any = None, task_id: Any = None, state: Any = None, **_: Any) -> None:
+        if getattr(sender, "name", None) == "shop.moving":
+            ended.append((task_id, state))
+
+    signals.task_postrun.connect(attempt_ended, weak=False)
+    shop.task("moving").__trace__ = None  # its tracer is rebuilt with this receiver
+    try:
+        # Given a task that replaced itself with its own call 4 s later
+        order = int(uuid.uuid4().int % 10**9)
+        first = shop.task("moving").apply_async((order, "later"), idempotency_key=key)
+        _until(lambda: (first.id, "IGNORED") in ended)
+        # When copies of its message arrive meanwhile (a broker redelivery; one forges a handover)
+        for headers in ({}, {"idempotency_handover": "forged"}):
+            shop.app.send_task("shop.moving", (order, "later"), task_id=first.id,
+                               headers={"idempotency_key": key, **headers})  # fmt: skip
+        # Then the replacement answers, and the copies end quietly without running the body
+        assert first.get(timeout=GET)["runs"] == 2
+        _until(lambda: ended.count((first.id, "IGNORED")) == 3)
+    finally:
+        signals.task_postrun.disconnect(attempt_ended)
+    assert shop.effects("moving", key) == 2
+
+
+def test_error_callbacks_around_a_failing_replacement_run_once_and_the_record_takes_its_failure(
+    shop: Shop, key: str
+) -> None:
+    # Given a replaced task whose replacement fails for good, with a task-id errback (old style)
+    # and a (request, exc, traceback) one
+    order, old, new = int(uuid.uuid4().int % 10**9), uuid.uuid4().hex, uuid.uuid4().hex
+    errbacks = [shop.task("noted").s(old), shop.task("noted_error").s(new)]
+    result = shop.task("replaced_declined").apply_async((order,), idempotency_key=key, link_error=errbacks)
+    with pytest.raises(PermanentError):
+        result.get(timeout=GET)
+    # Then the replaced record takes the failure (not left to its lease)
+    _until(lambda: getattr(shop.idem.get("shop.replaced_declined", key), "state", None) is State.FAILED)
+
+    def runs(task: str, tag: str) -> int:
+        return int(shop.counter.get(effects_key(shop.prefix, f"shop.{task}", tag)) or 0)
+
+    # and each user errback runs once, as in plain Celery
+    _until(lambda: runs("noted", old) and runs("noted_error", new))
+    time.sleep(1)  # a second run would come right after the first
+    assert (runs("noted", old), runs("noted_error", new)) == (1, 1)
+
+
+def test_a_group_whose_members_replace_themselves_with_groups_completes_in_order(tmp_path: Path) -> None:
+    # Celery's test_task_replace_with_group_preserves_group_order, each call three times. (Ten times
+    # each, as Celery has it, still takes minutes: the duplicate members wait for their original in 8
+    # of the worker's slots, which the replacements' groups need, until their busy wait runs out.)
+    # In a worker process of its own: a group replacement's results, dropped in the worker,
+    # reconnect to the Redis backend to unsubscribe when collected (an unclosed socket at exit).
+    require_server("redis")
+    prefix = f"g{uuid.uuid4().hex[:10]}"
+    app = make_app(broker=BROKERS["redis"], backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix)
+    worker = Worker(tmp_path, BROKERS["redis"], REDIS_URL, prefix, pool="threads", concurrency=8)
+    try:
+        to_all = app.tasks["shop.to_all"]
+        members = [to_all.s([2, 1], 1), to_all.s([4, 3], 1)] * 3
+        result = group(members).apply_async()
+        _until(result.ready, seconds=60)  # polled: get() would subscribe this process to the backend
+        assert [member.result for member in result.results] == [[3, 2], [5, 4]] * 3, worker.output()[-3000:]
+    finally:
+        worker.stop()
 
 
 def test_reject_with_requeue_returns_the_record_to_pending_for_the_redelivery(shop: Shop, key: str) -> None:

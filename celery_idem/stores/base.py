@@ -14,6 +14,8 @@ The rules every store follows (the memory store states them most plainly):
   settled -> REPLAY; IN_PROGRESS with a live lease -> BUSY; else RUN. The same task id is the same
   attempt chain (a Celery retry), so it may run with changed arguments; the record keeps the
   fingerprint of the caller's call.
+- hand_over: IN_PROGRESS under the token -> the same record under the new token, its lease set to
+  exactly the given length (not only extended); otherwise LOST.
 - complete/fail/release/renew: only while the record is PENDING or IN_PROGRESS (renew:
   IN_PROGRESS) and its owner token still holds the caller's value; otherwise LOST and nothing is
   written.
@@ -287,6 +289,17 @@ class Store(ABC):
         with self._guard("renew", identity):
             return self._renew(identity, token, lease)
 
+    def hand_over(self, identity: Identity, token: str, new_owner: str, *, lease_seconds: float) -> Transition:
+        """Pass ``token``'s IN_PROGRESS record to ``new_owner``, leased exactly ``lease_seconds`` from
+        now (shorter or longer than before); OK, or LOST. ``token`` can write nothing after it.
+
+        ``self.replace()`` uses it twice: the replaced attempt hands its record to the token its
+        replacement's message carries, and the replacement takes it under its own owner token.
+        """
+        lease = _positive("lease_seconds", lease_seconds)
+        with self._guard("hand_over", identity):
+            return self._hand_over(identity, token, new_owner, lease)
+
     def get(self, identity: Identity) -> IdempotencyRecord | None:
         """The live record of ``identity``, or None."""
         with self._guard("get", identity):
@@ -432,6 +445,9 @@ class Store(ABC):
 
     @abstractmethod
     def _renew(self, identity: Identity, token: str, lease: float) -> Transition: ...
+
+    @abstractmethod
+    def _hand_over(self, identity: Identity, token: str, new_owner: str, lease: float) -> Transition: ...
 
     @abstractmethod
     def _get(self, identity: Identity) -> IdempotencyRecord | None: ...

@@ -198,6 +198,16 @@ class MemoryStore(Store):
             self._put(identity, now, record, lease_expires_at=lease_end, expires_at=lease_end + record.ttl_seconds)
             return OK
 
+    def _hand_over(self, identity: Identity, token: str, new_owner: str, lease: float) -> Transition:
+        with self._lock:
+            now = self._clock_now()
+            record = self._owned(identity, "owner", token, now)
+            if record is None or record.state is not State.IN_PROGRESS:
+                return LOST
+            self._put(identity, now, record, owner=new_owner, lease_expires_at=now + lease,
+                      expires_at=now + lease + record.ttl_seconds)  # fmt: skip
+            return OK
+
     def _get(self, identity: Identity) -> IdempotencyRecord | None:
         with self._lock:
             return self._live(identity, self._clock_now())

@@ -31,7 +31,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 __all__ = ["RedisStore"]
 
-_SCRIPTS = ("claim", "acquire", "settle", "release", "renew", "forget", "due", "keep_alive", "alive")
+_SCRIPTS = ("claim", "acquire", "settle", "release", "renew", "forget", "due", "hand_over", "keep_alive", "alive")
 
 INDEX_SHARDS = 16
 """How many hash tags (lease-index shards) records are spread over: part of the key layout, fixed."""
@@ -367,6 +367,9 @@ class RedisStore(Store):
         keys = [self.liveness_key(process) for process in processes]
         answer = self._scripts["alive"](keys=keys, args=[self._now()])
         return {process for process, live in zip(processes, answer, strict=True) if int(live)}
+
+    def _hand_over(self, identity: Identity, token: str, new_owner: str, lease: float) -> Transition:
+        return self._fenced("hand_over", identity, token, new_owner, repr(lease))
 
     def _live(self, flat: dict[bytes, bytes]) -> IdempotencyRecord | None:
         if not flat:

@@ -367,6 +367,12 @@ class SQLStore(Store):
             .where(owned("owner"), c.state == State.IN_PROGRESS.value)
             .values(lease_expires_at=renewed, updated_at=now, expires_at=renewed + c.ttl_seconds)
         )
+        self._hand_over_sql = (
+            sa.update(t)
+            .where(owned("owner"), c.state == State.IN_PROGRESS.value)
+            .values(owner=p("new_owner"), lease_expires_at=now + p("lease"), updated_at=now,
+                    expires_at=now + p("lease") + c.ttl_seconds)
+        )  # fmt: skip
         self._forget_sql = sa.delete(t).where(pk).returning((c.expires_at > now).label("live"))
         self._due_sql = (
             sa.select(t)
@@ -560,6 +566,10 @@ class SQLStore(Store):
     def _renew(self, identity: Identity, token: str, lease: float) -> Transition:
         params = self._params(identity, token=token, lease=lease)
         return OK if self._run(self._renew_sql, params, _rowcount) == 1 else LOST
+
+    def _hand_over(self, identity: Identity, token: str, new_owner: str, lease: float) -> Transition:
+        params = self._params(identity, token=token, new_owner=new_owner, lease=lease)
+        return OK if self._run(self._hand_over_sql, params, _rowcount) == 1 else LOST
 
     # ---- reads ------------------------------------------------------------------------------------
 
