@@ -505,7 +505,6 @@ class Handler:
             return False
         return record is not None and record.state.settled and record.owner == owner
 
-
     def classify(self, exc: BaseException) -> FailureClass:
         """``"permanent"`` (stored and replayed) or ``"retryable"`` (released) for an exception."""
         return classify_failure(exc, self.policy, self._autoretry_for)
