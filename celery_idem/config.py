@@ -97,6 +97,9 @@ class IdempotencyPolicy(BaseModel):
 POLICY_FIELDS: frozenset[str] = frozenset(IdempotencyPolicy.model_fields)
 
 
+DEFAULT_LIVENESS_SECONDS = 10.0
+
+
 class IdempotencySettings(IdempotencyPolicy):
     """App-wide settings: ``Idempotency(app, **settings)`` over ``app.conf.idempotency_<name>``.
 
@@ -131,16 +134,21 @@ class IdempotencySettings(IdempotencyPolicy):
         default=3600, ge=0, description="Release a stale record with no evidence once this far past its lease."
     )
     liveness_seconds: float = Field(
-        default=10,
+        default=DEFAULT_LIVENESS_SECONDS,
         gt=0,
         allow_inf_nan=False,
         description="Lifetime of a worker process's liveness record (beaten every third of it); a dead "
-        "holder is seen this long after its last beat (keep it at most lease_seconds: then at its lease's end).",
+        "holder is seen this long after its last beat (keep it at most lease_seconds: then at its lease's end). "
+        "Unset: 10, or twice store_timeout_seconds when that is longer.",
     )
 
     @model_validator(mode="after")
     def _liveness_fits(self) -> IdempotencySettings:
-        if self.liveness_seconds < self.store_timeout_seconds:
+        if "liveness_seconds" not in self.model_fields_set:
+            # The default follows the store deadline, so a long store_timeout_seconds alone is valid.
+            derived = max(DEFAULT_LIVENESS_SECONDS, 2 * self.store_timeout_seconds)
+            object.__setattr__(self, "liveness_seconds", derived)
+        elif self.liveness_seconds < self.store_timeout_seconds:
             raise ValueError(
                 f"liveness_seconds ({self.liveness_seconds:g}) must be at least store_timeout_seconds "
                 f"({self.store_timeout_seconds:g}): one slow beat would otherwise pass for a death"

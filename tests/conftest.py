@@ -28,6 +28,17 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 STORE_KINDS = ("memory", "sqlite", "redis", "postgresql")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_memory_result_backend() -> Iterator[None]:
+    """Celery's ``cache+memory://`` backend keeps one dict per process, shared by every app: a task id
+    one test stored (``t-1``) would answer another test's ``AsyncResult('t-1')`` in the same pytest-xdist
+    process. Each test starts with it empty."""
+    from celery.backends import cache
+
+    cache._DUMMY_CLIENT_CACHE.clear()
+    yield
+
+
 class FakeClock:
     """A clock tests move by hand. Starts at the real time so Redis key expiry stays sane."""
 

@@ -130,6 +130,15 @@ def test_a_liveness_lifetime_that_cannot_work_is_refused(value: float) -> None:
         IdempotencySettings(liveness_seconds=value)
 
 
+def test_the_liveness_lifetime_follows_a_long_store_timeout_unless_it_is_set() -> None:
+    # A long store deadline alone is valid: the unset lifetime is twice the deadline (10 s at least)
+    assert IdempotencySettings().liveness_seconds == 10
+    assert IdempotencySettings(store_timeout_seconds=3600).liveness_seconds == 7200
+    assert IdempotencySettings(store_timeout_seconds=3600, liveness_seconds=3600).liveness_seconds == 3600
+    with pytest.raises(ValidationError, match=r"liveness_seconds \(100\) must be at least store_timeout_seconds"):
+        IdempotencySettings(store_timeout_seconds=3600, liveness_seconds=100)
+
+
 def test_key_args_list_of_names_is_accepted() -> None:
     assert IdempotencyPolicy(key_args=["order_id", "amount"]).key_args == ["order_id", "amount"]
 

@@ -39,7 +39,8 @@ MISTAKES = [
     ("redis://127.0.0.1:6379/abc", None, "database number"),  # not silently database 0
     ("sqlite://relative.db", None, "sqlite:///relative/path"),  # two slashes: not a SQLite URL
     ("redis+cluster://127.0.0.1:7100/3", None, "database 0 only"),  # a cluster has no database 3
-    (f"{_PG_WITH_PASSWORD}/idem_no_such_db_{uuid.uuid4().hex[:6]}", "postgresql", "CREATE DATABASE"),
+    # A fixed name: pytest-xdist's processes must collect the same test ids (nothing creates this database).
+    (f"{_PG_WITH_PASSWORD}/idem_no_such_db", "postgresql", "CREATE DATABASE"),
     (f"{_PG.replace('postgres@', 'idem_no_such_role@', 1)}/test", "postgresql", "CREATE ROLE"),
 ]
 
