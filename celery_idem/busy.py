@@ -54,7 +54,8 @@ class BusyWait:
         task: The Celery task whose message this is (its request, and ``retry`` when eager).
         identity: The identity the message is for.
         policy: The task's policy (``on_busy``, ``busy_wait_seconds``, ``lease_seconds``).
-        store: The store (``get``, ``timeout_seconds``).
+        store: Gives the store (``get``, ``timeout_seconds``), opened at the first look: a store that
+            cannot be opened is an outage of that look, handled where the look is made.
         republish: Sends this very message back to the broker: ``republish(args, kwargs, countdown=...)``.
         count: Bumps a metric by name.
     """
@@ -64,11 +65,11 @@ class BusyWait:
         task: Any,
         identity: Identity,
         policy: IdempotencyPolicy,
-        store: Store,
+        store: Callable[[], Store],
         republish: Republish,
         count: Callable[[str], None],
     ) -> None:
-        self.task, self.identity, self.policy, self.store = task, identity, policy, store
+        self.task, self.identity, self.policy, self._store = task, identity, policy, store
         self.task_id: str = task.request.id
         self._republish, self._count = republish, count
         self.copy_of_running = False  # this message carries the id of an attempt that is running now
@@ -88,7 +89,7 @@ class BusyWait:
             self._last = time.monotonic() >= self._deadline
         gap = self.policy.lease_seconds if self._last else self._pause
         # Two store calls' worth of time (this look's reply, the next look's request) and some slack.
-        return min(gap + 2 * self.store.timeout_seconds + _SLACK_SECONDS, _LONGEST_LOOK_SECONDS)
+        return min(gap + 2 * self._store().timeout_seconds + _SLACK_SECONDS, _LONGEST_LOOK_SECONDS)
 
     # ---- after a look answered ---------------------------------------------------------------------
 
@@ -146,7 +147,7 @@ class BusyWait:
         or it went back to PENDING for a Celery retry, which may be this very message (Task.retry
         publishes before the attempt releases): the next acquire takes it."""
         try:
-            record = self.store.get(self.identity)
+            record = self._store().get(self.identity)
         except StoreUnavailableError:
             return True
         return record is not None and not record.state.settled and record.task_id == self.task_id

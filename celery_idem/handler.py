@@ -278,7 +278,8 @@ class Handler:
         attempts.begin(task, identity, fp)  # what the library keeps of this attempt: never on the request
         task_id = request.id
         policy = self.policy
-        wait = BusyWait(task, identity, policy, self.idem.store, self._republish, self.idem.count)
+        # The store is opened by the first look, inside the outage handling below.
+        wait = BusyWait(task, identity, policy, lambda: self.idem.store, self._republish, self.idem.count)
         call = self._call(args, kwargs)
         while True:
             owner = worker_token(getattr(request, "hostname", None), self.idem.heartbeat.process_id)
