@@ -8,7 +8,8 @@ no backend configured) by watching the store.
 A handle answers for its own task id. The store is read by key, and after the key's TTL the record
 under it may be a later call's: a record is this handle's answer only when it names the handle's
 task id, or when it is the very record the call was handed at publish (same ``created_at``: a copy
-under another task id acquired it, and the handle's own message replays it). Anything else is
+under another task id acquired it, and the handle's own message replays it), or when it took this
+task id's attempt over once its lease ran out (``previous_task_id``). Anything else is
 another call's, and where nothing else answers for the id, ``get()`` raises RecordGoneError.
 
 A handle also waits on whatever can answer it. The backend may never hear of a duplicate's id: the
@@ -104,8 +105,10 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
             self._record = record
 
     def _answers_for_me(self, record: IdempotencyRecord) -> bool:
-        """Whether ``record`` holds this handle's outcome, not a later call's under the same key."""
-        return record.task_id == self.id or record.created_at == self._created_at
+        """Whether ``record`` holds this handle's outcome, not a later call's under the same key: it
+        names this task id, is the record handed at publish, or took this task id's attempt over past
+        its lease (the same call, run again in its place while the record lived)."""
+        return self.id in (record.task_id, record.previous_task_id) or record.created_at == self._created_at
 
     def __repr__(self) -> str:
         flag = " deduplicated" if self.deduplicated else ""
