@@ -1,0 +1,421 @@
+"""The world the task-level model (tests/test_task_model.py) acts on, and the invariants it checks.
+
+A :class:`World` is real infrastructure: two ``celery worker`` subprocesses (prefork; one recycles
+its children every 2 tasks), a Redis broker and result backend, a store (Redis or PostgreSQL)
+reached through a TCP proxy that can cut the link, a second producer subprocess with another hash
+seed, and the test process as the first producer. Its steps are what users and the infrastructure
+do: calls in every form, copies of messages, kills, worker replacements, outages, time passing,
+reconcile runs, ``get()`` on any handle.
+
+The invariants are judged from outside the library: the bodies log every execution on the counter
+Redis (tests/task_model_app.py), the continuation counts its runs per call, the ledger task's
+business table holds one row per payment. :func:`problems_of_executions`, :func:`answer_problem`
+and friends are pure functions over those facts, so tests/test_task_model.py proves they bite on
+made-up histories that break each rule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+import sqlalchemy as sa
+from proxy import Proxy
+from task_model_app import (
+    BACKEND,
+    BROKER,
+    BUSY_WAIT,
+    COUNTER_URL,
+    LEASE,
+    LEDGER_URL,
+    LIVENESS,
+    PENDING,
+    STORE_TIMEOUT,
+    TTL,
+    VISIBILITY,
+    continuation_key,
+    create_tables,
+    drop_tables,
+    exec_log,
+    make_app,
+    payments,
+)
+
+TESTS = Path(__file__).parent
+# A body's effect is its execution; its outcome is stored a moment later. An execution whose
+# outcome a kill may have kept from the store (killed from its start to this long after its end)
+# may legitimately run again without the ledger.
+KILL_REACH_SECONDS = 2.0
+# Two clocks meet at a TTL boundary (the body's end by time.time(), the record's expiry by the
+# store server's, a moment later): answers this close to the boundary may go either way.
+BOUNDARY_SLACK_SECONDS = 1.0
+# How long the last look of a waiting duplicate may keep a settled record past its TTL (busy.py:
+# the gap to its next look, two store calls and some slack).
+LINGER_SECONDS = LEASE + 2 * STORE_TIMEOUT + 1.0
+GET_BOUND_SECONDS = 45.0  # every handle answers within this once the world is quiet
+
+
+# ---- facts -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Execution:
+    """One run of a body, from the execution log: ``end``/``run`` are None if it never returned."""
+
+    task: str
+    key: str
+    task_id: str
+    pid: int
+    start: float
+    end: float | None = None
+    run: int | None = None
+
+
+@dataclass
+class Kill:
+    at: float
+    pids: frozenset[int]
+    what: str
+
+
+@dataclass
+class Handle:
+    """What a call returned, and what its answer must be."""
+
+    label: str
+    how: str
+    task: str
+    key: str | None  # None until known (a key-less call from the other producer tells it)
+    amount: int
+    id: str
+    at: float  # time.time() just before the call
+    deduplicated: bool
+    result: Any = field(repr=False)
+    ignore_result: bool = False
+    tag: str | None = None  # the continuation's tag, for a call that carries one
+    answers_with_value: bool = True  # False: a chain's handle answers with the continuation's value
+
+    def __str__(self) -> str:
+        flag = " dedup" if self.deduplicated else ""
+        return f"{self.label}[{self.how} {self.task} key={self.key} amount={self.amount} id={self.id[:8]}{flag}]"
+
+
+def parse_executions(lines: list[bytes]) -> list[Execution]:
+    """The execution log as executions: each ``end`` line closes its ``start`` (same task id and pid)."""
+    executions: list[Execution] = []
+    open_: dict[tuple[str, int], Execution] = {}
+    for raw in lines:
+        line = json.loads(raw)
+        if "start" in line:
+            execution = Execution(line["task"], line["key"], line["task_id"], line["pid"], line["start"])
+            executions.append(execution)
+            open_[(line["task_id"], line["pid"])] = execution
+        else:
+            found = open_.pop((line["task_id"], line["pid"]), None)
+            if found is not None:
+                found.end, found.run = line["end"], line["run"]
+    return executions
+
+
+# ---- invariants (pure) -------------------------------------------------------------------------------
+
+
+def _killed(execution: Execution, kills: list[Kill]) -> bool:
+    """Whether a kill may have taken this execution before its outcome was stored."""
+    last = (execution.end if execution.end is not None else float("inf")) + KILL_REACH_SECONDS
+    return any(execution.pid in kill.pids and execution.start <= kill.at <= last for kill in kills)
+
+
+def problems_of_executions(executions: list[Execution], kills: list[Kill], ttl: float = TTL) -> list[str]:
+    """A key's body runs at most once per TTL window: after an execution that returned (and whose
+    process no kill took before its outcome was stored), the next starts only once the TTL passed."""
+    found = []
+    by_key: dict[tuple[str, str], list[Execution]] = defaultdict(list)
+    for execution in executions:
+        by_key[(execution.task, execution.key)].append(execution)
+    for (task, key), runs in by_key.items():
+        runs.sort(key=lambda e: e.start)
+        for i, first in enumerate(runs):
+            if first.end is None or _killed(first, kills):
+                continue
+            for later in runs[i + 1 :]:
+                if later.start < first.end + ttl - BOUNDARY_SLACK_SECONDS:
+                    found.append(
+                        f"{task} key {key}: ran again {later.start - first.end:+.2f}s after a run ended "
+                        f"(task {first.task_id} ended at {first.end:.2f}; task {later.task_id} started at "
+                        f"{later.start:.2f}; TTL {ttl}s)"
+                    )
+    return found
+
+
+def allowed_answers(handle: Handle, executions: list[Execution]) -> list[Execution]:
+    """The executions whose value may answer ``handle``: its own task id's, and by the record's
+    lifetime at its publish: the last completed run of its key within the TTL (a duplicate or a
+    replay), and the first run that completed after it (the run it waited for, or a takeover of
+    it)."""
+    runs = sorted((e for e in executions if e.task == handle.task and e.key == handle.key and e.end is not None),
+                  key=lambda e: e.end or 0.0)  # fmt: skip
+    allowed = [e for e in runs if e.task_id == handle.id]
+    before = [e for e in runs if e.end is not None and e.end <= handle.at + BOUNDARY_SLACK_SECONDS]
+    if before and handle.at - (before[-1].end or 0.0) <= TTL + LINGER_SECONDS:
+        allowed.append(before[-1])
+    after = [e for e in runs if e.end is not None and e.end >= handle.at - BOUNDARY_SLACK_SECONDS]
+    if after:
+        allowed.append(after[0])
+    return allowed
+
+
+def answer_problem(handle: Handle, value: Any, executions: list[Execution]) -> str | None:
+    """Why ``value`` cannot be ``handle``'s answer; None when it can."""
+    if not isinstance(value, dict) or not {"key", "amount", "task_id", "run"} <= set(value):
+        return f"{handle}: answered {value!r}, not a body's value"
+    if handle.key is not None and value["key"] != handle.key:
+        return f"{handle}: answered another key's value {value!r}"
+    if value["amount"] != handle.amount:
+        return f"{handle}: answered another call's value {value!r}"
+    made = [e for e in executions if e.task_id == value["task_id"] and e.run == value["run"] and e.key == value["key"]]
+    if not made:
+        return f"{handle}: answered {value!r}, which no execution returned"
+    allowed = allowed_answers(handle, executions)
+    if value["task_id"] == handle.id or made[0] in allowed:
+        return None
+    shown = ", ".join(f"run {e.run} of task {e.task_id[:8]} ended {e.end:.2f}" for e in allowed) or "none"
+    return (f"{handle} published at {handle.at:.2f}: answered run {value['run']} of task {value['task_id'][:8]} "
+            f"(ended {made[0].end:.2f}), another call's; its own answer is one of: {shown}")  # fmt: skip
+
+
+def continuation_problems(counts: dict[str, int], heads_succeeded: set[str], quiet: bool) -> list[str]:
+    """A call's continuation runs at most once; once the world is quiet, exactly once for every call
+    whose head succeeded."""
+    found = [f"continuation {tag} ran {n} times" for tag, n in counts.items() if n > 1]
+    if quiet:
+        found += [f"continuation {tag} never ran, its head succeeded" for tag in heads_succeeded if not counts.get(tag)]
+    return found
+
+
+def ledger_problems(rows: dict[str, int]) -> list[str]:
+    """One payment per key, whatever ran: the ledger keeps one row per identity for good."""
+    return [f"ledger key {key}: {n} payments" for key, n in rows.items() if n > 1]
+
+
+# ---- the world -----------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class WorkerProcess:
+    """A ``celery -A task_model_app worker`` subprocess."""
+
+    def __init__(self, tmp: Path, env: dict[str, str], queues: list[str], *, extra: tuple[str, ...] = ()) -> None:
+        self.name = f"tm-{uuid.uuid4().hex[:6]}@{socket.gethostname()}"
+        self.log = tmp / f"{self.name.partition('@')[0]}.log"
+        command = [sys.executable, "-m", "celery", "-A", "task_model_app", "worker", "-P", "prefork", "-c", "2",
+                   "-Q", ",".join(queues), "-n", self.name, "-l", "INFO", "--without-gossip", "--without-mingle",
+                   *extra]  # fmt: skip
+        with self.log.open("wb") as out:
+            self.process = subprocess.Popen(command, cwd=TESTS, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                            start_new_session=True)  # fmt: skip
+        deadline = time.monotonic() + 60
+        while "ready." not in self.output() and self.process.poll() is None:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"worker {self.name} did not start:\n{self.output()[-3000:]}")
+            time.sleep(0.05)
+        assert self.process.poll() is None, f"worker exited:\n{self.output()[-3000:]}"
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def pids(self) -> frozenset[int]:
+        """The main process and its pool children."""
+        found = {self.process.pid}
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.process.pid)], capture_output=True,
+                                 text=True, timeout=5).stdout  # fmt: skip
+            found |= {int(p) for p in out.split()}
+        return frozenset(found)
+
+    def kill(self) -> frozenset[int]:
+        pids = self.pids()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=10)
+        return pids
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+class Producer:
+    """The second producer: a subprocess under another hash seed (task_model_app.py ``produce``)."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.process = subprocess.Popen([sys.executable, "task_model_app.py", "produce"], cwd=TESTS,
+                                        env={**env, "PYTHONHASHSEED": "4242"}, stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True)  # fmt: skip
+
+    def send(self, task: str, args: list[Any], kwargs: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        command = {"task": task, "args": args, "kwargs": kwargs, "options": options}
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        assert line, "the producer subprocess exited"
+        return dict(json.loads(line))
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            if self.process.stdin is not None:
+                self.process.stdin.close()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+class World:
+    """Everything one store kind's histories run on; :meth:`begin` starts a history on fresh keys."""
+
+    def __init__(self, kind: str, tmp: Path, redis_url: str, postgres_url: str) -> None:
+        self.kind, self.tmp = kind, tmp
+        self.prefix = f"tm{uuid.uuid4().hex[:8]}"
+        self.queue, self.heavy = self.prefix, f"{self.prefix}-heavy"
+        if kind == "redis":
+            parsed = redis.connection.parse_url(redis_url)
+            self.proxy = Proxy(int(parsed.get("port", 6379)))
+            self.store_url = f"redis://127.0.0.1:{self.proxy.port}/{parsed.get('db', 0)}"
+        else:
+            url = sa.engine.make_url(postgres_url)
+            self.proxy = Proxy(url.port or 5432)
+            self.store_url = url.set(host="127.0.0.1", port=self.proxy.port).render_as_string(hide_password=False)
+        create_tables(self.prefix)
+        self.env = {
+            **os.environ,
+            "TM_STORE": self.store_url,
+            "TM_PREFIX": self.prefix,
+            "TM_QUEUE": self.queue,
+            "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")]),
+        }
+        self.app = make_app(store=self.store_url, prefix=self.prefix, queue=self.queue)
+        self.counter = redis.Redis.from_url(COUNTER_URL)
+        self.engine = sa.create_engine(LEDGER_URL, poolclass=sa.pool.NullPool)
+        self.workers: list[WorkerProcess] = []
+        self.producer = Producer(self.env)
+        self.kills: list[Kill] = []
+        self.history = 0
+        self.idle = ""
+        self.outage_until = 0.0
+        self.had_outage = False
+        self.start_workers()
+
+    # ---- workers
+
+    def _worker(self, recycling: bool) -> WorkerProcess:
+        queues = [self.queue] + ([] if recycling else [self.heavy])
+        extra = ("--max-tasks-per-child=2",) if recycling else ()
+        return WorkerProcess(self.tmp, self.env, queues, extra=extra)
+
+    def start_workers(self) -> None:
+        while len(self.workers) < 2:
+            self.workers.append(self._worker(recycling=len(self.workers) == 1))
+
+    def replace_worker(self, index: int) -> str:
+        """SIGKILL a whole worker (a node that never comes back under its name) and start another."""
+        index %= len(self.workers)
+        doomed = self.workers[index]
+        pids = doomed.kill()
+        self.kills.append(Kill(time.time(), pids, f"worker {doomed.name}"))
+        self.workers[index] = self._worker(recycling=index == 1)
+        return f"killed {doomed.name} ({len(pids)} processes), started {self.workers[index].name}"
+
+    def kill_child(self, index: int) -> str:
+        """SIGKILL one pool child of a worker, preferring one that is running a body now."""
+        running = {e.pid for e in self.executions() if e.end is None}
+        worker = self.workers[index % len(self.workers)]
+        children = sorted(worker.pids() - {worker.process.pid})
+        if not children:
+            return "no child to kill"
+        victim = next((p for p in children if p in running), children[0])
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+        self.kills.append(Kill(time.time(), frozenset({victim}), f"child {victim} of {worker.name}"))
+        return f"killed child {victim} of {worker.name}"
+
+    # ---- histories
+
+    def begin(self) -> None:
+        """A new history: fresh keys (the namespace holds the history's number), a fresh idle queue."""
+        self.history += 1
+        self.idle = f"{self.prefix}-idle{self.history}"
+        self.kills = []
+        self.had_outage = False
+        self.counter.delete(exec_log(self.prefix))
+
+    def key(self, n: int) -> str:
+        return f"h{self.history}-k{n}"
+
+    def cut(self, seconds: float) -> None:
+        self.had_outage = True
+        self.outage_until = max(self.outage_until, time.monotonic() + seconds)
+        self.proxy.cut(seconds)
+
+    def executions(self) -> list[Execution]:
+        return parse_executions(self.counter.lrange(exec_log(self.prefix), 0, -1))
+
+    def continuations(self, tags: list[str]) -> dict[str, int]:
+        if not tags:
+            return {}
+        values = self.counter.mget([continuation_key(self.prefix, t) for t in tags])
+        return {t: int(v) for t, v in zip(tags, values, strict=True) if v is not None}
+
+    def payments(self) -> dict[str, int]:
+        table = payments(self.prefix)
+        with self.engine.connect() as connection:
+            rows = connection.execute(sa.select(table.c.key, sa.func.count()).group_by(table.c.key)).all()
+        return {str(key): int(n) for key, n in rows}
+
+    def consume_idle(self) -> None:
+        """The queue nobody consumed gets a consumer (the first worker)."""
+        self.app.control.add_consumer(self.idle, destination=[self.workers[0].name], reply=True, timeout=5)
+
+    def settle_down(self) -> None:
+        """Wait out any cut, and give every queue a consumer."""
+        time.sleep(max(0.0, self.outage_until - time.monotonic()))
+        self.consume_idle()
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.stop()
+        self.producer.close()
+        self.proxy.close()
+        keys = list(self.counter.scan_iter(f"tm:{self.prefix}:*"))
+        if keys:
+            self.counter.delete(*keys)
+        drop_tables(self.prefix)
+        self.engine.dispose()
+
+
+SETTINGS_SUMMARY = (
+    f"lease {LEASE}s, TTL {TTL}s, pending {PENDING}s, busy wait {BUSY_WAIT}s, liveness {LIVENESS}s, "
+    f"store timeout {STORE_TIMEOUT}s, visibility {VISIBILITY}s; broker {BROKER}, backend {BACKEND}"
+)

@@ -1,0 +1,198 @@
+"""The app of the task-level model (tests/test_task_model.py): worker subprocesses, the producer
+subprocess and the test process all build it from the same settings.
+
+Every execution of a body is logged outside the library, on the counter Redis, before and after the
+effect: ``tm:<prefix>:exec`` gets one JSON line at the start (``key``, ``task_id``, ``pid``, ``start``)
+and one at the end (``end``), and the body returns ``{"key", "amount", "task_id", "run"}`` where
+``run`` is the INCR of its key: the invariants read these, never the library's records.
+
+``python task_model_app.py produce`` is the second producer: it reads one JSON command a line on
+stdin and answers one JSON line (run under another ``PYTHONHASHSEED``: a fingerprint is a function of
+the call, never of the process that made it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import redis
+import sqlalchemy as sa
+from celery import Celery
+from pydantic import BaseModel
+
+from celery_idem import Idempotency, IdempotentTask
+from celery_idem.ledger import Ledger
+
+COUNTER_URL = "redis://127.0.0.1:6379/12"
+BROKER = "redis://127.0.0.1:6379/14"
+BACKEND = "redis://127.0.0.1:6379/13"
+LEDGER_URL = os.environ.get("CELERY_IDEM_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+# Seconds. Short, so that leases, liveness and TTLs pass within a history.
+LEASE = 2.0
+TTL = 5.0
+PENDING = 12.0
+BUSY_WAIT = 3.0
+LIVENESS = 2.0
+STORE_TIMEOUT = 1.0
+VISIBILITY = 8.0  # a message unacked this long goes back to the queue (a redelivered copy)
+
+
+class Basket(BaseModel):
+    """A model with a set: Celery dumps it as a list in the producer's hash order."""
+
+    order_id: int
+    tags: set[str]
+
+
+def exec_log(prefix: str) -> str:
+    return f"tm:{prefix}:exec"
+
+
+def continuation_key(prefix: str, tag: str) -> str:
+    return f"tm:{prefix}:cont:{tag}"
+
+
+def payments(prefix: str) -> sa.Table:
+    """The business table of the ledger task: no unique key, so a second charge would show."""
+    return sa.Table(
+        f"tm_payments_{prefix}",
+        sa.MetaData(),
+        sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+        sa.Column("key", sa.String(300), nullable=False),
+        sa.Column("amount", sa.Integer, nullable=False),
+    )
+
+
+def make_app(*, store: Any, prefix: str, queue: str) -> Celery:
+    app = Celery("tm", broker=BROKER, backend=BACKEND, set_as_current=False)
+    app.conf.update(
+        task_default_queue=queue,
+        worker_prefetch_multiplier=1,
+        worker_hijack_root_logger=False,
+        broker_connection_retry_on_startup=True,
+        result_expires=600,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        broker_transport_options={
+            "visibility_timeout": VISIBILITY,
+            "unacked_restore_interval": 1,
+            "unacked_restore_throttle": 1,
+        },
+    )
+    engine = sa.create_engine(LEDGER_URL, poolclass=sa.pool.NullPool)
+    ledger = Ledger(engine, table_name=f"tm_ledger_{prefix}")
+    Idempotency(
+        app,
+        store=store,
+        key_prefix=prefix,
+        ledger=ledger,
+        lease_seconds=LEASE,
+        ttl_seconds=TTL,
+        pending_timeout_seconds=PENDING,
+        busy_wait_seconds=BUSY_WAIT,
+        liveness_seconds=LIVENESS,
+        store_timeout_seconds=STORE_TIMEOUT,
+        inspect_timeout_seconds=0.5,
+    )
+    counter = redis.Redis.from_url(COUNTER_URL)
+    table = payments(prefix)
+
+    def started(task: Any) -> tuple[str, float]:
+        key = str(task.request.idempotency_key)
+        at = time.time()
+        line = {"key": key, "task_id": task.request.id, "pid": os.getpid(), "start": at, "task": task.name}
+        counter.rpush(exec_log(prefix), json.dumps(line))
+        return key, at
+
+    def ended(task: Any, key: str, amount: int) -> dict[str, Any]:
+        run = int(counter.incr(f"tm:{prefix}:runs:{task.name}:{key}"))
+        at = time.time()
+        line = {"key": key, "task_id": task.request.id, "pid": os.getpid(), "end": at, "run": run, "task": task.name}
+        counter.rpush(exec_log(prefix), json.dumps(line))
+        return {"key": key, "amount": amount, "task_id": task.request.id, "run": run}
+
+    task = app.task
+    options: dict[str, Any] = {"shared": False, "base": IdempotentTask, "bind": True}
+
+    @task(name="tm.pay", idempotency={"key_args": ["order", "amount"]}, **options)
+    def pay(self: Any, order: int, amount: int, hold: float = 0.0) -> dict[str, Any]:
+        key, _ = started(self)
+        time.sleep(hold)
+        return ended(self, key, amount)
+
+    @task(name="tm.moving", idempotency={"key_args": ["order", "amount"]}, **options)
+    def moving(self: Any, order: int, amount: int, heavy: str = "") -> Any:
+        """Moves itself to the big-memory queue first (replace with the same call), then pays."""
+        if heavy and (self.request.delivery_info or {}).get("routing_key") != heavy:
+            raise self.replace(self.s(order, amount, heavy).set(queue=heavy))
+        key, _ = started(self)
+        time.sleep(0.2)
+        return ended(self, key, amount)
+
+    @task(name="tm.ledger_pay", idempotency={"key_args": ["order", "amount"]}, **options)
+    def ledger_pay(self: Any, order: int, amount: int, hold: float = 0.0) -> dict[str, Any]:
+        key, _ = started(self)
+        time.sleep(hold)
+
+        def charge(session: Any) -> dict[str, Any]:
+            session.execute(table.insert().values(key=key, amount=amount))
+            return ended(self, key, amount)
+
+        return dict(ledger.run_once(self, charge))
+
+    @task(name="tm.tagged", pydantic=True, **options)
+    def tagged(self: Any, basket: Basket) -> dict[str, Any]:
+        key, _ = started(self)
+        time.sleep(0.1)
+        return ended(self, key, basket.order_id)
+
+    @app.task(name="tm.then", shared=False)
+    def then(value: Any, tag: str) -> Any:
+        """A continuation (link or chain): counts its runs per call."""
+        counter.incr(continuation_key(prefix, tag))
+        return value
+
+    return app
+
+
+def create_tables(prefix: str) -> None:
+    engine = sa.create_engine(LEDGER_URL, poolclass=sa.pool.NullPool)
+    payments(prefix).create(engine, checkfirst=True)
+    Ledger(engine, table_name=f"tm_ledger_{prefix}").create_schema()
+    engine.dispose()
+
+
+def drop_tables(prefix: str) -> None:
+    engine = sa.create_engine(LEDGER_URL, poolclass=sa.pool.NullPool)
+    with engine.begin() as connection:
+        connection.exec_driver_sql(f'DROP TABLE IF EXISTS "tm_payments_{prefix}"')
+        connection.exec_driver_sql(f'DROP TABLE IF EXISTS "tm_ledger_{prefix}"')
+    engine.dispose()
+
+
+def _produce(app: Celery) -> None:
+    """The second producer: ``{"task", "args", "kwargs", "options"}`` in, ``{"id", "deduplicated",
+    "key"}`` or ``{"error": class name}`` out, one JSON line each."""
+    for line in sys.stdin:
+        command = json.loads(line)
+        args = command.get("args", [])
+        if command["task"] == "tm.tagged":
+            args = [Basket(**args[0])]
+        try:
+            result = app.tasks[command["task"]].apply_async(args, command.get("kwargs", {}), **command["options"])
+            answer = {"id": result.id, "deduplicated": result.deduplicated, "key": result.idempotency_key}
+        except Exception as exc:  # noqa: BLE001 - the test judges every error by its class
+            answer = {"error": type(exc).__name__, "message": str(exc)[:300]}
+        print(json.dumps(answer), flush=True)
+
+
+if os.environ.get("TM_PREFIX"):
+    app = make_app(store=os.environ["TM_STORE"], prefix=os.environ["TM_PREFIX"], queue=os.environ["TM_QUEUE"])
+
+if __name__ == "__main__" and sys.argv[1:] == ["produce"]:
+    _produce(app)

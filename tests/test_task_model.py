@@ -1,0 +1,423 @@
+"""The task-level model: histories of what users and the infrastructure do, through real workers,
+with invariants judged from outside the library (DESIGN, "Rules at the task level").
+
+A hypothesis state machine (``TaskLevel``) draws each history from steps: calls in every form
+(``apply_async`` with a key, ``apply()``, the same call twice in a group, in a chain, with a link,
+``send_task`` by name, from a producer process with another hash seed, a key-less pydantic call
+from both producers, with ``ignore_result``, a ``countdown``, to a queue with no consumer yet,
+other arguments under a used key, a task that replaces itself onto another queue, a ledger
+payment), a copy of a message already sent (a redelivery: the same task id, its link included),
+a pool child SIGKILLed (another worker recycles its children every 2 tasks), a whole worker
+SIGKILLed and replaced under a new name, the store link cut, time passing past leases and TTLs,
+reconcile runs, and ``get()`` on any handle ever returned.
+
+After every step: no key's body ran twice within a TTL window (unless a kill may have kept the
+first run's outcome from the store), no continuation ran twice, no ledger key paid twice. When the
+history ends the world is made quiet (the cut over, every queue consumed) and: every handle's
+``get()`` returns its own call's outcome (tests/task_model.py ``allowed_answers``) or a clear error
+within a bound, so no message was lost while the store was down; every continuation of a call
+that succeeded ran exactly once; and once the leases and the holders' liveness have run out, one
+reconcile leaves no record PENDING or IN_PROGRESS.
+
+Size: CI runs ``EXAMPLES`` histories of ``STEPS`` steps per store (Redis and PostgreSQL);
+``CELERY_IDEM_MODEL_SCALE=100`` runs 100 times as many; ``CELERY_IDEM_MODEL_SEED`` another seed.
+A history that failed is kept below as a regression test (``REGRESSIONS``), replayed step by step.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery, group
+from celery.exceptions import TimeoutError as CeleryTimeoutError
+from conftest import POSTGRES_URL, REDIS_URL, require_server
+from hypothesis import HealthCheck, Phase, seed, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test, invariant, precondition, rule
+from model_harness import SCALE, SEED, SHRINK
+from task_model import (
+    GET_BOUND_SECONDS,
+    SETTINGS_SUMMARY,
+    Execution,
+    Handle,
+    Kill,
+    World,
+    allowed_answers,
+    answer_problem,
+    continuation_problems,
+    ledger_problems,
+    parse_executions,
+    problems_of_executions,
+)
+from task_model_app import BROKER, LEASE, LIVENESS, PENDING, TTL, Basket
+
+from celery_idem import Idempotency
+from celery_idem.records import Identity, State
+from celery_idem.result import IdempotentResult
+
+pytestmark = [pytest.mark.slow]
+
+VERBOSE = os.environ.get("CELERY_IDEM_MODEL_VERBOSE", "") not in ("", "0")  # print every history's steps
+EXAMPLES, STEPS = 2, 10  # per store, in CI; times CELERY_IDEM_MODEL_SCALE
+HOWS = ("apply_async", "send_task", "group", "chain", "link", "producer", "tagged", "ignore_result", "countdown",
+        "idle_queue", "mismatch", "moving", "ledger", "eager")  # fmt: skip
+KEYS, HOLDS = st.integers(0, 2), st.sampled_from([0.0, 0.3, 1.5])
+TASK_OF = {"moving": "tm.moving", "ledger": "tm.ledger_pay", "tagged": "tm.tagged"}
+TAGS = ["gift", "fragile", "express", "oversize", "priority", "wrap", "insured"]
+# Errors a call may answer with, by how it was made (anything else is a problem).
+CALL_ERRORS = {"StoreUnavailableError"}
+# Errors a handle may answer with once the world is quiet, by how the call was made.
+QUIET_ERRORS = {"ignore_result": {"RecordGoneError"}, "eager": {"DuplicateTaskError", "StoreUnavailableError"}}
+
+
+class TaskLevel(RuleBasedStateMachine):
+    """One history on the world of one store kind (set per store by the test)."""
+
+    world: World
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.world.begin()
+        self.handles: list[Handle] = []
+        self.problems: list[str] = []
+        self.steps: list[str] = []
+        self.copier = Celery("copier", broker=BROKER, set_as_current=False)  # a raw copy: no claim, no checks
+        # task id -> (task, args, kwargs, queue, continuation tag) of every message sent by apply_async
+        self.sent: dict[str, tuple[str, tuple[Any, ...], dict[str, Any], str, str | None]] = {}
+
+    # ---- helpers
+
+    @property
+    def app(self) -> Celery:
+        return self.world.app
+
+    def note(self, text: str) -> None:
+        self.steps.append(f"{time.time():.2f} {text}")
+
+    def handle(self, how: str, task: str, key: str | None, amount: int, result: Any, at: float, **extra: Any) -> None:
+        label = f"h{len(self.handles) + 1}"
+        made = Handle(label, how, task, key, amount, result.id, at, bool(getattr(result, "deduplicated", False)),
+                      result, **extra)  # fmt: skip
+        self.handles.append(made)
+        self.note(f"  -> {made}")
+
+    # ---- calls
+
+    # Calls are what a history is made of: three rules draw one (hypothesis picks rules evenly).
+    @rule(n=KEYS, how=st.sampled_from(HOWS), hold=HOLDS)
+    def call(self, n: int, how: str, hold: float) -> None:
+        self.make_call(n, how, hold)
+
+    @rule(n=KEYS, how=st.sampled_from(HOWS), hold=HOLDS)
+    def another_call(self, n: int, how: str, hold: float) -> None:
+        self.make_call(n, how, hold)
+
+    @rule(n=KEYS, how=st.sampled_from(HOWS), hold=HOLDS)
+    def a_third_call(self, n: int, how: str, hold: float) -> None:
+        self.make_call(n, how, hold)
+
+    def make_call(self, n: int, how: str, hold: float) -> None:
+        world, key = self.world, self.world.key(n)
+        task = self.app.tasks[TASK_OF.get(how, "tm.pay")]
+        amount = 999 if how == "mismatch" else 100 + n
+        args, kwargs = (n, amount), ({"hold": hold} if task.name != "tm.moving" else {"heavy": world.heavy})
+        options: dict[str, Any] = {"idempotency_key": key}
+        extra: dict[str, Any] = {}
+        self.note(f"call {how} key={key} amount={amount} hold={hold}")
+        at = time.time()
+        try:
+            if how == "send_task":
+                result = self.app.send_task(
+                    task.name, args, kwargs, headers={"idempotency_key": key}, queue=world.queue
+                )
+            elif how == "group":
+                signature = task.s(*args, **kwargs).set(**options)
+                for member in group(signature, signature.clone()).apply_async().results:
+                    self.handle(how, task.name, key, amount, member, at)
+                return
+            elif how in ("chain", "link"):
+                tag = extra["tag"] = uuid.uuid4().hex[:10]
+                then = self.app.tasks["tm.then"].s(tag)
+                if how == "chain":
+                    result = (task.s(*args, **kwargs).set(**options) | then).apply_async()
+                else:
+                    result = task.apply_async(args, kwargs, link=then, **options)
+            elif how == "producer":
+                answer = world.producer.send(task.name, list(args), kwargs, options)
+                if "error" in answer:
+                    raise _Reported(answer["error"], answer["message"])
+                result = IdempotentResult(answer["id"], backend=task.backend, app=self.app, task_name=task.name,
+                                          identity=Identity("", task.name, key), idempotency=Idempotency.of(self.app),
+                                          deduplicated=answer["deduplicated"], idempotency_key=key)  # fmt: skip
+            elif how == "tagged":
+                self.tagged(n, at)
+                return
+            elif how == "eager":
+                result = task.apply(args, kwargs, **options)
+            else:
+                if how == "ignore_result":
+                    options["ignore_result"] = extra["ignore_result"] = True
+                elif how == "countdown":
+                    options["countdown"] = 1
+                elif how == "idle_queue":
+                    options["queue"] = world.idle
+                result = task.apply_async(args, kwargs, **options)
+        except Exception as exc:  # noqa: BLE001 - judged by class below
+            self.call_failed(how, exc)
+            return
+        self.handle(how, task.name, key, amount, result, at, **extra)
+        self.sent[result.id] = (task.name, args, kwargs, options.get("queue", world.queue), extra.get("tag"))
+
+    def tagged(self, n: int, at: float) -> None:
+        """The same key-less pydantic call from both producers, whose hash seeds differ."""
+        basket = {"order_id": n, "tags": TAGS}
+        task = self.app.tasks["tm.tagged"]
+        for source in ("here", "producer"):
+            try:
+                if source == "here":
+                    result = task.apply_async((Basket(order_id=n, tags=set(TAGS)),))
+                    key = result.idempotency_key
+                else:
+                    answer = self.world.producer.send(task.name, [basket], {}, {})
+                    if "error" in answer:
+                        raise _Reported(answer["error"], answer["message"])
+                    key = answer["key"]
+                    result = IdempotentResult(answer["id"], backend=task.backend, app=self.app, task_name=task.name,
+                                              identity=Identity("", task.name, key),
+                                              idempotency=Idempotency.of(self.app),
+                                              deduplicated=answer["deduplicated"], idempotency_key=key)  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - judged by class
+                self.call_failed("tagged", exc)
+                continue
+            self.handle(f"tagged-{source}", task.name, key, n, result, at)
+
+    def call_failed(self, how: str, exc: BaseException) -> None:
+        name = exc.name if isinstance(exc, _Reported) else type(exc).__name__
+        self.note(f"  -> raised {name}: {str(exc)[:200]}")
+        allowed = CALL_ERRORS | ({"PayloadMismatchError"} if how == "mismatch" else set())
+        if name == "StoreUnavailableError" and not self.world.had_outage:
+            self.problems.append(f"call {how} raised {name} with no outage in this history: {exc}")
+        elif name not in allowed:
+            self.problems.append(f"call {how} raised {name}: {exc}")
+
+    @precondition(lambda self: bool(self.sent))
+    @rule(i=st.integers(0, 30))
+    def redeliver(self, i: int) -> None:
+        """A copy of a message already sent: the same task id, arguments, key and link."""
+        task_id = list(self.sent)[i % len(self.sent)]
+        name, args, kwargs, queue, tag = self.sent[task_id]
+        handle = next(h for h in self.handles if h.id == task_id)
+        self.note(f"redeliver {handle.label} ({task_id[:8]})")
+        link = self.copier.signature("tm.then", args=(tag,)) if tag and handle.how == "link" else None
+        self.copier.send_task(name, args, kwargs, task_id=task_id, queue=queue, link=link,
+                              headers={"idempotency_key": handle.key})  # fmt: skip
+
+    # ---- the infrastructure
+
+    @rule(w=st.integers(0, 1))
+    def kill_child(self, w: int) -> None:
+        self.note(self.world.kill_child(w))
+
+    @rule(w=st.integers(0, 1))
+    def replace_worker(self, w: int) -> None:
+        self.note(self.world.replace_worker(w))
+
+    @rule(seconds=st.sampled_from([0.5, 1.5, 3.0]))
+    def outage(self, seconds: float) -> None:
+        self.note(f"store link cut for {seconds}s")
+        self.world.cut(seconds)
+
+    @rule(seconds=st.sampled_from([0.3, 1.0, LEASE + 0.5, TTL + 1.0]))
+    def wait(self, seconds: float) -> None:
+        self.note(f"wait {seconds}s")
+        time.sleep(seconds)
+
+    @rule()
+    def reconcile(self) -> None:
+        try:
+            report = Idempotency.of(self.app).reconcile()
+        except Exception as exc:  # noqa: BLE001 - an outage may refuse it
+            self.note(f"reconcile raised {type(exc).__name__}")
+            if type(exc).__name__ != "StoreUnavailableError":
+                self.problems.append(f"reconcile raised {type(exc).__name__}: {exc}")
+            return
+        self.note(f"reconcile: {report.model_dump(exclude={'seconds'})}")
+
+    @precondition(lambda self: bool(self.handles))
+    @rule(i=st.integers(0, 30))
+    def get(self, i: int) -> None:
+        handle = self.handles[i % len(self.handles)]
+        self.look(handle, timeout=2.0, quiet=False)
+
+    # ---- judging
+
+    def look(self, handle: Handle, *, timeout: float, quiet: bool) -> bool:
+        """``get()`` on a handle, the answer judged; True when it answered with a value."""
+        started = time.monotonic()
+        try:
+            value = handle.result.get(timeout=timeout)
+        except CeleryTimeoutError:
+            self.note(f"get {handle.label}: no answer in {timeout}s")
+            if quiet:
+                self.problems.append(f"{handle}: no answer within {timeout}s once the world was quiet")
+            return False
+        except Exception as exc:  # noqa: BLE001 - judged by class
+            name = type(exc).__name__
+            self.note(f"get {handle.label}: {name}: {str(exc)[:160]}")
+            allowed = QUIET_ERRORS.get(handle.how, set()) | ({"StoreUnavailableError"} if not quiet else set())
+            if self.other_arguments_used(handle):
+                # A copy delivered after its call's TTL (the broker's visibility timeout here is longer)
+                # meets the key held by other arguments: refused, never run (docs/choosing-ttls.md).
+                allowed = allowed | {"PayloadMismatchError"}
+            if name not in allowed:
+                self.problems.append(f"{handle}: get() raised {name}: {exc}")
+            return False
+        took = time.monotonic() - started
+        self.note(f"get {handle.label}: {value} ({took:.1f}s)")
+        if handle.key is None and isinstance(value, dict):
+            handle.key = value.get("key")
+        problem = answer_problem(handle, value, self.world.executions())
+        if problem:
+            self.problems.append(problem)
+        return True
+
+    def other_arguments_used(self, handle: Handle) -> bool:
+        """Whether a call with other arguments took the handle's key after it (the key's TTL had passed)."""
+        later = (h for h in self.handles if h.at > handle.at and (h.task, h.key) == (handle.task, handle.key))
+        return any(h.amount != handle.amount for h in later)
+
+    @invariant()
+    def nothing_ran_twice(self) -> None:
+        world = self.world
+        found = problems_of_executions(world.executions(), world.kills)
+        tags = [h.tag for h in self.handles if h.tag]
+        found += continuation_problems(world.continuations(tags), set(), quiet=False)
+        found += ledger_problems(world.payments())
+        self.fail_with([*self.problems, *found])
+
+    def fail_with(self, found: list[str]) -> None:
+        if found:
+            steps = "\n  ".join(self.steps)
+            raise AssertionError(
+                f"{self.world.kind}: {len(found)} problem(s):\n- "
+                + "\n- ".join(dict.fromkeys(found))
+                + f"\nsteps (time, step):\n  {steps}\nsettings: {SETTINGS_SUMMARY}"
+            )
+
+    def teardown(self) -> None:
+        """The world made quiet, every handle answered, every record settled after one reconcile."""
+        world = self.world
+        self.note("quiet: the cut over, every queue consumed")
+        world.settle_down()
+        succeeded: set[str] = set()
+        for handle in self.handles:
+            if self.look(handle, timeout=GET_BOUND_SECONDS, quiet=True) and handle.tag:
+                succeeded.add(handle.tag)
+        tags = [h.tag for h in self.handles if h.tag]
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and continuation_problems(world.continuations(tags), succeeded, quiet=True):
+            time.sleep(0.2)
+        found = continuation_problems(world.continuations(tags), succeeded, quiet=True)
+        # Every holder dead or done: past the leases and the liveness records (and, after a cut, the
+        # claims a refused call may have left), one reconcile settles every record.
+        time.sleep(LEASE + LIVENESS + 0.5 + (PENDING if world.had_outage else 0.0))
+        report = Idempotency.of(self.app).reconcile()
+        self.note(f"final reconcile: {report.model_dump(exclude={'seconds'})}")
+        idem = Idempotency.of(self.app)
+        for task, key in {(h.task, h.key) for h in self.handles if h.key}:
+            record = idem.get(task, key)
+            if record is not None and record.state in (State.PENDING, State.IN_PROGRESS):
+                found.append(f"{task} key {key}: left {record.state.value} (task {record.task_id}, owner "
+                             f"{record.owner}) after its lease, its holder's liveness and one reconcile")  # fmt: skip
+        found += problems_of_executions(world.executions(), world.kills)
+        found += ledger_problems(world.payments())
+        if VERBOSE:
+            print(f"\n{world.kind} history {world.history}:\n  " + "\n  ".join(self.steps))
+        self.fail_with([*self.problems, *found])
+
+
+class _Reported(Exception):
+    """An error the producer subprocess reported by class name."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+@pytest.fixture(scope="module", params=["redis", "postgresql"])
+def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    require_server("redis")
+    require_server(str(request.param))
+    made = World(str(request.param), tmp_path_factory.mktemp(f"tm-{request.param}"), REDIS_URL, POSTGRES_URL)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+@pytest.mark.timeout(240 * SCALE)  # a history takes 10-40 s
+def test_histories_of_calls_and_failures_keep_the_promises(world: World) -> None:
+    machine = type(f"TaskLevel_{world.kind}", (TaskLevel,), {"world": world})
+    phases = list(Phase) if SHRINK else [Phase.explicit, Phase.generate]
+    run = get_state_machine_test(
+        machine,
+        settings=settings(max_examples=EXAMPLES * SCALE, stateful_step_count=STEPS, deadline=None, database=None,
+                          suppress_health_check=list(HealthCheck), print_blob=False, phases=phases),
+    )  # fmt: skip
+    print(f"task-level model on {world.kind}: seed {SEED}, scale {SCALE}; {SETTINGS_SUMMARY}")
+    seed(SEED)(run)
+    run()
+
+
+# ---- the invariants bite (made-up histories that break each rule) ------------------------------------
+
+
+def _run(task_id: str, start: float, end: float | None, run: int | None, pid: int = 1, key: str = "k") -> Execution:
+    return Execution("tm.pay", key, task_id, pid, start, end, run)
+
+
+def test_a_second_run_within_the_ttl_is_a_problem_unless_a_kill_took_the_first() -> None:
+    first, second = _run("a", 0.0, 1.0, 1), _run("b", 2.0, 3.0, 2, pid=2)
+    assert problems_of_executions([first, second], [])
+    assert not problems_of_executions([first, _run("b", 1.0 + TTL + 0.1, None, None)], [])
+    assert not problems_of_executions([first, second], [Kill(1.5, frozenset({1}), "child")])
+    assert problems_of_executions([first, second], [Kill(1.5, frozenset({7}), "another child")])
+    assert not problems_of_executions([_run("a", 0.0, None, None), second], [])  # never returned
+
+
+def test_an_answer_from_a_later_call_under_the_key_is_a_problem() -> None:
+    # r1 published at 0 ran and returned {"run": 1}; the TTL passed; r2 under the key ran {"run": 2}
+    runs = [_run("r1", 0.1, 0.5, 1), _run("r2", 20.0, 20.5, 2)]
+    r1 = Handle("h1", "apply_async", "tm.pay", "k", 100, "r1", 0.0, False, None)
+    later = {"key": "k", "amount": 100, "task_id": "r2", "run": 2}
+    assert answer_problem(r1, later, runs) is not None
+    assert answer_problem(r1, {**later, "task_id": "r1", "run": 1}, runs) is None
+    # a duplicate published while r1 ran (its id is r1's) and a replay within the TTL answer with r1's
+    replay = Handle("h2", "send_task", "tm.pay", "k", 100, "s1", 1.0, False, None)
+    assert answer_problem(replay, {**later, "task_id": "r1", "run": 1}, runs) is None
+    assert {e.task_id for e in allowed_answers(replay, runs)} == {"r1"}  # never the run after the TTL
+    # a value no execution returned, another amount, another key
+    assert answer_problem(r1, {**later, "run": 9}, runs) is not None
+    assert answer_problem(r1, {"key": "k", "amount": 5, "task_id": "r1", "run": 1}, runs) is not None
+    assert answer_problem(r1, {"key": "x", "amount": 100, "task_id": "r1", "run": 1}, runs) is not None
+
+
+def test_a_continuation_twice_or_never_is_a_problem() -> None:
+    assert continuation_problems({"t": 2}, set(), quiet=False)
+    assert continuation_problems({}, {"t"}, quiet=True)
+    assert not continuation_problems({}, {"t"}, quiet=False)
+    assert not continuation_problems({"t": 1}, {"t"}, quiet=True)
+    assert ledger_problems({"k": 2}) and not ledger_problems({"k": 1})
+
+
+def test_the_execution_log_pairs_each_end_with_its_start() -> None:
+    lines = [b'{"key": "k", "task_id": "t", "pid": 5, "start": 1.0, "task": "tm.pay"}',
+             b'{"key": "k", "task_id": "t", "pid": 5, "end": 2.0, "run": 1, "task": "tm.pay"}',
+             b'{"key": "k", "task_id": "u", "pid": 6, "start": 3.0, "task": "tm.pay"}']  # fmt: skip
+    parsed = parse_executions(lines)
+    assert [(e.task_id, e.end, e.run) for e in parsed] == [("t", 2.0, 1), ("u", None, None)]
