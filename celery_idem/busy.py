@@ -93,9 +93,16 @@ class BusyWait:
 
     # ---- after a look answered ---------------------------------------------------------------------
 
-    def replayed(self) -> Ignore | None:
-        """The attempt settled: None (replay it), or for a copy of that attempt the quiet ending."""
-        return self._quiet("the running attempt settled") if self.copy_of_running else None
+    def replayed(self, record: IdempotencyRecord) -> Ignore | None:
+        """The record is settled: None (replay it), or the quiet ending of a copy of the settled task
+        id (one seen running, or one that finds its own id settled: a redelivery, a re-publish),
+        which must neither run the message's link or chain again nor rewrite the id's state. An
+        eager call has no message to copy: it is answered."""
+        if self.copy_of_running:
+            return self._quiet("the running attempt settled")
+        if record.task_id == self.task_id and not self.task.request.is_eager:
+            return self._quiet("its task id is settled")
+        return None
 
     def busy(self, record: IdempotencyRecord, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         """The look answered BUSY: return after a pause (look again), or raise to leave the worker.

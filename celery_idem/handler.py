@@ -199,7 +199,8 @@ class Handler:
                 task_name=self.task.name,
                 task_id=record.task_id,
             )
-        if awaited_id or any(options.get(name) for name in _CONTINUATIONS):
+        copy = task_id == record.task_id and not headers.get(HANDOVER_HEADER)  # the original's own id again
+        if not copy and (awaited_id or any(options.get(name) for name in _CONTINUATIONS)):
             # Published anyway: the worker replays the outcome into the chain (or under the id the
             # caller waits on) instead of running the body.
             return bind_handle(send(args, kwargs, options), identity, self.idem, deduplicated=True, record=record)
@@ -319,7 +320,7 @@ class Handler:
                 found = evidence.earlier_outcome(self.idem, self.task, record)
                 return self._run_owned(record, args, kwargs) if found is None else found.value
             if taken.decision is Decision.REPLAY:
-                if (quiet := wait.replayed()) is not None:
+                if (quiet := wait.replayed(record)) is not None:
                     raise quiet
                 self.idem.count("replays")
                 return self.idem.replay(record)

@@ -896,6 +896,30 @@ def test_a_copy_of_a_running_task_id_never_writes_that_ids_state(shop: Shop, key
     assert shop.effects("slow_busy_retry", key) == 1
 
 
+@pytest.mark.parametrize("how", ["redelivered", "published again under its id"])
+def test_a_copy_of_a_settled_task_id_ends_quietly_and_its_link_runs_once(shop: Shop, key: str, how: str) -> None:
+    # Given a call with a link, completed, its link run once
+    charge, add = shop.task("charge"), shop.task("add")
+    order = int(uuid.uuid4().int % 10**9)
+    first = charge.apply_async((order, 70), idempotency_key=key, link=add.s(1))
+    assert first.get(timeout=GET)["charged"] == 70
+    links = effects_key(shop.prefix, "shop.add", str(order))
+    _until(lambda: shop.counter.get(links) is not None)
+    done = shop.app.backend.get_task_meta(first.id)["date_done"]
+    # When a copy of that message comes (the broker again, or a caller re-sending the same task id)
+    if how == "redelivered":
+        shop.app.send_task("shop.charge", (order, 70), task_id=first.id, headers={"idempotency_key": key},
+                           link=add.s(1), queue=shop.prefix)  # fmt: skip
+    else:
+        again = charge.apply_async((order, 70), idempotency_key=key, task_id=first.id, link=add.s(1))
+        assert again.deduplicated and again.id == first.id and again.get(timeout=GET) == first.get()
+    time.sleep(1.5)
+    # Then it ends quietly: the body and the link ran once, and the id's state was not rewritten
+    assert shop.effects("charge", key) == 1
+    assert int(shop.counter.get(links) or 0) == 1, "the link of the one call ran again for a copy of its id"
+    assert shop.app.backend.get_task_meta(first.id)["date_done"] == done
+
+
 # ---- the store fails while the outcome is written ---------------------------------------------------
 
 
