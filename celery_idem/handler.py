@@ -316,9 +316,8 @@ class Handler:
             record = taken.record
             assert record is not None
             self._log(taken.decision, identity, task_id, record)
-            if taken.decision is Decision.RUN:  # an earlier attempt's evidence first (its body may have run)
-                found = evidence.earlier_outcome(self.idem, self.task, record)
-                return self._run_owned(record, args, kwargs) if found is None else found.value
+            if taken.decision is Decision.RUN:
+                return self._run_owned(record, args, kwargs)
             if taken.decision is Decision.REPLAY:
                 if (quiet := wait.replayed(record)) is not None:
                     raise quiet
@@ -358,8 +357,15 @@ class Handler:
         assert attempt is not None  # begun by run()
         # The caller's call, which a retry with changed arguments still answers for (the ledger checks it).
         attempt.fingerprint, attempt.owner = record.fingerprint, owner
+        # The lease is kept from the moment it is taken: reading an earlier attempt's evidence may take
+        # longer than the lease, and a record left unrenewed meanwhile would be taken by a copy.
         lease = attempt.lease = self.idem.heartbeat.add(store, identity, owner, policy.lease_seconds)
         try:
+            found = evidence.earlier_outcome(self.idem, self.task, record)  # its body may have run
+            if found is not None:
+                return found.value
+            if lease.lost:
+                raise self._lost(record, "before its body ran")
             try:
                 value = self._run_function(*args, **kwargs)
             except BaseException as exc:
@@ -425,13 +431,16 @@ class Handler:
         if written is None:
             evidence.leave(self.task, value)
         elif not written:
-            raise LockLostError(
-                f"task {self.task.name!r} ({record.task_id}) lost its lease on idempotency key "
-                f"{record.key!r} to another attempt; its outcome was not stored",
-                key=record.key,
-                task_name=self.task.name,
-                task_id=record.task_id,
-            )
+            raise self._lost(record, "its outcome was not stored")
+
+    def _lost(self, record: IdempotencyRecord, consequence: str) -> LockLostError:
+        return LockLostError(
+            f"task {self.task.name!r} ({record.task_id}) lost its lease on idempotency key "
+            f"{record.key!r} to another attempt; {consequence}",
+            key=record.key,
+            task_name=self.task.name,
+            task_id=record.task_id,
+        )
 
     def _store_value(self, identity: Identity, owner: str, task_id: str, value: Any) -> bool | None:
         """Complete with ``value``, as :meth:`_write` answers.

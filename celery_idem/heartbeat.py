@@ -50,6 +50,7 @@ class Lease:
     owner: str
     seconds: float
     due: float = field(default=0.0)
+    lost: bool = False  # a renewal answered LOST: another attempt holds the record now
 
     def __post_init__(self) -> None:
         self.due = time.monotonic() + self.seconds / 3
@@ -280,5 +281,6 @@ class Heartbeat:
                 self._on_error()
             return
         if not answer.ok:
+            lease.lost = True
             self.remove(lease)
             logger.warning("lease of %s was lost: another attempt took over", lease.identity)

@@ -5,7 +5,8 @@ cut it.
 trip takes at least twice as long. ``cut(seconds)`` closes every open connection and refuses new
 ones (accepted, then closed at once) until the time is up: what a client sees when a link drops.
 ``mute(seconds)`` lets requests through but drops the server's replies meanwhile: a request that
-the server carried out, whose answer the client never gets.
+the server carried out, whose answer the client never gets. ``hold(seconds)`` keeps every chunk
+either way until the time is up, then delivers it: a link that stalls without breaking.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class Proxy:
         self.port = free_port()
         self._cut_until = 0.0
         self._mute_until = 0.0
+        self._hold_until = 0.0
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
         self._listener = socket.create_server(("127.0.0.1", self.port))
@@ -52,6 +54,10 @@ class Proxy:
     def mute(self, seconds: float) -> None:
         """Drop what the server sends for ``seconds``; requests still reach it."""
         self._mute_until = time.monotonic() + seconds
+
+    def hold(self, seconds: float) -> None:
+        """Keep what goes either way for ``seconds``, then let it through (nothing is lost)."""
+        self._hold_until = time.monotonic() + seconds
 
     def close(self) -> None:
         self._closed = True
@@ -85,6 +91,8 @@ class Proxy:
                     break
                 if self.delay:
                     time.sleep(self.delay)
+                while time.monotonic() < self._hold_until:
+                    time.sleep(0.01)
                 if self._is_cut():
                     break
                 if replies and time.monotonic() < self._mute_until:

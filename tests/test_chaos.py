@@ -514,6 +514,41 @@ def test_a_deferred_outcome_does_not_die_with_its_recycled_child(prefix, counter
         assert record.task_id == again.id != result.id and record.previous_task_id == result.id
 
 
+def test_a_takeover_keeps_its_lease_while_it_reads_the_earlier_attempts_evidence(prefix, counter, workers) -> None:
+    # Given a call whose first attempt died mid-body (its whole worker SIGKILLed), past its lease
+    require_server("redis")
+    app = producer(REDIS_URL, prefix)
+    idem, key = Idempotency.of(app), f"k-{uuid.uuid4().hex}"
+    backend_link = Proxy(int(BACKEND.rsplit(":", 1)[1].split("/")[0]))
+    try:
+        doomed = workers(REDIS_URL, queue=f"{prefix}-0")
+        slow_backend = workers(REDIS_URL, queue=f"{prefix}-a", env={"SHOP_BACKEND": backend_link.url(13)})
+        workers(REDIS_URL, queue=f"{prefix}-b")
+
+        def send(queue: str) -> Any:
+            return app.send_task("chaos.work", (3.0,), headers={"idempotency_key": key}, queue=f"{prefix}-{queue}")
+
+        first = send("0")
+        wait_for(lambda: count(counter, prefix, "chaos.work", key), "the first body to start")
+        doomed.kill()
+        wait_for(lambda: idem.store.now() > idem.get("chaos.work", key).lease_expires_at, "its lease to run out")
+        # When a copy takes the record over on a worker whose result backend stalls (its read of the
+        # first attempt's evidence hangs) for longer than the lease, and another copy comes meanwhile
+        backend_link.hold(6.0)
+        taker = send("a")
+        wait_for(lambda: idem.get("chaos.work", key).task_id == taker.id, "the takeover")
+        time.sleep(3.0)
+        record = idem.get("chaos.work", key)
+        assert record.lease_expires_at > idem.store.now(), "the takeover's lease was not renewed while it read"
+        other = send("b")
+        # Then the other copy waits for the takeover instead of taking the record too: one more run
+        assert taker.get(timeout=GET) == other.get(timeout=GET) == "worked 3.0"
+        assert count(counter, prefix, "chaos.work", key) == 2, "the body ran again beside the takeover"
+        assert first.id != taker.id and slow_backend.process.poll() is None
+    finally:
+        backend_link.close()
+
+
 @pytest.mark.parametrize("pool", ["solo", "threads"])
 def test_a_warm_shutdown_stores_the_deferred_outcome_before_the_process_exits(
     prefix, counter, workers, linked_store, pool
