@@ -15,7 +15,10 @@ DESIGN §3, "A waiting duplicate gets its answer" and "One answer per task id":
 
 Every look tells the store how long the message may take to look again (``next_look_seconds``):
 the store keeps the record, once settled, at least that long, so a TTL shorter than the wait never
-lets the outcome vanish between two looks (which would run the body a second time).
+lets the outcome vanish between two looks (which would run the body a second time). A trip through
+the broker may come back late (every pool slot busy, a backlog): it is promised within its
+countdown plus ``pending_timeout_seconds``, the bound the policy already sets on a message's wait in
+the queue (a claim lasts that long too).
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ class BusyWait:
     Args:
         task: The Celery task whose message this is (its request, and ``retry`` when eager).
         identity: The identity the message is for.
-        policy: The task's policy (``on_busy``, ``busy_wait_seconds``, ``lease_seconds``).
+        policy: The task's policy (``on_busy``, ``busy_wait_seconds``, ``lease_seconds``,
+            ``pending_timeout_seconds``).
         store: Gives the store (``get``, ``timeout_seconds``), opened at the first look: a store that
             cannot be opened is an outage of that look, handled where the look is made.
         republish: Sends this very message back to the broker: ``republish(args, kwargs, countdown=...)``.
@@ -87,7 +91,8 @@ class BusyWait:
             self._last = self.policy.on_busy != "wait" or self.policy.busy_wait_seconds == 0
         else:
             self._last = time.monotonic() >= self._deadline
-        gap = self.policy.lease_seconds if self._last else self._pause
+        policy = self.policy
+        gap = policy.lease_seconds + policy.pending_timeout_seconds if self._last else self._pause
         # Two store calls' worth of time (this look's reply, the next look's request) and some slack.
         return min(gap + 2 * self._store().timeout_seconds + _SLACK_SECONDS, _LONGEST_LOOK_SECONDS)
 

@@ -22,7 +22,7 @@ from celery import group
 from conftest import POSTGRES_URL, REDIS_URL, require_server
 from shop import COUNTER_URL, effects_key, make_app
 from test_worker import BACKEND, BROKERS
-from workers import Worker
+from workers import Worker, wait_for
 
 from celery_idem import Idempotency
 from celery_idem.records import Decision, Identity
@@ -107,3 +107,30 @@ def test_a_busy_duplicate_takes_over_once_a_dead_attempts_lease_runs_out(shop: S
     # Then those trips never fail it: once the lease has run out it takes over and runs, once
     assert result.get(timeout=GET) == "napped 0.1", shop.worker.output()[-6000:]
     assert shop.runs(key) == 1
+
+
+def test_a_busy_duplicate_back_from_the_broker_later_than_its_countdown_still_replays(tmp_path: Path) -> None:
+    # Given a worker with two pool slots, a 0.2 s TTL, and duplicates sent back to the broker at once
+    require_server("redis")
+    prefix = f"b{uuid.uuid4().hex[:10]}"
+    settings: dict[str, Any] = {"on_busy": "retry", "ttl_seconds": 0.2}
+    worker = Worker(tmp_path, BROKERS["redis"], REDIS_URL, prefix, **settings)
+    try:
+        app = make_app(broker=BROKERS["redis"], backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix,
+                       **settings)  # fmt: skip
+        counter, key = redis.Redis.from_url(COUNTER_URL), f"k-{uuid.uuid4().hex}"
+        nap, slow = app.tasks["shop.nap"], app.tasks["shop.slow"]
+        first = nap.apply_async((1.5,), idempotency_key=key)
+        wait_for(lambda: counter.get(effects_key(prefix, "shop.nap", key)), "the body to start")
+        # When a duplicate is told BUSY and goes back to the broker (countdown: the 1 s lease), and
+        # the pool fills with long work meanwhile, so it looks again long after its countdown
+        duplicate = app.send_task("shop.nap", (1.5,), headers={"idempotency_key": key}, queue=prefix)
+        wait_for(lambda: f"(task {duplicate.id}) is BUSY" in worker.output(), "the duplicate's trip to the broker")
+        blockers = [slow.apply_async((8,), idempotency_key=f"{key}-{n}") for n in range(2)]
+        # Then, back 8 s later, it still finds the outcome it waited for (the record outlived its
+        # TTL for the trip) and replays it: the body ran once
+        assert first.get(timeout=GET) == duplicate.get(timeout=GET) == "napped 1.5", worker.output()[-4000:]
+        assert int(counter.get(effects_key(prefix, "shop.nap", key)) or 0) == 1
+        assert [b.get(timeout=GET) for b in blockers] == ["slept 8", "slept 8"]
+    finally:
+        worker.stop()
