@@ -97,6 +97,7 @@ class Reconciler:
         self.dry_run = dry_run
         self.counts = dict.fromkeys(("scanned", "completed", "failed", "released", "requeued", "left"), 0)
         self._ledger_down: LedgerUnavailableError | None = None  # once per run: every later read would wait too
+        self._may_have_run: set[str] = set()  # task ids whose FAILURE says their body may have run
 
     @functools.cached_property
     def now(self) -> float:
@@ -175,9 +176,10 @@ class Reconciler:
             error = meta.get("result")
             if isinstance(error, BODY_MAY_HAVE_RUN):
                 # The store failed around the body (or another attempt took the lease): the body may
-                # have run, so this is no evidence for a release. Left for the ledger or an operator.
-                self._leave(record, f"result backend: {type(error).__name__}, the body may have run")
-                return True
+                # have run, and its holder may still land its outcome (a deferred write). Only the
+                # holder's death settles it, as any dead holder's record (_settle_on_liveness).
+                self._may_have_run.add(record.task_id)
+                return False
             if isinstance(error, BaseException) and self._permanent(record, error):
                 info = ErrorInfo.from_exception(error)
                 self._write(record, "failed", "result backend: permanent failure",
@@ -228,6 +230,10 @@ class Reconciler:
         if self._dead_by_liveness(record, evidence.alive):
             # The holder's own record answers for it: no reply, a late one, another node's, all moot.
             dead, why, unknown = True, "its holder's liveness record has expired", ""
+        elif record.task_id in self._may_have_run:
+            # Its attempt ended, but its outcome may still land (a live holder's deferred write): only
+            # its holder's death or the grace period settles it; inspect would find the task over.
+            dead, why, unknown = False, "", "its body may have run and its holder may still store the outcome"
         elif evidence.inspected is not None and record.task_id in evidence.inspected.holding:
             self._leave(record, "a live worker holds its task")
             return

@@ -35,10 +35,11 @@ from celery_idem import (
     store_from_url,
 )
 from celery_idem.calls import MAX_CALL_BYTES, encode_call
+from celery_idem.liveness import ProcessLiveness
 from celery_idem.outcome import replay
 from celery_idem.owners import OWNER_MAX_LENGTH, holder_node, holder_process, node_tag, worker_token
 from celery_idem.reconciler import BEAT_ENTRY, TASK_NAME
-from celery_idem.records import Identity
+from celery_idem.records import Decision, Identity
 from celery_idem.stores import Store
 
 BROKER = "redis://127.0.0.1:6379/14"
@@ -356,6 +357,34 @@ def test_a_failure_that_says_the_body_may_have_run_is_no_evidence_for_release(pr
     report = idem.reconcile()
     assert (report.scanned, report.left, report.released, report.failed) == (2, 2, 0, 0)
     assert [idem.store.get(identity) for identity in kept] == before
+
+
+def test_a_failure_that_says_the_body_may_have_run_is_settled_once_its_holder_is_dead(prefix: str) -> None:
+    # Given two attempts that ended with FAILURE(StoreUnavailableError) (a replace() or a write during
+    # an outage), past their leases: one held by a process whose liveness record lives (its
+    # heartbeat may still land the outcome), one by a process whose liveness record expired
+    app = _quiet_app(prefix)
+    idem = Idempotency.of(app)
+    live, dead = ProcessLiveness(60.0), ProcessLiveness(0.2)
+    records = {}
+    for name, process in (("live", live), ("dead", dead)):
+        process.beat(idem.store)
+        task_id = str(uuid.uuid4())
+        identity = Identity("", "shop.charge", name)
+        owner = worker_token("w1@host", process.id)
+        taken = idem.store.acquire(identity, FP, task_id, lease_seconds=0.2, ttl_seconds=600, owner=owner)
+        assert taken.decision is Decision.RUN
+        app.backend.store_result(task_id, StoreUnavailableError("store down while replacing"), "FAILURE")
+        records[name] = identity
+    time.sleep(0.4)
+    assert idem.store.alive([live.id, dead.id]) == {live.id}
+    # When the reconciler runs (nobody answers inspect; the grace period is an hour)
+    report = idem.reconcile()
+    # Then the dead holder's record is released at once (no outcome can land any more), and the live
+    # holder's is left: before, both were left until their TTL, whatever became of their holders
+    assert (report.scanned, report.released, report.left) == (2, 1, 1)
+    assert idem.store.get(records["dead"]) is None
+    assert idem.store.get(records["live"]) is not None
 
 
 def _kept(args: list[Any], options: dict[str, Any] | None = None) -> bytes:
