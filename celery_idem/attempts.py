@@ -38,6 +38,7 @@ class Attempt:
     ledger: Any = None  # ...and the Ledger it wrote to
     replaced: bool = False  # replace() sent a replacement under this task id (its Ignore is no failure)
     handed_over: bool = False  # ...and handed the record to it (the same call); else callbacks settle it
+    replacement_wait: float = 0.0  # how long the replacement may wait to run (its countdown or ETA included)
     lease: Any = None  # the heartbeat's Lease of this attempt, while it holds one
 
 

@@ -49,7 +49,6 @@ from .outcome import encode_result
 from .owners import worker_token
 from .protocol import (
     BYPASS_HEADER,
-    HANDOVER_HEADER,
     KEY_HEADER,
     SCOPE_HEADER,
     request_header,
@@ -140,6 +139,11 @@ class Handler:
         if key is None and scope is None:
             key, scope = self._running_identity(fp)
         identity = self.identify(key, scope, fp)
+        if self._handing_over(options.get("task_id"), identity):
+            # replace() with this very call: the record is handed to this message (replacement.py),
+            # so there is nothing to claim, and a store outage must not stop it from being sent.
+            options["headers"] = {**headers, KEY_HEADER: identity.key, **({SCOPE_HEADER: scope} if scope else {})}
+            return bind_handle(send(args, kwargs, options), identity, self.idem, deduplicated=False)
         # A caller that chose the task id (a frozen signature, a chain step, a group member) waits
         # on that id: a duplicate of it is published anyway, and the worker replays into it.
         awaited_id = bool(options.get("task_id"))
@@ -191,7 +195,7 @@ class Handler:
             self.idem.count("mismatches")
             raise self._mismatch(identity, record)
         self.idem.count("replays" if claimed.decision is Decision.REPLAY else "duplicates")
-        if policy.on_duplicate == "raise" and not headers.get(HANDOVER_HEADER):  # a replace() is no duplicate
+        if policy.on_duplicate == "raise":
             raise DuplicateTaskError(
                 f"task {self.task.name!r} with idempotency key {identity.key!r} is a duplicate of task "
                 f"{record.task_id} ({record.state.value}); on_duplicate='raise' refuses it",
@@ -199,12 +203,20 @@ class Handler:
                 task_name=self.task.name,
                 task_id=record.task_id,
             )
-        copy = task_id == record.task_id and not headers.get(HANDOVER_HEADER)  # the original's own id again
+        copy = task_id == record.task_id  # the original's own id again
         if not copy and (awaited_id or any(options.get(name) for name in _CONTINUATIONS)):
             # Published anyway: the worker replays the outcome into the chain (or under the id the
             # caller waits on) instead of running the body.
             return bind_handle(send(args, kwargs, options), identity, self.idem, deduplicated=True, record=record)
         return bind_handle(self.task.AsyncResult(record.task_id), identity, self.idem, deduplicated=True, record=record)
+
+    def _handing_over(self, task_id: str | None, identity: Identity) -> bool:
+        """Whether this publish is the replacement a running attempt of this task hands its record to:
+        known from the attempt on this thread, never from a header (headers are input)."""
+        attempt = attempts.current(self.task)
+        return attempt is not None and attempt.handed_over and task_id == attempt.task_id and (
+            identity == attempt.identity
+        )
 
     def as_sent(
         self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, options: Mapping[str, Any]

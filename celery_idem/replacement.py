@@ -36,7 +36,7 @@ from celery import Task, current_task
 from celery.canvas import Signature, _chain, chord
 from celery.exceptions import Ignore
 
-from . import attempts, timing
+from . import attempts, outage, timing
 from .errors import IdempotencyError, SerializationError, StoreUnavailableError
 from .owners import worker_token
 from .protocol import (
@@ -69,6 +69,7 @@ def on_replace(handler: Handler, sig: Any, publish: Callable[[Any], Any]) -> Any
     attempt = attempts.current(task)
     if attempt is None or attempt.owner is None or task.request.is_eager:
         return publish(sig)  # eager: the replacement runs inline; unprotected: no record to hand on
+    attempt.replacement_wait = _longest_wait(handler, sig)
     same = _own_call(handler, attempt, sig)
     if same is None:
         fence = {"scope": attempt.identity.scope, "task_name": task.name, "key": attempt.identity.key,
@@ -83,10 +84,18 @@ def on_replace(handler: Handler, sig: Any, publish: Callable[[Any], Any]) -> Any
         else:
             last.link_error(errback)
         attempt.replaced = True
-        return publish(sig)
+        try:
+            return publish(sig)
+        except StoreUnavailableError as exc:
+            # The replacement's claim failed closed: nothing was published, and the call must not be
+            # lost with this message (fail closed never means fail lost). The message is kept: sent
+            # back to the broker, it runs again once the store answers (DESIGN: "Nothing lost").
+            attempt.replaced = False
+            request = task.request
+            raise outage.keep_message(task, request.args or (), request.kwargs or {}, exc, handler._republish) from None
     store, policy, identity, owner = handler.idem.store, handler.policy, attempt.identity, attempt.owner
     token = worker_token(getattr(task.request, "hostname", None))
-    seconds = timing.pending_seconds(policy.pending_timeout_seconds, same.options, task.expires) + policy.lease_seconds
+    seconds = attempt.replacement_wait + policy.lease_seconds
     if attempt.lease is not None:
         handler.idem.heartbeat.remove(attempt.lease)  # no beat under the old token after the handover
     try:
@@ -132,6 +141,20 @@ def _own_call(handler: Handler, attempt: attempts.Attempt, sig: Any) -> Signatur
     return None
 
 
+def _longest_wait(handler: Handler, sig: Any) -> float:
+    """How long the replacement may wait in the queue before it runs: the policy's queue wait past
+    the latest countdown or ETA among its steps (and never past the message's expiry)."""
+    steps, found = [sig], []
+    while steps:
+        step = steps.pop()
+        found.append(step)
+        steps.extend(getattr(step, "tasks", None) or ())
+        if isinstance(step, chord):
+            steps.append(step.body)
+    timeout, expires = handler.policy.pending_timeout_seconds, handler.task.expires
+    return max(timing.pending_seconds(timeout, getattr(step, "options", None) or {}, expires) for step in found)
+
+
 def await_replacement(handler: Handler, attempt: attempts.Attempt, lease: Any) -> None:
     """The replaced attempt ended (``Ignore``). Handed over: the record is the replacement's now.
     Else it stays IN_PROGRESS under this attempt's token, for as long as a published message may
@@ -139,7 +162,7 @@ def await_replacement(handler: Handler, attempt: attempts.Attempt, lease: Any) -
     handler.idem.heartbeat.remove(lease)  # no renewal may shorten the lease set here
     if attempt.handed_over or attempt.owner is None:
         return
-    seconds = handler.policy.pending_timeout_seconds + handler.policy.lease_seconds
+    seconds = attempt.replacement_wait + handler.policy.lease_seconds
     try:
         handler.idem.store.renew(attempt.identity, attempt.owner, lease_seconds=seconds)
     except StoreUnavailableError as exc:

@@ -230,6 +230,19 @@ def make_app(
 
     task(name="shop.moving")(moving)
     task(name="shop.moving_strict", idempotency={"on_duplicate": "raise"})(moving)
+    task(name="shop.moving_brief", idempotency={"lease_seconds": 1})(moving)
+
+    @task(name="shop.replaced_later", idempotency={"pending_timeout_seconds": 1, "lease_seconds": 1})
+    def replaced_later(self: Any, order_id: int) -> Any:
+        """Replaced by another call that waits 3 s, longer than the task's queue wait (1 s)."""
+        effect(self)
+        raise self.replace(replacement.si(order_id).set(countdown=3))
+
+    @task(name="shop.replaced_by_charge")
+    def replaced_by_charge(self: Any, order_id: int) -> Any:
+        """Replaced by another idempotent call (whose publish claims its own key)."""
+        effect(self)
+        raise self.replace(charge.si(order_id, 5).set(idempotency_key=f"{self.request.idempotency_key}-charge"))
 
     @task(name="shop.replaced_declined")
     def replaced_declined(self: Any, order_id: int) -> Any:

@@ -668,9 +668,80 @@ def test_a_task_that_replaces_itself_hands_its_record_over_and_the_replacement_r
     assert shop.effects("moving", identity_key) == 2
 
 
+def test_a_task_that_replaces_itself_during_a_store_outage_is_not_lost(
+    shop: Shop, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a store that refuses claims and handovers (an outage that starts as the body runs)
+    store, down = shop.idem.store, threading.Event()
+
+    def refused(real: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if down.is_set():
+                raise StoreUnavailableError("store down (test)")
+            return real(*args, **kwargs)
+
+        return call
+
+    for name in ("claim", "hand_over"):
+        monkeypatch.setattr(store, name, refused(getattr(store, name)))
+    down.set()
+    # When a task replaces itself with its own call (a poll, 1 s later) meanwhile
+    order = int(uuid.uuid4().int % 10**9)
+    result = shop.app.send_task("shop.moving_brief", (order, "countdown"), headers={"idempotency_key": key})
+    # Then the replacement is sent all the same (it needs no claim: the record is the replaced
+    # attempt's), takes the record once the replaced attempt's 1 s lease has run out, and answers;
+    # before, the replacement's claim failed closed and the message was consumed as a FAILURE
+    assert result.get(timeout=GET)["runs"] == 2
+    assert shop.effects("moving_brief", key) == 2
+
+
+def test_a_replacement_whose_claim_fails_closed_keeps_the_replaced_message(
+    shop: Shop, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a store that refuses claims for a while (the replacement's publish claims its own key)
+    store, down = shop.idem.store, threading.Event()
+    real = store.claim
+
+    def claim(*args: Any, **kwargs: Any) -> Any:
+        if down.is_set():
+            raise StoreUnavailableError("store down (test)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(store, "claim", claim)
+    down.set()
+    # When a task replaces itself with another idempotent call meanwhile
+    order = int(uuid.uuid4().int % 10**9)
+    result = shop.app.send_task("shop.replaced_by_charge", (order,), headers={"idempotency_key": key})
+    _until(lambda: shop.effects("replaced_by_charge", key) >= 1)
+    time.sleep(1.0)
+    assert shop.app.backend.get_task_meta(result.id)["status"] != "FAILURE"
+    down.clear()
+    # Then the message was kept (sent back to the broker, not consumed as a FAILURE): once the store
+    # answers it runs again and its replacement answers, run once
+    assert result.get(timeout=GET)["charged"] == 5
+    assert shop.effects("charge", f"{key}-charge") == 1
+
+
+def test_a_replacement_by_another_call_with_a_countdown_keeps_the_key_past_the_countdown(shop: Shop, key: str) -> None:
+    # Given a task (queue wait 1 s, lease 1 s) that replaced itself with another call 3 s later
+    order = int(uuid.uuid4().int % 10**9)
+    first = shop.task("replaced_later").apply_async((order,), idempotency_key=key)
+    _until(lambda: shop.effects("replaced_later", key) == 1)
+    time.sleep(2.5)
+    # When the call comes again before the replacement has run
+    again = shop.task("replaced_later").apply_async((order,), idempotency_key=key)
+    # Then it is the same call: handed the original id, and the whole call ran once; before, the
+    # record's lease ignored the countdown, so the call ran again and the replacement twice
+    assert again.deduplicated and again.id == first.id
+    assert first.get(timeout=GET) == {"replaced": order}
+    time.sleep(0.5)
+    assert shop.effects("replaced_later", key) == 1
+    assert int(shop.counter.get(effects_key(shop.prefix, "shop.replacement", str(order))) or 0) == 1
+
+
 def test_a_task_that_refuses_duplicates_can_still_replace_itself(shop: Shop, key: str) -> None:
     # on_duplicate="raise" refuses a second call of a running key; the replacement is not one: its
-    # publish carries the handover token and is not claimed again (as a Celery retry's is not)
+    # publish is not claimed at all (the record is handed to it), as a Celery retry's is not
     first = shop.task("moving_strict").apply_async((int(uuid.uuid4().int % 10**9), "countdown"), idempotency_key=key)
     assert first.get(timeout=GET)["runs"] == 2
 
