@@ -180,6 +180,13 @@ def _produce(app: Celery) -> None:
     "key"}`` or ``{"error": class name}`` out, one JSON line each."""
     for line in sys.stdin:
         command = json.loads(line)
+        if command["task"] == "ping":  # after a cut: a pooled connection the cut broke fails once
+            try:
+                Idempotency.of(app).store.ping()
+            except Exception:  # noqa: BLE001 - the first use of a broken connection
+                pass
+            print(json.dumps({"pong": True}), flush=True)
+            continue
         args = command.get("args", [])
         if command["task"] == "tm.tagged":
             args = [Basket(**args[0])]
