@@ -109,6 +109,16 @@ class BusyWait:
             return self._quiet("its task id is settled")
         return None
 
+    def mismatched(self, record: IdempotencyRecord) -> Ignore | None:
+        """The record holds other arguments: None (refuse the message), or, when the record names this
+        message's own task id, the quiet ending: a message under another call's id (a send_task with
+        a chosen id, a forged copy) must not write that id's state or result."""
+        if record.task_id == self.task_id and not self.task.request.is_eager:
+            logger.warning("task %s (%s) carries other arguments than its own record: refused, ending quietly",
+                           self.task_id, self.identity)  # fmt: skip
+            return Ignore(f"task {self.task_id} with other arguments than its record's: refused")
+        return None
+
     def busy(self, record: IdempotencyRecord, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         """The look answered BUSY: return after a pause (look again), or raise to leave the worker.
 

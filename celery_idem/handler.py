@@ -306,6 +306,7 @@ class Handler:
                     owner=owner,
                     call=call,
                     next_look_seconds=wait.next_look_seconds(),
+                    retry=bool(request.retries),  # Celery's retry: the same attempt chain, other arguments allowed
                 )
             except StoreUnavailableError as exc:
                 if self._proceed_unprotected("acquire", identity, task_id):
@@ -337,7 +338,7 @@ class Handler:
                 return self.idem.replay(record)
             if taken.decision is Decision.MISMATCH:
                 self.idem.count("mismatches")
-                raise self._mismatch(identity, record)
+                raise wait.mismatched(record) or self._mismatch(identity, record)
             wait.busy(record, args, kwargs)  # BUSY: another attempt holds a live lease (celery_idem.busy)
 
     def _republish(

@@ -126,7 +126,7 @@ class Model:
 
     def acquire(
         self, identity: Identity, fingerprint: str, task_id: str, *, lease_seconds: float, ttl_seconds: float,
-        owner: str, call: bytes | None = None, next_look_seconds: float = 0.0,
+        owner: str, call: bytes | None = None, next_look_seconds: float = 0.0, retry: bool = False,
     ) -> Answer:  # fmt: skip
         lease, ttl = lease_seconds, ttl_seconds
         held = self._live(identity)
@@ -135,8 +135,9 @@ class Model:
                         self.time, self.time + lease + ttl, ttl, call=call)  # fmt: skip
             self.records[identity] = fresh
             return Answer(Decision.RUN, fresh)
-        # The same task id is the same attempt chain (a Celery retry): it runs with other arguments.
-        if held.fingerprint != fingerprint and held.task_id != task_id:
+        # A Celery retry under the record's task id is the same attempt chain: it runs with other
+        # arguments. Any other message with other arguments (the same task id included) is refused.
+        if held.fingerprint != fingerprint and not (retry and held.task_id == task_id):
             return Answer(Decision.MISMATCH, held)
         if held.state.settled:
             return Answer(Decision.REPLAY, held)

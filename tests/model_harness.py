@@ -104,6 +104,7 @@ def random_op(rng: random.Random, identities: tuple[Identity, ...], *, with_time
             task_id,
             lease_seconds=rng.choice(LEASES),
             next_look_seconds=rng.choice(NEXT_LOOKS),
+            retry=rng.random() < 0.5,
             **take,
         ),
         lambda: op("complete", i, owner, rng.choice(RESULTS)),

@@ -121,12 +121,13 @@ class StoreMatchesModel(RuleBasedStateMachine):
         self.step(op("claim", i, fp, task_id, pending_seconds=pending, ttl_seconds=ttl, owner=owner, call=call))
 
     @rule(i=identities, fp=fingerprints, task_id=task_ids, lease=leases, ttl=ttls, owner=owners, call=calls,
-          look=st.sampled_from(NEXT_LOOKS))  # fmt: skip
+          look=st.sampled_from(NEXT_LOOKS), retry=st.booleans())  # fmt: skip
     def acquire(
-        self, i: Identity, fp: str, task_id: str, lease: float, ttl: float, owner: str, call: Any, look: float
-    ) -> None:
+        self, i: Identity, fp: str, task_id: str, lease: float, ttl: float, owner: str, call: Any, look: float,
+        retry: bool,
+    ) -> None:  # fmt: skip
         self.step(op("acquire", i, fp, task_id, lease_seconds=lease, ttl_seconds=ttl, owner=owner, call=call,
-                     next_look_seconds=look))  # fmt: skip
+                     next_look_seconds=look, retry=retry))  # fmt: skip
 
     # The attempt that holds a record writes under its token: these mostly land (OK).
 

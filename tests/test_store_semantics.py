@@ -24,8 +24,10 @@ def claim(store: Store, fp: str = FP, task_id: str = "task-1", identity: Identit
     return store.claim(identity, fp, task_id, pending_seconds=PENDING_S, ttl_seconds=TTL_S)
 
 
-def acquire(store: Store, fp: str = FP, task_id: str = "task-1", identity: Identity = ID) -> Transition:
-    return store.acquire(identity, fp, task_id, lease_seconds=LEASE_S, ttl_seconds=TTL_S)
+def acquire(
+    store: Store, fp: str = FP, task_id: str = "task-1", identity: Identity = ID, *, retry: bool = False
+) -> Transition:
+    return store.acquire(identity, fp, task_id, lease_seconds=LEASE_S, ttl_seconds=TTL_S, retry=retry)
 
 
 def running(store: Store, fp: str = FP, task_id: str = "task-1") -> str:
@@ -259,10 +261,32 @@ def test_acquire_of_a_retry_with_changed_arguments_runs_and_keeps_the_callers_fi
     owner = running(store, task_id="task-1")
     assert store.release(ID, owner, pending_seconds=PENDING_S).ok
     # When the retry arrives with other arguments
-    t = acquire(store, fp=OTHER_FP, task_id="task-1")
+    t = acquire(store, fp=OTHER_FP, task_id="task-1", retry=True)
     # Then it runs, and the record still answers to the caller's call
     assert t.decision is Decision.RUN
     assert t.record is not None and t.record.fingerprint == FP and t.record.attempt == 2
+
+
+@pytest.mark.parametrize("state", ["pending", "running", "released", "completed"])
+def test_acquire_under_the_records_task_id_with_other_arguments_is_a_mismatch_unless_a_retry(
+    store: Store, state: str
+) -> None:
+    # Given a record under task-1 (claimed, running, released for a retry, or settled)
+    if state == "pending":
+        assert store.claim(ID, FP, "task-1", pending_seconds=PENDING_S, ttl_seconds=TTL_S).decision is Decision.NEW
+    else:
+        owner = running(store, task_id="task-1")
+        if state == "released":
+            assert store.release(ID, owner, pending_seconds=PENDING_S).ok
+        elif state == "completed":
+            assert store.complete(ID, owner, RESULT).ok
+    before = snapshot(store)
+    # When a message under task-1 with other arguments comes that is no Celery retry (a send_task
+    # with a chosen task id, a forged copy)
+    t = acquire(store, fp=OTHER_FP, task_id="task-1")
+    # Then it is refused and the record is untouched: only a retry is the same attempt chain
+    assert t.decision is Decision.MISMATCH
+    assert snapshot(store) == before
 
 
 # ---- complete / fail --------------------------------------------------------------------------

@@ -321,6 +321,22 @@ def _by_name_producer(shop: Shop) -> Celery:
     return producer
 
 
+def test_a_message_under_a_calls_task_id_with_other_arguments_never_runs_nor_answers_for_it(
+    shop: Shop, key: str
+) -> None:
+    # Given a call waiting in the queue (a 2 s countdown)
+    charge = shop.task("charge")
+    first = charge.apply_async((9, 90), idempotency_key=key, countdown=2)
+    # When a message under its task id and key, with other arguments and no retry, comes first
+    shop.app.send_task("shop.charge", (9, 999), task_id=first.id, headers={"idempotency_key": key})
+    time.sleep(1.0)
+    # Then it is refused quietly: it neither runs nor writes the id's state; the call answers itself
+    assert shop.effects("charge", key) == 0
+    assert shop.app.backend.get_task_meta(first.id)["status"] == "PENDING"
+    assert first.get(timeout=GET)["charged"] == 90
+    assert shop.effects("charge", key) == 1
+
+
 def test_key_given_as_a_send_task_option_keys_the_call(shop: Shop, key: str) -> None:
     # Given three calls by name under one key with different amounts, the key passed as an option
     results = [shop.app.send_task("shop.charge", (9, amount), idempotency_key=key) for amount in (90, 91, 92)]

@@ -216,20 +216,25 @@ class Store(ABC):
         owner: str | None = None,
         call: bytes | None = None,
         next_look_seconds: float = 0.0,
+        retry: bool = False,
     ) -> Transition:
         """Worker side, before the body: RUN, BUSY, REPLAY or MISMATCH (with the record).
 
         ``call`` is kept as with :meth:`claim`; None keeps the call the claim stored, if any.
         ``next_look_seconds``: on BUSY, the longest the caller may take to look again; the record,
         once settled, lives at least that long past now, whatever its TTL.
+        ``retry``: the message is a Celery retry (``request.retries > 0``) of ``task_id``: the same
+        attempt chain, which may carry other arguments than the record's. Any other message with
+        other arguments is MISMATCH, whatever its task id.
         """
         lease, ttl = _positive("lease_seconds", lease_seconds), _positive("ttl_seconds", ttl_seconds)
         if not 0 <= next_look_seconds < math.inf:
             raise ValueError(f"next_look_seconds must be a finite number of seconds >= 0; got {next_look_seconds!r}")
         with self._guard("acquire", identity):
             return self._acquire(
-                identity, fingerprint, task_id, owner or new_token(), lease, ttl, call, float(next_look_seconds)
-            )
+                identity, fingerprint, task_id, owner or new_token(), lease, ttl, call, float(next_look_seconds),
+                bool(retry),
+            )  # fmt: skip
 
     def complete(
         self,
@@ -432,7 +437,7 @@ class Store(ABC):
     @abstractmethod
     def _acquire(
         self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float,
-        call: bytes | None, next_look: float,
+        call: bytes | None, next_look: float, retry: bool,
     ) -> Transition: ...  # fmt: skip
 
     @abstractmethod
@@ -482,12 +487,14 @@ def _check_process(process: str) -> None:
         raise ValueError(f"a liveness id must be 1-{PROCESS_MAX_LENGTH} printable characters; got {process!r}")
 
 
-def classify(record: IdempotencyRecord, fingerprint: str, *, claiming: bool, task_id: str) -> Decision:
+def classify(
+    record: IdempotencyRecord, fingerprint: str, *, claiming: bool, task_id: str, retry: bool = False
+) -> Decision:
     """What claim (``claiming``) or acquire decides about a live record it may not take.
 
     Used by stores that take-or-read in one statement and then name the outcome from the row.
     """
-    same_chain = not claiming and record.task_id == task_id
+    same_chain = not claiming and retry and record.task_id == task_id
     if record.fingerprint != fingerprint and not same_chain:
         return Decision.MISMATCH
     if record.state.settled:

@@ -105,13 +105,13 @@ class MemoryStore(Store):
 
     def _acquire(
         self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float,
-        call: bytes | None, next_look: float,
+        call: bytes | None, next_look: float, retry: bool,
     ) -> Transition:  # fmt: skip
         with self._lock:
             now = self._clock_now()
             record = self._live(identity, now)
             if record is not None:
-                if record.fingerprint != fingerprint and record.task_id != task_id:
+                if record.fingerprint != fingerprint and not (retry and record.task_id == task_id):
                     return Transition(Decision.MISMATCH, record)
                 if record.state.settled:
                     return Transition(Decision.REPLAY, record)

@@ -326,9 +326,10 @@ class RedisStore(Store):
 
     def _acquire(
         self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float,
-        call: bytes | None, next_look: float,
+        call: bytes | None, next_look: float, retry: bool,
     ) -> Transition:  # fmt: skip
-        return self._take("acquire", identity, fingerprint, task_id, owner, lease, ttl, call, repr(next_look))
+        return self._take("acquire", identity, fingerprint, task_id, owner, lease, ttl, call, repr(next_look),
+                          "1" if retry else "")  # fmt: skip
 
     def _fenced(self, script: str, identity: Identity, *argv: object) -> Transition:
         args: list[Any] = [self._now(), *argv]

@@ -308,11 +308,12 @@ class SQLStore(Store):
         self._claim_sql = upsert(sa.or_(absent, sa.and_(c.fingerprint == p("fingerprint"), unsettled,
                                                         c.lease_expires_at <= now)), {})  # fmt: skip
         # acquire takes an absent record, a PENDING one, or an IN_PROGRESS one whose lease ran out,
-        # if it is the same call or the same attempt chain (task id); the chain keeps the caller's
-        # fingerprint and counts its attempts.
+        # if it is the same call or the same attempt chain (a Celery retry under the record's task
+        # id); the chain keeps the caller's fingerprint and counts its attempts.
         runnable = sa.or_(c.state == State.PENDING.value, sa.and_(c.state == State.IN_PROGRESS.value,
                                                                   c.lease_expires_at <= now))  # fmt: skip
-        same = sa.or_(c.fingerprint == p("fingerprint"), c.task_id == p("task_id"))
+        retry = sa.bindparam("p_retry", type_=sa.Integer)
+        same = sa.or_(c.fingerprint == p("fingerprint"), sa.and_(retry == 1, c.task_id == p("task_id")))
         self._acquire_sql = upsert(
             sa.or_(absent, sa.and_(same, runnable)),
             {
@@ -496,7 +497,7 @@ class SQLStore(Store):
 
     def _take(
         self, statement: sa.Executable, claiming: bool, identity: Identity, fingerprint: str, task_id: str,
-        owner: str, lease: float, ttl: float, call: bytes | None, next_look: float = 0.0,
+        owner: str, lease: float, ttl: float, call: bytes | None, next_look: float = 0.0, retry: bool = False,
     ) -> Transition:  # fmt: skip
         values = {
             "fingerprint": fingerprint, "state": (State.PENDING if claiming else State.IN_PROGRESS).value,
@@ -504,7 +505,7 @@ class SQLStore(Store):
             "result": None, "content_type": None, "content_encoding": None, "error": None, "call": call,
             "previous_task_id": None,
         }  # fmt: skip
-        params = self._params(identity, lease=lease, **values)
+        params = self._params(identity, lease=lease, **values) | ({} if claiming else {"p_retry": int(retry)})
         for _ in range(_TAKE_TRIES):
             taken = self._run(statement, params, _one_or_none)
             if taken is not None:
@@ -522,7 +523,7 @@ class SQLStore(Store):
                     return Transition(Decision.BUSY, self._record(busy))
             held, now = self._read(identity)
             if held is not None:
-                decision = classify(held, fingerprint, claiming=claiming, task_id=task_id)
+                decision = classify(held, fingerprint, claiming=claiming, task_id=task_id, retry=retry)
                 # An acquire's BUSY comes from the marking statement above only: a record read as
                 # BUSY here changed hands since, so the acquire is tried again.
                 if decision is not (Decision.DUPLICATE if claiming else Decision.BUSY) or (
@@ -540,9 +541,10 @@ class SQLStore(Store):
 
     def _acquire(
         self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float,
-        call: bytes | None, next_look: float,
+        call: bytes | None, next_look: float, retry: bool,
     ) -> Transition:  # fmt: skip
-        return self._take(self._acquire_sql, False, identity, fingerprint, task_id, owner, lease, ttl, call, next_look)
+        return self._take(self._acquire_sql, False, identity, fingerprint, task_id, owner, lease, ttl, call, next_look,
+                          retry)  # fmt: skip
 
     # ---- fenced writes --------------------------------------------------------------------------
 

@@ -4,18 +4,19 @@
 -- ARGV[5] lease seconds            ARGV[6] ttl seconds   ARGV[7] scope  ARGV[8] task name  ARGV[9] key
 -- ARGV[10] the serialized call ('' = keep the claim's, if any)
 -- ARGV[11] next look seconds: on BUSY, how long the waiter may take to look again
+-- ARGV[12] '1' when the message is a Celery retry of ARGV[3] (the same attempt chain), else ''
 -- Returns {decision, flat record} for REPLAY or MISMATCH (untouched), for BUSY (whose record now
 -- holds `linger`: it lives, once settled, until the waiter's next look; see settle.lua), and
 -- {'RUN', now, fingerprint, attempt, created, call, prev} when the IN_PROGRESS record was written;
 -- prev: the task id of the attempt it took over past its lease (or the prev its claim kept), '' if none.
--- The same task id is the same attempt chain (a Celery retry): it runs even with other arguments,
--- and the record keeps the fingerprint of the caller's call.
+-- A Celery retry under the record's task id is the same attempt chain: it runs even with other
+-- arguments, and the record keeps the fingerprint of the caller's call. Nothing else may.
 local now = now_of(ARGV[1])
 local rec, flat, existed = load(KEYS[1], now)
 local fp, attempt, created, call, prev = ARGV[2], 1, now, ARGV[10], ''
 if rec then
   prev = (rec.state == 'IN_PROGRESS' and rec.task_id) or rec.prev or ''
-  if rec.fp ~= ARGV[2] and rec.task_id ~= ARGV[3] then return {'MISMATCH', flat} end
+  if rec.fp ~= ARGV[2] and not (ARGV[12] == '1' and rec.task_id == ARGV[3]) then return {'MISMATCH', flat} end
   if settled(rec) then return {'REPLAY', flat} end
   if rec.state == 'IN_PROGRESS' and tonumber(rec.lease) > now then
     local linger = math.max(tonumber(rec.linger or '0'), now + tonumber(ARGV[11]))
