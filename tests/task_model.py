@@ -328,6 +328,7 @@ class World:
         self.idle = ""
         self.outage_until = 0.0
         self.had_outage = False
+        self.cuts = 0
         self.start_workers()
 
     # ---- workers
@@ -383,7 +384,13 @@ class World:
     def key(self, n: int) -> str:
         return f"h{self.history}-k{n}"
 
+    def stale_connection(self, exc: BaseException) -> bool:
+        """A pooled PostgreSQL connection an earlier cut broke, failing its first use: documented
+        (docs/stores.md, one refused call per process; pool_pre_ping is the user's choice)."""
+        return self.kind == "postgresql" and self.cuts > 0 and "closed the connection" in str(exc)
+
     def cut(self, seconds: float) -> None:
+        self.cuts += 1
         self.had_outage = True
         self.outage_until = max(self.outage_until, time.monotonic() + seconds)
         self.proxy.cut(seconds)

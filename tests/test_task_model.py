@@ -56,7 +56,7 @@ from task_model import (
 )
 from task_model_app import BROKER, LEASE, LIVENESS, PENDING, TTL, Basket
 
-from celery_idem import Idempotency
+from celery_idem import Idempotency, StoreUnavailableError
 from celery_idem.records import Identity, State
 from celery_idem.result import IdempotentResult
 
@@ -200,7 +200,7 @@ class TaskLevel(RuleBasedStateMachine):
         name = exc.name if isinstance(exc, _Reported) else type(exc).__name__
         self.note(f"  -> raised {name}: {str(exc)[:200]}")
         allowed = CALL_ERRORS | ({"PayloadMismatchError"} if how == "mismatch" else set())
-        if name == "StoreUnavailableError" and not self.world.had_outage:
+        if name == "StoreUnavailableError" and not (self.world.had_outage or self.world.stale_connection(exc)):
             self.problems.append(f"call {how} raised {name} with no outage in this history: {exc}")
         elif name not in allowed:
             self.problems.append(f"call {how} raised {name}: {exc}")
@@ -260,7 +260,12 @@ class TaskLevel(RuleBasedStateMachine):
         """``get()`` on a handle, the answer judged; True when it answered with a value."""
         started = time.monotonic()
         try:
-            value = handle.result.get(timeout=timeout)
+            try:
+                value = handle.result.get(timeout=timeout)
+            except StoreUnavailableError as exc:
+                if not self.world.stale_connection(exc):
+                    raise
+                value = handle.result.get(timeout=timeout)  # the broken pooled connection is gone now
         except CeleryTimeoutError:
             self.note(f"get {handle.label}: no answer in {timeout}s")
             if quiet:
@@ -326,7 +331,12 @@ class TaskLevel(RuleBasedStateMachine):
         # Every holder dead or done: past the leases and the liveness records (and, after a cut, the
         # claims a refused call may have left), one reconcile settles every record.
         time.sleep(LEASE + LIVENESS + 0.5 + (PENDING if world.had_outage else 0.0))
-        report = Idempotency.of(self.app).reconcile()
+        try:
+            report = Idempotency.of(self.app).reconcile()
+        except StoreUnavailableError as exc:
+            if not world.stale_connection(exc):
+                raise
+            report = Idempotency.of(self.app).reconcile()
         self.note(f"final reconcile: {report.model_dump(exclude={'seconds'})}")
         idem = Idempotency.of(self.app)
         for task, key in {(h.task, h.key) for h in self.handles if h.key}:
