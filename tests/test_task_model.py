@@ -425,6 +425,38 @@ def test_a_continuation_twice_or_never_is_a_problem() -> None:
     assert ledger_problems({"k": 2}) and not ledger_problems({"k": 1})
 
 
+# ---- histories the model found, kept ------------------------------------------------------------------
+
+# Each: the steps (rule name, arguments) of a history the model found, replayed on a fresh TaskLevel
+# with every invariant checked after each step and at the end, as in the generated runs.
+REGRESSIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
+    # Found on the first run: group members prefetched by a worker that is then SIGKILLed come back
+    # after the broker's visibility timeout (8 s), past the TTL (5 s) of the run that answered their
+    # call; a later call with other arguments has taken the key by then. The copies must be refused
+    # (PayloadMismatchError), never run; the TTL rule now counts the broker's redelivery delay
+    # (docs/choosing-ttls.md).
+    "a-copy-redelivered-past-its-ttl-meets-other-arguments": [
+        ("call", {"n": 1, "how": "group", "hold": 1.5}),
+        ("replace_worker", {"w": 0}),
+        ("call", {"n": 1, "how": "group", "hold": 0.3}),
+        ("get", {"i": 2}),
+        ("wait", {"seconds": TTL + 1.0}),
+        ("call", {"n": 1, "how": "mismatch", "hold": 0.3}),
+        ("kill_child", {"w": 0}),
+    ],
+}
+
+
+@pytest.mark.parametrize("world", ["redis"], indirect=True)
+@pytest.mark.parametrize("name", sorted(REGRESSIONS))
+def test_a_history_the_model_found(world: World, name: str) -> None:
+    machine = type(f"TaskLevel_{world.kind}", (TaskLevel,), {"world": world})()
+    for step, arguments in REGRESSIONS[name]:
+        getattr(machine, step)(**arguments)
+        machine.nothing_ran_twice()
+    machine.teardown()
+
+
 def test_the_execution_log_pairs_each_end_with_its_start() -> None:
     lines = [b'{"key": "k", "task_id": "t", "pid": 5, "start": 1.0, "task": "tm.pay"}',
              b'{"key": "k", "task_id": "t", "pid": 5, "end": 2.0, "run": 1, "task": "tm.pay"}',
