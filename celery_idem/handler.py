@@ -49,6 +49,7 @@ from .outcome import encode_result
 from .owners import worker_token
 from .protocol import (
     BYPASS_HEADER,
+    HANDOVER_HEADER,
     KEY_HEADER,
     SCOPE_HEADER,
     request_header,
@@ -195,7 +196,11 @@ class Handler:
             self.idem.count("mismatches")
             raise self._mismatch(identity, record)
         self.idem.count("replays" if claimed.decision is Decision.REPLAY else "duplicates")
-        if policy.on_duplicate == "raise":
+        # A chain step that replace() handed the record to, published later by the step before it: the
+        # store holds the record under exactly the token it carries (a forged one matches nothing).
+        token = headers.get(HANDOVER_HEADER)
+        handed = isinstance(token, str) and token == record.owner and task_id == record.task_id
+        if policy.on_duplicate == "raise" and not handed:
             raise DuplicateTaskError(
                 f"task {self.task.name!r} with idempotency key {identity.key!r} is a duplicate of task "
                 f"{record.task_id} ({record.state.value}); on_duplicate='raise' refuses it",
@@ -203,7 +208,7 @@ class Handler:
                 task_name=self.task.name,
                 task_id=record.task_id,
             )
-        copy = task_id == record.task_id  # the original's own id again
+        copy = task_id == record.task_id and not handed  # the original's own id again
         if not copy and (awaited_id or any(options.get(name) for name in _CONTINUATIONS)):
             # Published anyway: the worker replays the outcome into the chain (or under the id the
             # caller waits on) instead of running the body.
@@ -297,7 +302,8 @@ class Handler:
         while True:
             owner = worker_token(getattr(request, "hostname", None), self.idem.heartbeat.process_id)
             try:
-                taken = self.idem.store.acquire(
+                # A replacement takes the record its replaced attempt handed it, by its token, first.
+                taken = replacement.take_over(self, identity, owner) or self.idem.store.acquire(
                     identity,
                     fp,
                     task_id,
@@ -324,8 +330,6 @@ class Handler:
                 pending = timing.pending_seconds(policy.pending_timeout_seconds, {}, request.expires)
                 self._give_back(identity, owner, pending, settled_is_fine=True)
                 raise outage.keep_message(task, args, kwargs, exc, self._republish) from None
-            if taken.decision is Decision.BUSY:  # the replacement of a replaced attempt takes its record
-                taken = replacement.take_over(self, taken, owner)
             record = taken.record
             assert record is not None
             self._log(taken.decision, identity, task_id, record)

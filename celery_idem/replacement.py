@@ -33,7 +33,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from celery import Task, current_task
-from celery.canvas import Signature, _chain, chord
+from celery.canvas import Signature, _chain, chord, group
 from celery.exceptions import Ignore
 
 from . import attempts, outage, timing
@@ -102,10 +102,16 @@ def on_replace(handler: Handler, sig: Any, publish: Callable[[Any], Any]) -> Any
         if not store.hand_over(identity, owner, token, lease_seconds=seconds).ok:
             logger.warning("%s was taken by another attempt before its replacement was sent", identity)
     except StoreUnavailableError as exc:
-        # Handed over or not, the replacement can take it: by the token, or once this attempt's
-        # lease (no longer renewed) runs out.
         handler.idem.count("store_errors")
         logger.warning("could not hand %s over to its replacement: %s", identity, exc)
+        args, kwargs = handler.as_sent(same.args, same.kwargs, same.options)
+        if handler.fingerprint(args, kwargs) != attempt.fingerprint:
+            # With other arguments the replacement can take the record only by the token, which the
+            # store may not hold: the replacement is not sent, this message is kept (back to the broker).
+            request = task.request
+            raise outage.keep_message(task, request.args or (), request.kwargs or {}, exc, handler._republish) from None
+        # The same call: it takes the record by the token, or as any copy once this attempt's lease
+        # (no longer renewed) runs out.
     same.set(headers={**(same.options.get("headers") or {}), HANDOVER_HEADER: token})
     attempt.replaced = attempt.handed_over = True
     try:
@@ -142,17 +148,24 @@ def _own_call(handler: Handler, attempt: attempts.Attempt, sig: Any) -> Signatur
 
 
 def _longest_wait(handler: Handler, sig: Any) -> float:
-    """How long the replacement may wait in the queue before it runs: the policy's queue wait past
-    the latest countdown or ETA among its steps (and never past the message's expiry)."""
-    steps, found = [sig], []
-    while steps:
-        step = steps.pop()
-        found.append(step)
-        steps.extend(getattr(step, "tasks", None) or ())
+    """How long the replacement may take before its last step runs: each step's queue wait (the
+    policy's pending timeout past its countdown or ETA, never past its message's expiry), added up
+    along a chain with a lease for each earlier step's run (a step is published once the one before
+    it ran), the longest of a group's members, a chord's header then its body."""
+    policy, expires = handler.policy, handler.task.expires
+
+    def wait(step: Any) -> float:
         if isinstance(step, chord):
-            steps.append(step.body)
-    timeout, expires = handler.policy.pending_timeout_seconds, handler.task.expires
-    return max(timing.pending_seconds(timeout, getattr(step, "options", None) or {}, expires) for step in found)
+            return wait(step.tasks) + policy.lease_seconds + wait(step.body)
+        own = timing.pending_seconds(policy.pending_timeout_seconds, getattr(step, "options", None) or {}, expires)
+        if isinstance(step, _chain):
+            parts = [wait(part) for part in step.tasks]
+            return sum(parts) + policy.lease_seconds * max(len(parts) - 1, 0) if parts else own
+        if isinstance(step, (group, list, tuple)):  # members run side by side (a chord's header may be a list)
+            return max((wait(part) for part in (step.tasks if isinstance(step, group) else step)), default=own)
+        return own
+
+    return wait(sig)
 
 
 def await_replacement(handler: Handler, attempt: attempts.Attempt, lease: Any) -> None:
@@ -173,23 +186,32 @@ def await_replacement(handler: Handler, attempt: attempts.Attempt, lease: Any) -
 # ---- the replacement -------------------------------------------------------------------------------
 
 
-def take_over(handler: Handler, taken: Transition, owner: str) -> Transition:
-    """An acquire answered BUSY: if the record is held by the handover token this message carries
-    under its own task id, take it under ``owner`` and RUN; else the answer stands (a copy)."""
-    record, request = taken.record, handler.task.request
+def take_over(handler: Handler, identity: Identity, owner: str) -> Transition | None:
+    """Before its acquire: a message that carries a handover token takes the record held under it
+    (``hand_over``, fenced by the token: a forged or spent one is LOST) under ``owner`` and RUNs,
+    whatever its arguments (a replacement may carry other ones, as a Celery retry may). None when
+    there is no token or the store holds nothing under it: the message acquires as any other.
+
+    A store error here is the acquire's to meet (it asks the same store next): the take is tried
+    again on the message's next look.
+    """
+    request = handler.task.request
     token = request_header(request, HANDOVER_HEADER)
-    if record is None or not isinstance(token, str) or record.task_id != request.id or record.owner != token:
-        return taken
+    if not isinstance(token, str) or not token:
+        return None
+    store = handler.idem.store
     try:
-        answer = handler.idem.store.hand_over(record.identity, token, owner, lease_seconds=handler.policy.lease_seconds)
-    except StoreUnavailableError as exc:  # the wait goes on; this attempt's next acquire asks again
+        if not store.hand_over(identity, token, owner, lease_seconds=handler.policy.lease_seconds).ok:
+            return None  # forged, spent (another copy took it), or never handed over (an outage then)
+        record = store.get(identity)
+    except StoreUnavailableError as exc:
         handler.idem.count("store_errors")
-        logger.warning("replacement %s could not take %s over: %s", request.id, record.identity, exc)
-        return taken
-    if not answer.ok:
-        return taken  # another copy of this replacement took it
-    logger.info("replacement %s took %s over from the attempt it replaced", request.id, record.identity)
-    return Transition(Decision.RUN, record.model_copy(update={"owner": owner}))
+        logger.warning("replacement %s could not take %s over: %s", request.id, identity, exc)
+        return None
+    if record is None or record.owner != owner:
+        return None  # forgotten or taken since, by an operator: acquire as any message
+    logger.info("replacement %s took %s over from the attempt it replaced", request.id, identity)
+    return Transition(Decision.RUN, record)
 
 
 # ---- the callbacks of a replacement by another call ----------------------------------------------

@@ -137,7 +137,7 @@ class Model:
             return Answer(Decision.RUN, fresh)
         # A Celery retry under the record's task id is the same attempt chain: it runs with other
         # arguments. Any other message with other arguments (the same task id included) is refused.
-        if held.fingerprint != fingerprint and not (retry and held.task_id == task_id):
+        if held.fingerprint != fingerprint and not (retry and held.task_id == task_id and held.attempt > 0):
             return Answer(Decision.MISMATCH, held)
         if held.state.settled:
             return Answer(Decision.REPLAY, held)

@@ -16,7 +16,7 @@ from typing import Any
 
 import redis
 import sqlalchemy as sa
-from celery import Celery, group
+from celery import Celery, chain, group
 from celery.exceptions import Ignore, Reject
 from pydantic import BaseModel
 
@@ -237,6 +237,32 @@ def make_app(
         """Replaced by another call that waits 3 s, longer than the task's queue wait (1 s)."""
         effect(self)
         raise self.replace(replacement.si(order_id).set(countdown=3))
+
+    @task(name="shop.chained")
+    def chained(self: Any, order_id: int, keyed: bool = False) -> Any:
+        """Replaces itself once with "prepare, then me again": a chain that ends in its own call."""
+        runs = effect(self)
+        if runs == 1:
+            again = self.si(order_id, keyed)
+            if keyed:
+                again = again.set(idempotency_key=self.request.idempotency_key)
+            raise self.replace(chain(replacement.si(order_id), again))
+        return {"order": order_id, "runs": runs}
+
+    @task(name="shop.poll")
+    def poll(self: Any, order_id: int, tries: int = 0) -> Any:
+        """A keyed poll that replaces itself with its own call (same key) one try later: other arguments."""
+        runs = effect(self)
+        if runs == 1:
+            raise self.replace(self.s(order_id, tries + 1).set(idempotency_key=self.request.idempotency_key,
+                                                                countdown=1))  # fmt: skip
+        return {"order": order_id, "runs": runs, "tries": tries}
+
+    @task(name="shop.replaced_by_a_slow_chain", idempotency={"pending_timeout_seconds": 1, "lease_seconds": 1})
+    def replaced_by_a_slow_chain(self: Any, order_id: int) -> Any:
+        """Replaced by two steps of 2 s countdown each: their waits add up (1 + 2, then 1 + 2)."""
+        effect(self)
+        raise self.replace(chain(replacement.si(order_id).set(countdown=2), replacement.si(order_id).set(countdown=2)))
 
     @task(name="shop.replaced_by_charge")
     def replaced_by_charge(self: Any, order_id: int) -> Any:

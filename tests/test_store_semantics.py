@@ -289,6 +289,18 @@ def test_acquire_under_the_records_task_id_with_other_arguments_is_a_mismatch_un
     assert snapshot(store) == before
 
 
+def test_a_retry_before_any_attempt_ran_is_no_attempt_chain(store: Store) -> None:
+    # Given a call only claimed (its message still queued): no attempt ran, so no retry can exist
+    assert store.claim(ID, FP, "task-1", pending_seconds=PENDING_S, ttl_seconds=TTL_S).decision is Decision.NEW
+    before = snapshot(store)
+    # When a message under its task id with other arguments says it is a retry (retries=1 is a field
+    # any producer can set)
+    t = acquire(store, fp=OTHER_FP, task_id="task-1", retry=True)
+    # Then it is refused, and the record is untouched
+    assert t.decision is Decision.MISMATCH
+    assert snapshot(store) == before
+
+
 # ---- complete / fail --------------------------------------------------------------------------
 
 

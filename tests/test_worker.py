@@ -755,6 +755,50 @@ def test_a_replacement_by_another_call_with_a_countdown_keeps_the_key_past_the_c
     assert int(shop.counter.get(effects_key(shop.prefix, "shop.replacement", str(order))) or 0) == 1
 
 
+@pytest.mark.parametrize("keyed", [False, True], ids=["keyless", "keyed"])
+def test_a_task_replaced_by_a_chain_that_ends_in_its_own_call_is_answered_by_it(
+    shop: Shop, key: str, keyed: bool
+) -> None:
+    # Given a task that replaces itself with chain(prepare, itself): the chain's last step carries
+    # the running task id and is this very call, so the record is handed to it; it is published
+    # later, by the worker of the step before it (no attempt of the replaced task runs there)
+    order = int(uuid.uuid4().int % 10**9)
+    options = {"idempotency_key": key} if keyed else {}
+    result = shop.task("chained").apply_async((order, keyed), **options)
+    # Then that step is published (the store holds the record under the token it carries: it is no
+    # copy of the original) and answers the handle; before, it was taken for a copy and dropped
+    assert result.get(timeout=GET) == {"order": order, "runs": 2}
+    assert int(shop.counter.get(effects_key(shop.prefix, "shop.replacement", str(order))) or 0) == 1
+
+
+def test_a_keyed_poll_replacing_itself_with_other_arguments_is_answered(shop: Shop, key: str) -> None:
+    # Given a keyed poll that replaces itself with its own call one try later (other arguments, the
+    # same key: the same attempt chain, as a Celery retry with changed arguments is)
+    order = int(uuid.uuid4().int % 10**9)
+    result = shop.task("poll").apply_async((order,), idempotency_key=key)
+    # Then the replacement takes the record by its token and answers; before, it was refused as
+    # other arguments under the record's own task id and ended quietly: the handle never answered
+    assert result.get(timeout=GET) == {"order": order, "runs": 2, "tries": 1}
+    record = shop.idem.get("shop.poll", key)
+    assert record is not None and record.state is State.COMPLETED
+
+
+def test_a_replacement_chains_waits_add_up_in_the_replaced_records_lease(shop: Shop, key: str) -> None:
+    # Given a task (queue wait 1 s, lease 1 s) replaced by two steps of 2 s countdown each
+    order = int(uuid.uuid4().int % 10**9)
+    first = shop.task("replaced_by_a_slow_chain").apply_async((order,), idempotency_key=key)
+    _until(lambda: shop.effects("replaced_by_a_slow_chain", key) == 1)
+    # When the call comes again between the steps (past the longest single wait, 3 s + 1 s)
+    time.sleep(4.5)
+    again = shop.task("replaced_by_a_slow_chain").apply_async((order,), idempotency_key=key)
+    # Then it is the same call: handed the original id, and the whole call ran once
+    assert again.deduplicated and again.id == first.id
+    assert first.get(timeout=GET) == {"replaced": order}
+    time.sleep(0.5)
+    assert shop.effects("replaced_by_a_slow_chain", key) == 1
+    assert int(shop.counter.get(effects_key(shop.prefix, "shop.replacement", str(order))) or 0) == 2
+
+
 def test_a_task_that_refuses_duplicates_can_still_replace_itself(shop: Shop, key: str) -> None:
     # on_duplicate="raise" refuses a second call of a running key; the replacement is not one: its
     # publish is not claimed at all (the record is handed to it), as a Celery retry's is not

@@ -224,8 +224,9 @@ class Store(ABC):
         ``next_look_seconds``: on BUSY, the longest the caller may take to look again; the record,
         once settled, lives at least that long past now, whatever its TTL.
         ``retry``: the message is a Celery retry (``request.retries > 0``) of ``task_id``: the same
-        attempt chain, which may carry other arguments than the record's. Any other message with
-        other arguments is MISMATCH, whatever its task id.
+        attempt chain, which may carry other arguments than the record's, once an attempt of it ran
+        (``attempt > 0``; a claim alone has no retry). Any other message with other arguments is
+        MISMATCH, whatever its task id.
         """
         lease, ttl = _positive("lease_seconds", lease_seconds), _positive("ttl_seconds", ttl_seconds)
         if not 0 <= next_look_seconds < math.inf:
@@ -494,7 +495,7 @@ def classify(
 
     Used by stores that take-or-read in one statement and then name the outcome from the row.
     """
-    same_chain = not claiming and retry and record.task_id == task_id
+    same_chain = not claiming and retry and record.task_id == task_id and record.attempt > 0
     if record.fingerprint != fingerprint and not same_chain:
         return Decision.MISMATCH
     if record.state.settled:

@@ -111,7 +111,8 @@ class MemoryStore(Store):
             now = self._clock_now()
             record = self._live(identity, now)
             if record is not None:
-                if record.fingerprint != fingerprint and not (retry and record.task_id == task_id):
+                chain = retry and record.task_id == task_id and record.attempt > 0
+                if record.fingerprint != fingerprint and not chain:
                     return Transition(Decision.MISMATCH, record)
                 if record.state.settled:
                     return Transition(Decision.REPLAY, record)

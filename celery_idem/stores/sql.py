@@ -313,7 +313,8 @@ class SQLStore(Store):
         runnable = sa.or_(c.state == State.PENDING.value, sa.and_(c.state == State.IN_PROGRESS.value,
                                                                   c.lease_expires_at <= now))  # fmt: skip
         retry = sa.bindparam("p_retry", type_=sa.Integer)
-        same = sa.or_(c.fingerprint == p("fingerprint"), sa.and_(retry == 1, c.task_id == p("task_id")))
+        chain = sa.and_(retry == 1, c.task_id == p("task_id"), c.attempt > 0)  # no retry before an attempt ran
+        same = sa.or_(c.fingerprint == p("fingerprint"), chain)
         self._acquire_sql = upsert(
             sa.or_(absent, sa.and_(same, runnable)),
             {

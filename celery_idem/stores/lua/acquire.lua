@@ -10,13 +10,15 @@
 -- {'RUN', now, fingerprint, attempt, created, call, prev} when the IN_PROGRESS record was written;
 -- prev: the task id of the attempt it took over past its lease (or the prev its claim kept), '' if none.
 -- A Celery retry under the record's task id is the same attempt chain: it runs even with other
--- arguments, and the record keeps the fingerprint of the caller's call. Nothing else may.
+-- arguments, and the record keeps the fingerprint of the caller's call. Nothing else may, and no
+-- retry can exist before an attempt ran (attempt > 0): a claim alone is never a chain.
 local now = now_of(ARGV[1])
 local rec, flat, existed = load(KEYS[1], now)
 local fp, attempt, created, call, prev = ARGV[2], 1, now, ARGV[10], ''
 if rec then
   prev = (rec.state == 'IN_PROGRESS' and rec.task_id) or rec.prev or ''
-  if rec.fp ~= ARGV[2] and not (ARGV[12] == '1' and rec.task_id == ARGV[3]) then return {'MISMATCH', flat} end
+  local chain = ARGV[12] == '1' and rec.task_id == ARGV[3] and tonumber(rec.attempt) > 0
+  if rec.fp ~= ARGV[2] and not chain then return {'MISMATCH', flat} end
   if settled(rec) then return {'REPLAY', flat} end
   if rec.state == 'IN_PROGRESS' and tonumber(rec.lease) > now then
     local linger = math.max(tonumber(rec.linger or '0'), now + tonumber(ARGV[11]))
