@@ -192,14 +192,15 @@ class Handler:
                     self._give_back(identity, record.owner, settled_is_fine=True)
                 raise  # the broker's own error, unwrapped
             return bind_handle(sent, identity, self.idem, deduplicated=False, record=record)
-        if claimed.decision is Decision.MISMATCH:
+        # A chain step that replace() handed the record to, published later by the step before it: the
+        # store holds the record under exactly the token it carries (a forged one matches nothing). It
+        # may carry other arguments than the record's (a poll one try later): the same attempt chain.
+        token = headers.get(HANDOVER_HEADER)
+        handed = isinstance(token, str) and token == record.owner and task_id == record.task_id
+        if claimed.decision is Decision.MISMATCH and not handed:
             self.idem.count("mismatches")
             raise self._mismatch(identity, record)
         self.idem.count("replays" if claimed.decision is Decision.REPLAY else "duplicates")
-        # A chain step that replace() handed the record to, published later by the step before it: the
-        # store holds the record under exactly the token it carries (a forged one matches nothing).
-        token = headers.get(HANDOVER_HEADER)
-        handed = isinstance(token, str) and token == record.owner and task_id == record.task_id
         if policy.on_duplicate == "raise" and not handed:
             raise DuplicateTaskError(
                 f"task {self.task.name!r} with idempotency key {identity.key!r} is a duplicate of task "
@@ -214,6 +215,15 @@ class Handler:
             # caller waits on) instead of running the body.
             return bind_handle(send(args, kwargs, options), identity, self.idem, deduplicated=True, record=record)
         return bind_handle(self.task.AsyncResult(record.task_id), identity, self.idem, deduplicated=True, record=record)
+
+    def _continues_its_chain(self) -> bool:
+        """Whether the running message says it continues its task id's attempt chain, which may carry
+        other arguments than the record's: Celery's retry (``retries > 0``), or a replacement (or a
+        copy of one: a redelivery, a requeue) that a replaced attempt handed its record to. Both are
+        fields a producer could set, so the store grants it only under the record's own task id (a
+        random id: whoever knows it can publish under it anyway) and once an attempt has run."""
+        request = self.task.request
+        return bool(request.retries) or isinstance(request_header(request, HANDOVER_HEADER), str)
 
     def _handing_over(self, task_id: str | None, identity: Identity) -> bool:
         """Whether this publish is the replacement a running attempt of this task hands its record to:
@@ -312,7 +322,7 @@ class Handler:
                     owner=owner,
                     call=call,
                     next_look_seconds=wait.next_look_seconds(),
-                    retry=bool(request.retries),  # Celery's retry: the same attempt chain, other arguments allowed
+                    retry=self._continues_its_chain(),
                 )
             except StoreUnavailableError as exc:
                 if self._proceed_unprotected("acquire", identity, task_id):

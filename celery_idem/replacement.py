@@ -74,9 +74,11 @@ def on_replace(handler: Handler, sig: Any, publish: Callable[[Any], Any]) -> Any
     if same is None:
         fence = {"scope": attempt.identity.scope, "task_name": task.name, "key": attempt.identity.key,
                  "owner": attempt.owner}  # fmt: skip
-        # A chord (a group, as Celery's replace makes it one) ends in its body, which a failing member
-        # fails too: both go there (chord.link_error would warn, and may link the members as well).
-        last = sig.body if isinstance(sig, chord) else sig
+        # Linked where the replacement ends: the step that carries this task id (Celery appends the
+        # rest of an outer chain after it, whose outcome is not this call's). A chord (a group, as
+        # Celery's replace makes it one) ends in its body, which a failing member fails too: both go
+        # there (chord.link_error would warn, and may link the members as well).
+        last = _end_of(sig, attempt.task_id)
         last.link(task.app.signature(REPLACED_TASK, kwargs=fence))
         errback = task.app.signature(REPLACED_FAILED_TASK, kwargs=fence)
         if type(last) is Signature:  # first: a user errback that raises stops the rest on Celery 5.3
@@ -102,16 +104,10 @@ def on_replace(handler: Handler, sig: Any, publish: Callable[[Any], Any]) -> Any
         if not store.hand_over(identity, owner, token, lease_seconds=seconds).ok:
             logger.warning("%s was taken by another attempt before its replacement was sent", identity)
     except StoreUnavailableError as exc:
+        # Handed over or not, the replacement can take it: by the token, or as a copy of this attempt
+        # chain once this attempt's lease (no longer renewed) runs out.
         handler.idem.count("store_errors")
         logger.warning("could not hand %s over to its replacement: %s", identity, exc)
-        args, kwargs = handler.as_sent(same.args, same.kwargs, same.options)
-        if handler.fingerprint(args, kwargs) != attempt.fingerprint:
-            # With other arguments the replacement can take the record only by the token, which the
-            # store may not hold: the replacement is not sent, this message is kept (back to the broker).
-            request = task.request
-            raise outage.keep_message(task, request.args or (), request.kwargs or {}, exc, handler._republish) from None
-        # The same call: it takes the record by the token, or as any copy once this attempt's lease
-        # (no longer renewed) runs out.
     same.set(headers={**(same.options.get("headers") or {}), HANDOVER_HEADER: token})
     attempt.replaced = attempt.handed_over = True
     try:
@@ -124,6 +120,18 @@ def on_replace(handler: Handler, sig: Any, publish: Callable[[Any], Any]) -> Any
         with contextlib.suppress(IdempotencyError):
             store.hand_over(identity, token, owner, lease_seconds=policy.lease_seconds)
         raise
+
+
+def _end_of(sig: Any, task_id: str) -> Any:
+    """The step of ``sig`` that ends the replacement: the one Celery froze under the replaced task id
+    (a chord's body), before any step of an outer chain appended after it; ``sig`` when none is."""
+    if isinstance(sig, chord):
+        return sig.body
+    if isinstance(sig, _chain):
+        for step in sig.tasks:
+            if (step.body if isinstance(step, chord) else step).options.get("task_id") == task_id:
+                return _end_of(step, task_id)
+    return sig
 
 
 def _own_call(handler: Handler, attempt: attempts.Attempt, sig: Any) -> Signature | None:

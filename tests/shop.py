@@ -258,6 +258,36 @@ def make_app(
                                                                 countdown=1))  # fmt: skip
         return {"order": order_id, "runs": runs, "tries": tries}
 
+    @task(name="shop.chain_poll")
+    def chain_poll(self: Any, order_id: int, tries: int = 0) -> Any:
+        """Replaces itself once with "prepare, then me one try later": a chain ending in its own call
+        with other arguments."""
+        runs = effect(self)
+        if runs == 1:
+            again = self.si(order_id, tries + 1).set(idempotency_key=self.request.idempotency_key)
+            raise self.replace(chain(replacement.si(order_id), again))
+        return {"order": order_id, "runs": runs, "tries": tries}
+
+    @task(name="shop.poll_requeued", acks_late=True)
+    def poll_requeued(self: Any, order_id: int, tries: int = 0) -> Any:
+        """Replaces itself one try later; the replacement is requeued once (Reject) before it answers."""
+        runs = effect(self)
+        if tries == 0:
+            raise self.replace(self.s(order_id, 1).set(idempotency_key=self.request.idempotency_key))
+        if runs == 2:
+            raise Reject("not now", requeue=True)
+        return {"order": order_id, "runs": runs, "tries": tries}
+
+    @task(name="shop.swap")
+    def swap(self: Any, order_id: int) -> Any:
+        """Replaced by another call; run as a chain's first step (Celery appends the chain's rest)."""
+        effect(self)
+        raise self.replace(replacement.si(order_id))
+
+    @app.task(shared=False, name="shop.tail")
+    def tail() -> str:
+        return "tail-value"
+
     @task(name="shop.replaced_by_a_slow_chain", idempotency={"pending_timeout_seconds": 1, "lease_seconds": 1})
     def replaced_by_a_slow_chain(self: Any, order_id: int) -> Any:
         """Replaced by two steps of 2 s countdown each: their waits add up (1 + 2, then 1 + 2)."""

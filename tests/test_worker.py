@@ -783,6 +783,40 @@ def test_a_keyed_poll_replacing_itself_with_other_arguments_is_answered(shop: Sh
     assert record is not None and record.state is State.COMPLETED
 
 
+def test_a_chain_ending_in_the_tasks_own_call_with_other_arguments_is_answered_by_it(shop: Shop, key: str) -> None:
+    # Given a keyed poll that replaces itself with chain(prepare, itself one try later)
+    order = int(uuid.uuid4().int % 10**9)
+    result = shop.task("chain_poll").apply_async((order,), idempotency_key=key)
+    # Then the last step, published by the first step's worker with other arguments than the
+    # record's, is no mismatch (the store holds the record under the token it carries): it runs and
+    # answers; before, its publish raised PayloadMismatchError in the prepare step
+    assert result.get(timeout=GET) == {"order": order, "runs": 2, "tries": 1}
+    again = shop.task("chain_poll").apply_async((order,), idempotency_key=key)
+    assert again.deduplicated and again.get(timeout=GET) == {"order": order, "runs": 2, "tries": 1}
+
+
+def test_a_replacement_with_other_arguments_that_is_requeued_runs_again(shop: Shop, key: str) -> None:
+    # Given a keyed poll replaced by its own call one try later, whose replacement is requeued once
+    # (Reject(requeue=True): its token is spent, its arguments are not the record's)
+    order = int(uuid.uuid4().int % 10**9)
+    result = shop.task("poll_requeued").apply_async((order,), idempotency_key=key)
+    # Then the requeued copy continues the same attempt chain: it runs and answers; before, it was
+    # refused as other arguments and ended quietly, and the handle never answered
+    assert result.get(timeout=GET) == {"order": order, "runs": 3, "tries": 1}
+
+
+def test_a_task_replaced_inside_a_chain_stores_its_replacements_value_not_the_chains(shop: Shop, key: str) -> None:
+    # Given chain(a task that replaces itself with another call, then a tail step)
+    order = int(uuid.uuid4().int % 10**9)
+    outer = chain(shop.task("swap").si(order).set(idempotency_key=key), shop.task("tail").si()).apply_async()
+    assert outer.get(timeout=GET) == "tail-value"
+    # Then the replaced call's record holds its replacement's value (Celery appends the chain's tail
+    # after it, which is not this call's outcome), and a duplicate gets that, not the tail's value
+    _until(lambda: getattr(shop.idem.get("shop.swap", key), "state", None) is State.COMPLETED)
+    again = shop.task("swap").apply_async((order,), idempotency_key=key)
+    assert again.deduplicated and again.get(timeout=GET) == {"replaced": order}
+
+
 def test_a_replacement_chains_waits_add_up_in_the_replaced_records_lease(shop: Shop, key: str) -> None:
     # Given a task (queue wait 1 s, lease 1 s) replaced by two steps of 2 s countdown each
     order = int(uuid.uuid4().int % 10**9)
