@@ -78,6 +78,9 @@ class Proxy:
             except OSError:
                 client.close()
                 continue
+            # The timeout bounds the connect only: a link idle for 5 s is not a dead one (found by the
+            # task-level model: the proxy itself closed every connection idle that long).
+            server.settimeout(None)
             with self._lock:
                 self._open.update((client, server))
             for source, target, replies in ((client, server, False), (server, client, True)):

@@ -107,7 +107,12 @@ class Handle:
     result: Any = field(repr=False)
     ignore_result: bool = False
     tag: str | None = None  # the continuation's tag, for a call that carries one
-    answers_with_value: bool = True  # False: a chain's handle answers with the continuation's value
+    head_id: str | None = None  # a chain's handle names its last step: its head's task id runs the body
+
+    @property
+    def own_ids(self) -> tuple[str, ...]:
+        """The task ids whose executions are this call's own (a message delivered late runs as one)."""
+        return (self.id,) if self.head_id is None else (self.id, self.head_id)
 
     def __str__(self) -> str:
         flag = " dedup" if self.deduplicated else ""
@@ -169,7 +174,7 @@ def allowed_answers(handle: Handle, executions: list[Execution]) -> list[Executi
     it)."""
     runs = sorted((e for e in executions if e.task == handle.task and e.key == handle.key and e.end is not None),
                   key=lambda e: e.end or 0.0)  # fmt: skip
-    allowed = [e for e in runs if e.task_id == handle.id]
+    allowed = [e for e in runs if e.task_id in handle.own_ids]
     before = [e for e in runs if e.end is not None and e.end <= handle.at + BOUNDARY_SLACK_SECONDS]
     if before and handle.at - (before[-1].end or 0.0) <= TTL + LINGER_SECONDS:
         allowed.append(before[-1])
@@ -191,7 +196,7 @@ def answer_problem(handle: Handle, value: Any, executions: list[Execution]) -> s
     if not made:
         return f"{handle}: answered {value!r}, which no execution returned"
     allowed = allowed_answers(handle, executions)
-    if value["task_id"] == handle.id or made[0] in allowed:
+    if value["task_id"] in handle.own_ids or made[0] in allowed:
         return None
     shown = ", ".join(f"run {e.run} of task {e.task_id[:8]} ended {e.end:.2f}" for e in allowed) or "none"
     return (f"{handle} published at {handle.at:.2f}: answered run {value['run']} of task {value['task_id'][:8]} "

@@ -145,6 +145,7 @@ class TaskLevel(RuleBasedStateMachine):
                 then = self.app.tasks["tm.then"].s(tag)
                 if how == "chain":
                     result = (task.s(*args, **kwargs).set(**options) | then).apply_async()
+                    extra["head_id"] = result.parent.id
                 else:
                     result = task.apply_async(args, kwargs, link=then, **options)
             elif how == "producer":
