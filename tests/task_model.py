@@ -424,6 +424,18 @@ class World:
         time.sleep(max(0.0, self.outage_until - time.monotonic()))
         self.consume_idle()
 
+    def drain(self, bound: float = 60.0) -> None:
+        """Wait until the broker has delivered again what killed workers held (their visibility
+        timeout) and no body runs, so that what is judged next is the world at rest."""
+        redelivered = max((kill.at for kill in self.kills), default=0.0) + VISIBILITY + 1.0
+        killed = {pid for kill in self.kills for pid in kill.pids}
+        deadline = time.monotonic() + bound
+        while time.monotonic() < deadline:
+            running = [e for e in self.executions() if e.end is None and e.pid not in killed]
+            if time.time() >= redelivered and not running:
+                return
+            time.sleep(0.2)
+
     def close(self) -> None:
         for worker in self.workers:
             worker.stop()

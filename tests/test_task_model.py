@@ -329,6 +329,9 @@ class TaskLevel(RuleBasedStateMachine):
         while time.monotonic() < deadline and continuation_problems(world.continuations(tags), succeeded, quiet=True):
             time.sleep(0.2)
         found = continuation_problems(world.continuations(tags), succeeded, quiet=True)
+        # What killed workers held comes back after the broker's visibility timeout (and may run, past
+        # its TTL, as a new call): the records are judged once that is over and no body runs.
+        world.drain()
         # Every holder dead or done: past the leases and the liveness records (and, after a cut, the
         # claims a refused call may have left), one reconcile settles every record.
         time.sleep(LEASE + LIVENESS + 0.5 + (PENDING if world.had_outage else 0.0))
