@@ -30,8 +30,11 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from celery.exceptions import Ignore, Retry
 
+from . import outage
 from .errors import DuplicateTaskError, StoreUnavailableError
-from .records import IdempotencyRecord, Identity
+from .owners import holder_process
+from .protocol import BUSY_TRIPS_HEADER
+from .records import IdempotencyRecord, Identity, State
 
 if TYPE_CHECKING:
     from .config import IdempotencyPolicy
@@ -131,7 +134,9 @@ class BusyWait:
         self.copy_of_running = self.copy_of_running or record.task_id == self.task_id
         if self._deadline is None:
             self._count("busy_waits")
-            waits = self.policy.on_busy == "wait" or self.copy_of_running
+            # A record handed to a replacement still in a queue: nothing runs it yet, and the worker
+            # slot this message would wait in may be the one that replacement needs.
+            waits = (self.policy.on_busy == "wait" or self.copy_of_running) and not _queued(record)
             self._deadline = time.monotonic() + (self.policy.busy_wait_seconds if waits else 0)
         if self.copy_of_running and not self._still_running():
             raise self._quiet("the running attempt settled")
@@ -141,12 +146,18 @@ class BusyWait:
         self._pause = min(self._pause * 2, _MAX_PAUSE)
 
     def _go_back(self, record: IdempotencyRecord, args: Sequence[Any], kwargs: Mapping[str, Any]) -> NoReturn:
-        countdown = self.policy.lease_seconds
+        countdown, headers = self.policy.lease_seconds, None
+        if _queued(record):
+            # Back soon, then less often (0.5 s doubling, never past the lease): a queued replacement
+            # usually runs within moments; the trips are counted on this message alone.
+            trips = outage.trips(self.task.request, BUSY_TRIPS_HEADER)
+            countdown = min(outage.countdown(trips), countdown)
+            headers = {BUSY_TRIPS_HEADER: min(trips + 1, outage.MAX_TRIPS)}
         if self.copy_of_running:
             # Still held under this id: the attempt may be alive (it owns the outcome) or dead with
             # a lease nobody renews. The copy goes back to the broker, never dropped: it ends quietly
             # once that attempt settles, or takes over once its lease runs out.
-            self._republish(args, kwargs, countdown=countdown)
+            self._republish(args, kwargs, countdown=countdown, headers=headers)
             raise self._quiet("the running attempt still runs; the copy waits in the queue")
         task, identity = self.task, self.identity
         error = DuplicateTaskError(
@@ -160,7 +171,7 @@ class BusyWait:
             raise task.retry(countdown=countdown, exc=error)
         logger.info("%s (task %s) is BUSY with task %s: back to the broker for %gs", identity, self.task_id,
                     record.task_id, countdown)  # fmt: skip
-        self._republish(args, kwargs, countdown=countdown)
+        self._republish(args, kwargs, countdown=countdown, headers=headers)
         raise Retry(exc=error, when=countdown)
 
     def _still_running(self) -> bool:
@@ -178,3 +189,9 @@ class BusyWait:
         """A copy of a running task id ends without writing that id's state or result."""
         logger.info("copy of running task %s (%s) acknowledged quietly: %s", self.task_id, self.identity, why)
         return Ignore(f"copy of running task {self.task_id}: {why}")
+
+
+def _queued(record: IdempotencyRecord) -> bool:
+    """Whether ``record`` is held for a message still in a queue (a token naming no worker process:
+    replace() handed it to its replacement), not by an attempt that runs."""
+    return record.state is State.IN_PROGRESS and holder_process(record.owner) is None

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
+    "BUSY_TRIPS_HEADER",
     "BYPASS_HEADER",
     "HANDOVER_HEADER",
     "KEY_HEADER",
@@ -29,6 +30,9 @@ KEY_HEADER, SCOPE_HEADER, BYPASS_HEADER = "idempotency_key", "idempotency_scope"
 OPTION_HEADERS = (KEY_HEADER, SCOPE_HEADER, BYPASS_HEADER)
 OUTAGE_HEADER = "idempotency_store_waits"  # how often this message went back for a store outage
 SURPRISES_HEADER = "idempotency_store_surprises"  # ...of those, for an error no outage mapping knows
+# How often this message went back to the broker to wait for a record that a queued message (a
+# replacement) holds: its next countdown doubles with it. Input: it only paces its own message.
+BUSY_TRIPS_HEADER = "idempotency_busy_trips"
 # The callbacks self.replace() links to the replacement (registered by celery_idem.replacement).
 REPLACED_TASK, REPLACED_FAILED_TASK = "celery_idem.replaced", "celery_idem.replaced_failed"
 # The token a self.replace() hands its record over to, carried by the replacement's message. Input

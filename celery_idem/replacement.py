@@ -1,27 +1,29 @@
 """``self.replace()``: the replacement inherits the replaced task's id, and what becomes of its record.
 
 Celery's replace publishes the replacement under the replaced task's own id and ends the replaced
-attempt with ``Ignore`` (DESIGN, "Not failures"). The replaced attempt's record (IN_PROGRESS under
-its owner token) follows the replacement, in one of two ways:
+attempt with ``Ignore`` (DESIGN, "Not failures"). Before anything is published, the replaced attempt
+hands its IN_PROGRESS record to a fresh token (``Store.hand_over``, fenced by its owner token),
+leased for as long as the replacement may take (:func:`_longest_wait`). The token names no worker
+process: a duplicate that meets the record knows that nothing runs it yet (a message waits in a
+queue), and waits for it through the broker instead of in a worker slot the replacement may need.
+Then one of two things settles it:
 
-- **Its own call** (the same task and identity: ``self.replace(self.s(x).set(queue="heavy"))``, or a
-  poll that replaces itself with a countdown): the record is *handed over*. Before publishing, the
-  replaced attempt hands it to a fresh token (``Store.hand_over``, fenced by its owner token), leased
-  for as long as the message may wait, and the replacement's message carries that token in the
-  header ``idempotency_handover``. The replacement's acquire answers BUSY under its own task id;
-  when the record's owner is the token its message carries, it takes the record under its own owner
-  token (``hand_over`` again, fenced by that token) and runs at once. The store compares the token,
-  so a forged header is worth nothing, and one message only takes it: a copy of the replaced message
-  (no token) or a second copy of the replacement (its token is spent) waits as any copy of a running
-  task id does, and ends quietly once the record settles.
-- **Anything else** (another task, other arguments, a group, a chain's last step): the record stays
-  IN_PROGRESS under the replaced attempt's token for as long as the replacement may wait, and two
-  callbacks linked to the replacement settle it with its outcome, fenced by that token:
+- **Its own call** (the same task and identity, any arguments: ``self.replace(self.s(x).set(
+  queue="heavy"))``, a poll that replaces itself with a countdown or one try later, or the last step
+  of a chain): the replacement's message carries the token in the header ``idempotency_handover``
+  and, before it acquires, takes the record under its own owner token (``hand_over`` again, fenced
+  by the token) and runs at once. The store compares the token, so a forged header is worth nothing
+  for the take, and one message only takes it: a copy of the replaced message (no token) or a second
+  copy of the replacement (its token is spent) acquires as any copy of the attempt chain does.
+- **Anything else** (another task, a group, a chain that ends elsewhere): two callbacks linked to
+  the replacement's end settle the record with its outcome, fenced by the token:
   ``celery_idem.replaced`` (link) stores its value; ``celery_idem.replaced_failed`` (link_error,
   a ``(request, exc, traceback)`` errback that Celery calls in the failing worker) stores the
   failure when the replaced task's policy classes it permanent, else frees the key.
 
-Should neither happen (the replacement revoked or lost), the lease runs out and the reconciler
+If the store cannot take the handover (an outage), nothing is published and the replaced message
+is kept (back to the broker, as any message facing an outage); so is it when the replacement's own
+claim fails closed. Should neither happen (the replacement revoked or lost), the lease runs out and the reconciler
 settles the record from the result backend under the same id.
 """
 
@@ -70,10 +72,29 @@ def on_replace(handler: Handler, sig: Any, publish: Callable[[Any], Any]) -> Any
     if attempt is None or attempt.owner is None or task.request.is_eager:
         return publish(sig)  # eager: the replacement runs inline; unprotected: no record to hand on
     attempt.replacement_wait = _longest_wait(handler, sig)
+    store, policy, identity, owner = handler.idem.store, handler.policy, attempt.identity, attempt.owner
+    # Whatever the replacement, the record is handed to a token of its own (naming no process: a
+    # duplicate that meets it knows nothing runs it yet, and waits through the broker), leased for
+    # as long as the replacement may take, before anything is published: the replacement (its own
+    # call) takes it by that token, or the callbacks linked to it (any other) settle it under it.
+    token = worker_token(getattr(task.request, "hostname", None))
+    if attempt.lease is not None:
+        handler.idem.heartbeat.remove(attempt.lease)  # no beat under the old token after the handover
     same = _own_call(handler, attempt, sig)
-    if same is None:
-        fence = {"scope": attempt.identity.scope, "task_name": task.name, "key": attempt.identity.key,
-                 "owner": attempt.owner}  # fmt: skip
+    try:
+        handed = store.hand_over(identity, owner, token, lease_seconds=attempt.replacement_wait + policy.lease_seconds)
+    except StoreUnavailableError as exc:
+        # Not sent: nothing may take the record but by a token the store may not hold. The message is
+        # kept: back to the broker, it runs again once the store answers (DESIGN: "Nothing lost").
+        handler.idem.count("store_errors")
+        request = task.request
+        raise outage.keep_message(task, request.args or (), request.kwargs or {}, exc, handler._republish) from None
+    if not handed.ok:
+        logger.warning("%s was taken by another attempt before its replacement was sent", identity)
+    if same is not None:
+        same.set(headers={**(same.options.get("headers") or {}), HANDOVER_HEADER: token})
+    else:
+        fence = {"scope": identity.scope, "task_name": task.name, "key": identity.key, "owner": token}
         # Linked where the replacement ends: the step that carries this task id (Celery appends the
         # rest of an outer chain after it, whose outcome is not this call's). A chord (a group, as
         # Celery's replace makes it one) ends in its body, which a failing member fails too: both go
@@ -85,40 +106,20 @@ def on_replace(handler: Handler, sig: Any, publish: Callable[[Any], Any]) -> Any
             last.options["link_error"] = [errback, *(last.options.get("link_error") or [])]
         else:
             last.link_error(errback)
-        attempt.replaced = True
-        try:
-            return publish(sig)
-        except StoreUnavailableError as exc:
-            # The replacement's claim failed closed: nothing was published, and the call must not be
-            # lost with this message (fail closed never means fail lost). The message is kept: sent
-            # back to the broker, it runs again once the store answers (DESIGN: "Nothing lost").
-            attempt.replaced = False
-            request = task.request
-            raise outage.keep_message(task, request.args or (), request.kwargs or {}, exc, handler._republish) from None
-    store, policy, identity, owner = handler.idem.store, handler.policy, attempt.identity, attempt.owner
-    token = worker_token(getattr(task.request, "hostname", None))
-    seconds = attempt.replacement_wait + policy.lease_seconds
-    if attempt.lease is not None:
-        handler.idem.heartbeat.remove(attempt.lease)  # no beat under the old token after the handover
-    try:
-        if not store.hand_over(identity, owner, token, lease_seconds=seconds).ok:
-            logger.warning("%s was taken by another attempt before its replacement was sent", identity)
-    except StoreUnavailableError as exc:
-        # Handed over or not, the replacement can take it: by the token, or as a copy of this attempt
-        # chain once this attempt's lease (no longer renewed) runs out.
-        handler.idem.count("store_errors")
-        logger.warning("could not hand %s over to its replacement: %s", identity, exc)
-    same.set(headers={**(same.options.get("headers") or {}), HANDOVER_HEADER: token})
-    attempt.replaced = attempt.handed_over = True
+    attempt.replaced, attempt.handed_over = True, same is not None
     try:
         return publish(sig)
     except Ignore:
         raise
-    except BaseException:
-        # Not sent: the record comes back to this attempt, whose failure settles it as usual.
+    except BaseException as exc:
+        # Not sent: the record comes back to this attempt, whose failure settles it as usual; a
+        # replacement whose claim failed closed (another idempotent call) keeps this message.
         attempt.replaced = attempt.handed_over = False
         with contextlib.suppress(IdempotencyError):
             store.hand_over(identity, token, owner, lease_seconds=policy.lease_seconds)
+        if isinstance(exc, StoreUnavailableError):
+            request = task.request
+            raise outage.keep_message(task, request.args or (), request.kwargs or {}, exc, handler._republish) from None
         raise
 
 
@@ -177,18 +178,9 @@ def _longest_wait(handler: Handler, sig: Any) -> float:
 
 
 def await_replacement(handler: Handler, attempt: attempts.Attempt, lease: Any) -> None:
-    """The replaced attempt ended (``Ignore``). Handed over: the record is the replacement's now.
-    Else it stays IN_PROGRESS under this attempt's token, for as long as a published message may
-    wait and run; the linked callbacks settle it, failing those, the reconciler does."""
-    handler.idem.heartbeat.remove(lease)  # no renewal may shorten the lease set here
-    if attempt.handed_over or attempt.owner is None:
-        return
-    seconds = attempt.replacement_wait + handler.policy.lease_seconds
-    try:
-        handler.idem.store.renew(attempt.identity, attempt.owner, lease_seconds=seconds)
-    except StoreUnavailableError as exc:
-        handler.idem.count("store_errors")
-        logger.warning("could not extend %s for its replacement: %s", attempt.identity, exc)
+    """The replaced attempt ended (``Ignore``): its record was handed to its replacement's token
+    before the replacement was sent (:func:`on_replace`); no renewal under the old token may follow."""
+    handler.idem.heartbeat.remove(lease)
 
 
 # ---- the replacement -------------------------------------------------------------------------------

@@ -171,6 +171,7 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
         return self._answer(record, propagate)
 
     def _answer(self, record: IdempotencyRecord, propagate: bool) -> Any:
+        self._stop_listening()
         entry = self._overruled(record)
         if entry is not None:  # the ledger wins over a stored failure
             return entry.value(self._accepted_content_types())
@@ -196,7 +197,6 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
                 pass  # the backend may still answer; the next look asks the store again
             else:
                 if record is not None and record.state.settled:
-                    self.backend.remove_pending_result(self)  # stop listening for this id (Redis: unsubscribe)
                     return self._answer(record, propagate)
                 if record is not None or self._created_at is None:
                     # Still running; or a call published unprotected (the store was down): no
@@ -205,10 +205,18 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
                 elif gone_since is None:
                     gone_since = time.monotonic()
                 elif time.monotonic() - gone_since >= _BACKEND_GRACE_SECONDS:
-                    self.backend.remove_pending_result(self)
+                    self._stop_listening()
                     raise self._gone()
             if deadline is not None and time.monotonic() >= deadline:
                 raise CeleryTimeoutError("The operation timed out.")
+
+    def _stop_listening(self) -> None:
+        """Answered without the backend: stop listening for this id, as Celery's own get() does once
+        it answers (the Redis backend subscribed to the id's channel at publish; left subscribed, one
+        channel leaks per answered handle)."""
+        remove = getattr(self.backend, "remove_pending_result", None)
+        if remove is not None:
+            remove(self)
 
     def _overruled(self, record: IdempotencyRecord) -> Any:
         """The ledger entry overruling a FAILED record; a known answer is kept, an outage is not

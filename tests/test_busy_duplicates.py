@@ -11,6 +11,7 @@ stores, in both ``on_busy`` modes; the body's executions are counted by its INCR
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -132,5 +133,25 @@ def test_a_busy_duplicate_back_from_the_broker_later_than_its_countdown_still_re
         assert first.get(timeout=GET) == duplicate.get(timeout=GET) == "napped 1.5", worker.output()[-4000:]
         assert int(counter.get(effects_key(prefix, "shop.nap", key)) or 0) == 1
         assert [b.get(timeout=GET) for b in blockers] == ["slept 8", "slept 8"]
+    finally:
+        worker.stop()
+
+
+def test_a_duplicate_of_a_call_replaced_by_a_queued_replacement_waits_through_the_broker(tmp_path: Path) -> None:
+    # Given a worker with one process slot, and a group holding one call twice whose first member
+    # replaces itself with a group (the replacement's members queue behind the duplicate)
+    require_server("redis")
+    prefix = f"b{uuid.uuid4().hex[:10]}"
+    worker = Worker(tmp_path, BROKERS["redis"], REDIS_URL, prefix, concurrency=1)
+    try:
+        app = make_app(broker=BROKERS["redis"], backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix)
+        to_all = app.tasks["shop.to_all"]
+        started = time.monotonic()
+        result = group(to_all.s([2, 1], 1), to_all.s([2, 1], 1)).apply_async()
+        # Then the duplicate member does not hold the only slot waiting (its busy wait is 60 s) for a
+        # replacement that needs that slot: the record names no running process, so it waits through
+        # the broker, and both members answer within seconds, as plain Celery's would
+        assert result.get(timeout=GET) == [[3, 2], [3, 2]], worker.output()[-4000:]
+        assert time.monotonic() - started < 15, worker.output()[-4000:]
     finally:
         worker.stop()

@@ -249,3 +249,18 @@ def test_a_duplicate_handle_waits_on_the_store_when_the_backend_cannot_answer_it
             assert int(redis.Redis.from_url(COUNTER_URL).get(effects_key(shop.prefix, "handles.run", key)) or 0) == 1
     finally:
         wipe(shop.store)
+
+
+def test_a_handle_answered_from_the_store_stops_listening_for_its_id(on_every_store: Running, key: str) -> None:
+    # Given a call whose outcome is settled (the backend holds it too), its handle not yet asked
+    shop = on_every_store
+    result = shop.run.apply_async((1,), idempotency_key=key)
+    wait_for(lambda: shop.settled(key, result.id), "the call's completion", GET)
+    channel = f"celery-task-meta-{result.id}"
+    listener = redis.Redis.from_url(BACKEND)
+    # When get() answers it from the store's settled record
+    assert result.get(timeout=GET) == {"run": 1}
+    # Then the handle no longer listens for its id (Celery's own get() unsubscribes once it answers;
+    # before, every such get() left the id's channel subscribed on the Redis result backend)
+    assert listener.pubsub_channels(channel) == []
+    listener.close()
