@@ -31,11 +31,12 @@ _installed: list[Any] = []  # the Idempotency instances of the apps built since 
 _failed = pytest.StashKey[bool]()
 
 
-def parse_expected_failures(text: str, version: str) -> dict[str, str]:
+def parse_expected_failures(text: str, version: str, name: str = EXPECTED_FAILURES.name) -> dict[str, str]:
     """The entries of the sections of ``version``: ``{node id: reason}``.
 
     A section opens with ``[X.Y.Z]`` or ``[X.Y.Z anything]``; an entry is ``node id -- reason``;
-    ``#`` starts a comment line. An entry without a reason, or listed twice, is an error.
+    ``#`` starts a comment line. An entry without a reason, or listed twice, is an error (``name``,
+    the list's file name, is what the error names).
     """
     entries: dict[str, str] = {}
     section: str | None = None
@@ -49,13 +50,13 @@ def parse_expected_failures(text: str, version: str) -> dict[str, str]:
             continue
         node_id, separator, reason = line.partition(" -- ")
         if not separator or not reason.strip() or " " in node_id:
-            raise pytest.UsageError(f"{EXPECTED_FAILURES.name}:{number}: want 'node id -- reason'; got {line!r}")
+            raise pytest.UsageError(f"{name}:{number}: want 'node id -- reason'; got {line!r}")
         if section is None:
-            raise pytest.UsageError(f"{EXPECTED_FAILURES.name}:{number}: entry before any [X.Y.Z] section")
+            raise pytest.UsageError(f"{name}:{number}: entry before any [X.Y.Z] section")
         if section != version:
             continue
         if node_id in entries:
-            raise pytest.UsageError(f"{EXPECTED_FAILURES.name}:{number}: {node_id} is listed twice")
+            raise pytest.UsageError(f"{name}:{number}: {node_id} is listed twice")
         entries[node_id] = reason.strip()
     return entries
 

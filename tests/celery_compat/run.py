@@ -62,8 +62,8 @@ def pip(venv: Path, *args: str) -> None:
     subprocess.run([venv / "bin" / "python", "-m", "pip", "-q", *args], check=True)
 
 
-def ensure_venv(version: str) -> Path:
-    venv = CACHE / f"venv-{version}"
+def ensure_venv(version: str, suffix: str = "") -> Path:
+    venv = CACHE / f"venv-{version}{suffix}"
     if not (venv / "bin" / "python").exists():
         subprocess.run([sys.executable, "-m", "venv", "--clear", venv], check=True)
     return venv
@@ -95,17 +95,23 @@ def ensure_tests(venv: Path, version: str) -> Path:
     return tests
 
 
-def requirements(tests: Path, version: str, oldest: bool) -> list[str]:
-    """What the venv of ``version`` holds: that Celery, the test tools at the version its sdist pins
-    (``==X``) or at the floor it names (``>=X``), and this repository."""
-    pins = {}
-    for tool, filename in TEST_TOOLS.items():
+def tool_pins(tests: Path, version: str, tools: dict[str, str] = TEST_TOOLS) -> list[str]:
+    """``tool==X`` for each test tool, at the version the sdist's requirements file pins (``==X``)
+    or at the floor it names (``>=X``)."""
+    pins = []
+    for tool, filename in tools.items():
         text = (tests / "requirements" / filename).read_text()
         found = re.search(rf"^{re.escape(tool)}\s*(?:==|>=)\s*([\w.]+)", text, re.MULTILINE)  # the first line
         if found is None:
             sys.exit(f"celery {version}'s requirements/{filename} names no version of {tool}: pin it in {__file__}")
-        pins[tool] = f"{tool}=={found[1]}"
-    wanted = [f"celery=={version}", *pins.values(), "-e", str(REPO)]
+        pins.append(f"{tool}=={found[1]}")
+    return pins
+
+
+def requirements(tests: Path, version: str, oldest: bool) -> list[str]:
+    """What the venv of ``version`` holds: that Celery, the test tools (:func:`tool_pins`) and this
+    repository."""
+    wanted = [f"celery=={version}", *tool_pins(tests, version), "-e", str(REPO)]
     if oldest:
         wanted.insert(1, f"kombu=={floor('kombu')}")
     return wanted
