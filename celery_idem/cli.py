@@ -18,6 +18,7 @@ from .errors import IdempotencyError, SerializationError
 from .extension import Idempotency
 from .outcome import JSON_ONLY, decode_result
 from .records import IdempotencyRecord, State
+from .task import IdempotentTask
 
 __all__ = ["idem", "record_view"]
 
@@ -48,8 +49,6 @@ def _task_name(ctx: click.Context, name: str) -> str:
     app = ctx.obj.app
     app.loader.import_default_modules()
     if name not in app.tasks:
-        from .task import IdempotentTask
-
         known = sorted(n for n, t in app.tasks.items() if isinstance(t, IdempotentTask))
         raise click.BadParameter(
             f"{name!r} is not a task of app {app.main!r}; idempotent tasks: {', '.join(known) or 'none'}",

@@ -26,7 +26,7 @@ from .outcome import encode_result
 from .records import IdempotencyRecord, Identity, Transition
 
 if TYPE_CHECKING:
-    from .extension import Idempotency
+    from .runtime import Runtime
 
 __all__ = ["Found", "earlier_outcome", "leave"]
 
@@ -49,7 +49,7 @@ def leave(task: Any, value: Any) -> None:
             task.backend.store_result(request.id, value, states.SUCCESS, request=request)
 
 
-def earlier_outcome(idem: Idempotency, task: Any, record: IdempotencyRecord) -> Found | None:
+def earlier_outcome(idem: Runtime, task: Any, record: IdempotencyRecord) -> Found | None:
     """For a record this attempt just took over: the earlier attempt's outcome, stored on the record
     now, or None (no earlier attempt, or no evidence that its body completed: run the body).
 
@@ -103,7 +103,7 @@ def earlier_outcome(idem: Idempotency, task: Any, record: IdempotencyRecord) -> 
     return Found(value)
 
 
-def _settled_by(idem: Idempotency, identity: Identity, owner: str) -> bool:
+def _settled_by(idem: Runtime, identity: Identity, owner: str) -> bool:
     try:
         record = idem.store.get(identity)
     except StoreUnavailableError:

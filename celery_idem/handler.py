@@ -61,20 +61,27 @@ from .stores.base import Fence, new_token
 
 if TYPE_CHECKING:
     from .config import IdempotencyPolicy
-    from .extension import Idempotency
     from .heartbeat import Lease
+    from .runtime import Runtime
 
-__all__ = ["Handler"]
+__all__ = ["HandledTask", "Handler"]
 
 _CONTINUATIONS = ("link", "link_error", "chain", "chord", "group_id")
 
 logger = logging.getLogger("celery_idem.handler")
 
 
+class HandledTask:
+    """The mark of a task class whose calls go through a :class:`Handler` (``IdempotentTask``, which
+    gives its handler as ``idempotency_handler``): the signal hooks tell celery-idem's tasks by it."""
+
+    app: Any
+
+
 class Handler:
     """Drives one task's calls and messages through the store. One per task, built on first use."""
 
-    def __init__(self, idem: Idempotency, task: Any) -> None:
+    def __init__(self, idem: Runtime, task: Any) -> None:
         self.idem = idem
         self.task = task
         self.policy: IdempotencyPolicy = idem.policy_for(task)
@@ -229,8 +236,11 @@ class Handler:
         """Whether this publish is the replacement a running attempt of this task hands its record to:
         known from the attempt on this thread, never from a header (headers are input)."""
         attempt = attempts.current(self.task)
-        return attempt is not None and attempt.handed_over and task_id == attempt.task_id and (
-            identity == attempt.identity
+        return (
+            attempt is not None
+            and attempt.handed_over
+            and task_id == attempt.task_id
+            and (identity == attempt.identity)
         )
 
     def as_sent(
@@ -307,7 +317,7 @@ class Handler:
         task_id = request.id
         policy = self.policy
         # The store is opened by the first look, inside the outage handling below.
-        wait = BusyWait(task, identity, policy, lambda: self.idem.store, self._republish, self.idem.count)
+        wait = BusyWait(task, identity, policy, lambda: self.idem.store, self.republish, self.idem.count)
         call = self._call(args, kwargs)
         while True:
             owner = worker_token(getattr(request, "hostname", None), self.idem.heartbeat.process_id)
@@ -339,7 +349,7 @@ class Handler:
                 # PENDING for the message kept below, or its copy would wait out a lease nobody holds.
                 pending = timing.pending_seconds(policy.pending_timeout_seconds, {}, request.expires)
                 self._give_back(identity, owner, pending, settled_is_fine=True)
-                raise outage.keep_message(task, args, kwargs, exc, self._republish) from None
+                raise outage.keep_message(task, args, kwargs, exc, self.republish) from None
             record = taken.record
             assert record is not None
             self._log(taken.decision, identity, task_id, record)
@@ -355,7 +365,7 @@ class Handler:
                 raise wait.mismatched(record) or self._mismatch(identity, record)
             wait.busy(record, args, kwargs)  # BUSY: another attempt holds a live lease (celery_idem.busy)
 
-    def _republish(
+    def republish(
         self,
         args: Sequence[Any],
         kwargs: Mapping[str, Any],
@@ -448,13 +458,13 @@ class Handler:
             pending = timing.pending_seconds(policy.pending_timeout_seconds, {}, self.task.request.expires)
             self._give_back(identity, owner, pending_seconds=pending if requeued else None)
         else:
-            self._settle_failure(identity, owner, exc, record.fingerprint, earlier_attempts=record.attempt > 1)
+            self.settle_failure(identity, owner, exc, record.fingerprint, earlier_attempts=record.attempt > 1)
 
     def _settle_value(self, record: IdempotencyRecord, value: Any) -> None:
         """The body returned: the effect happened. Store the value (an unstorable one is stored as a
         permanent failure about it); a store outage is retried while the lease lasts, then left as
         evidence for the reconciler."""
-        written = self._store_value(record.identity, record.owner, record.task_id, value)
+        written = self.store_value(record.identity, record.owner, record.task_id, value)
         if written is None:
             evidence.leave(self.task, value)
         elif not written:
@@ -469,7 +479,7 @@ class Handler:
             task_id=record.task_id,
         )
 
-    def _store_value(self, identity: Identity, owner: str, task_id: str, value: Any) -> bool | None:
+    def store_value(self, identity: Identity, owner: str, task_id: str, value: Any) -> bool | None:
         """Complete with ``value``, as :meth:`_write` answers.
 
         Raises:
@@ -547,7 +557,7 @@ class Handler:
         """``"permanent"`` (stored and replayed) or ``"retryable"`` (released) for an exception."""
         return classify_failure(exc, self.policy, self._autoretry_for)
 
-    def _settle_failure(
+    def settle_failure(
         self,
         identity: Identity,
         owner: str,

@@ -32,7 +32,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from celery import Task, states
+from celery import states
 from celery.backends.base import DisabledBackend
 from pydantic import BaseModel, ConfigDict
 
@@ -43,13 +43,13 @@ from .outcome import encode_result
 from .owners import holder_node, holder_process, node_tag
 from .protocol import KEY_HEADER, SCOPE_HEADER
 from .records import Decision, ErrorInfo, IdempotencyRecord, State
+from .runtime import Runtime
 from .timing import EXPIRY_GRACE_SECONDS
 
 if TYPE_CHECKING:
     from .config import IdempotencyPolicy
-    from .extension import Idempotency
 
-__all__ = ["TASK_NAME", "ReconcileReport", "Reconciler", "install", "reconcile_task"]
+__all__ = ["BEAT_ENTRY", "TASK_NAME", "ReconcileReport", "Reconciler"]
 
 logger = logging.getLogger("celery_idem.reconciler")
 TASK_NAME = "celery_idem.reconcile"
@@ -90,7 +90,7 @@ class ReconcileReport(BaseModel):
 class Reconciler:
     """One reconciler run over one app's store."""
 
-    def __init__(self, idem: Idempotency, *, dry_run: bool = False) -> None:
+    def __init__(self, idem: Runtime, *, dry_run: bool = False) -> None:
         self.idem = idem
         self.app = idem.app
         self.store = idem.store
@@ -335,33 +335,3 @@ class Reconciler:
         logger.info("%s key=%s task=%s task_id=%s was=%s: %s", outcome, record.key, record.task_name,
                     record.task_id, record.state.value, why)  # fmt: skip
         return True
-
-
-def reconcile_task(self: Any, limit: int | None = None, dry_run: bool = False) -> dict[str, Any]:
-    """The body of the ``celery_idem.reconcile`` task that beat runs."""
-    from .extension import Idempotency
-
-    return Idempotency.of(self.app).reconcile(limit=limit, dry_run=dry_run).model_dump()
-
-
-def install(idem: Idempotency) -> None:
-    """Register ``celery_idem.reconcile`` on the app, and its beat entry once the app is configured."""
-    app = idem.app
-    # A plain Task whatever the app's task_cls: under task_cls=IdempotentTask the reconciler would
-    # otherwise be deduplicated by its (empty) arguments and beat's next runs handed the first one.
-    app.task(name=TASK_NAME, base=Task, bind=True, shared=False, ignore_result=False)(reconcile_task)
-
-    def add_beat_entry(**_: Any) -> None:
-        if app.__dict__.get("_celery_idempotency") is not idem:
-            return  # replaced by a newer instance
-        interval = idem.settings.reconcile_interval_seconds
-        if interval:
-            app.conf.beat_schedule = {
-                **(app.conf.beat_schedule or {}),
-                BEAT_ENTRY: {"task": TASK_NAME, "schedule": interval},
-            }
-
-    if app.configured:
-        add_beat_entry()
-    else:
-        app.on_after_configure.connect(add_beat_entry, weak=False)

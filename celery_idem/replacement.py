@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from celery import Task, current_task
 from celery.canvas import Signature, _chain, chord, group
@@ -53,12 +53,42 @@ from .protocol import (
 from .records import Decision, Identity, Transition
 
 if TYPE_CHECKING:
-    from .extension import Idempotency
-    from .handler import Handler
+    from .config import IdempotencyPolicy
+    from .runtime import Runtime
 
 __all__ = ["await_replacement", "install", "on_replace", "replaced", "replaced_failed", "take_over"]
 
 logger = logging.getLogger("celery_idem.replacement")
+
+
+class Handler(Protocol):
+    """What this module is given of the replaced task's handler (:class:`celery_idem.handler.Handler`,
+    which calls it): the task, its runtime and policy, how its calls are identified, and its writes."""
+
+    idem: Runtime
+    task: Any
+    policy: IdempotencyPolicy
+
+    def fingerprint(self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None) -> str: ...
+
+    def identify(self, key: Any, scope: Any, fp: str) -> Identity: ...
+
+    def as_sent(
+        self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, options: Mapping[str, Any]
+    ) -> tuple[Any, Any]: ...
+
+    def republish(
+        self,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        *,
+        countdown: float,
+        headers: Mapping[str, Any] | None = None,
+    ) -> None: ...
+
+    def store_value(self, identity: Identity, owner: str, task_id: str, value: Any) -> bool | None: ...
+
+    def settle_failure(self, identity: Identity, owner: str, exc: BaseException) -> Any: ...
 
 
 # ---- the replaced attempt --------------------------------------------------------------------------
@@ -88,7 +118,7 @@ def on_replace(handler: Handler, sig: Any, publish: Callable[[Any], Any]) -> Any
         # kept: back to the broker, it runs again once the store answers (DESIGN: "Nothing lost").
         handler.idem.count("store_errors")
         request = task.request
-        raise outage.keep_message(task, request.args or (), request.kwargs or {}, exc, handler._republish) from None
+        raise outage.keep_message(task, request.args or (), request.kwargs or {}, exc, handler.republish) from None
     if not handed.ok:
         logger.warning("%s was taken by another attempt before its replacement was sent", identity)
     if same is not None:
@@ -119,7 +149,7 @@ def on_replace(handler: Handler, sig: Any, publish: Callable[[Any], Any]) -> Any
             store.hand_over(identity, token, owner, lease_seconds=policy.lease_seconds)
         if isinstance(exc, StoreUnavailableError):
             request = task.request
-            raise outage.keep_message(task, request.args or (), request.kwargs or {}, exc, handler._republish) from None
+            raise outage.keep_message(task, request.args or (), request.kwargs or {}, exc, handler.republish) from None
         raise
 
 
@@ -223,10 +253,10 @@ def _settle(app: Any, task_name: str, scope: str, key: str, owner: str, value: A
         return
     handler, identity = task.idempotency_handler, Identity(scope, task_name, key)
     if exc is not None:
-        handler._settle_failure(identity, owner, exc)
+        handler.settle_failure(identity, owner, exc)
         return
     with contextlib.suppress(SerializationError):  # stored as the record's permanent failure
-        handler._store_value(identity, owner, "(replacement)", value)
+        handler.store_value(identity, owner, "(replacement)", value)
 
 
 def replaced(self: Any, value: Any, *, task_name: str, scope: str, key: str, owner: str) -> None:
@@ -250,7 +280,7 @@ def replaced_failed(request: Any, exc: Any, traceback: Any, *, task_name: str, s
         logger.exception("could not settle the record of %s key %r after its replacement failed", task_name, key)
 
 
-def install(idem: Idempotency) -> None:
+def install(idem: Runtime) -> None:
     """Register the two callbacks on the app (every worker of the app then knows them).
 
     Module-level functions, so installing a second extension on the app registers the same callables

@@ -34,8 +34,8 @@ from .errors import RecordGoneError, StoreUnavailableError
 from .outcome import accepted_content_types, rebuild_exception, replay
 
 if TYPE_CHECKING:
-    from .extension import Idempotency
     from .records import IdempotencyRecord, Identity
+    from .runtime import Runtime
 
 __all__ = ["IdempotentResult", "bind_handle"]
 
@@ -53,7 +53,7 @@ _BACKEND_GRACE_SECONDS = 5.0
 def bind_handle(
     result: Any,
     identity: Identity,
-    idempotency: Idempotency,
+    idempotency: Runtime,
     *,
     deduplicated: bool,
     record: IdempotencyRecord | None = None,
@@ -75,7 +75,7 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
     deduplicated: bool = False
     idempotency_key: str | None = None
     identity: Identity | None = None
-    idempotency: Idempotency | None = None
+    idempotency: Runtime | None = None
 
     def __init__(
         self,
@@ -84,7 +84,7 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
         deduplicated: bool = False,
         idempotency_key: str | None = None,
         identity: Identity | None = None,
-        idempotency: Idempotency | None = None,
+        idempotency: Runtime | None = None,
         record: IdempotencyRecord | None = None,
         **kwargs: Any,
     ) -> None:

@@ -26,10 +26,11 @@ from celery import signals
 from celery.exceptions import TimeLimitExceeded, WorkerLostError
 
 from .errors import IdempotencyError
+from .handler import HandledTask
 from .protocol import KEY_HEADER, OPTION_HEADERS, SCOPE_HEADER, message_header, request_header
 
 if TYPE_CHECKING:
-    from .extension import Idempotency
+    from .runtime import Runtime
 
 __all__ = ["connect", "disconnect"]
 
@@ -39,7 +40,7 @@ _REMEMBERED = 10_000  # headers of in-flight messages kept by the parent, newest
 
 
 class _Hooks:
-    def __init__(self, idem: Idempotency) -> None:
+    def __init__(self, idem: Runtime) -> None:
         self.idem = idem
         # task id -> message headers, kept by the process that receives messages: the hard time
         # limit's task_failure comes without the request, so the key is looked up here.
@@ -47,9 +48,7 @@ class _Hooks:
         self.lock = threading.Lock()
 
     def _ours(self, task: Any) -> bool:
-        from .task import IdempotentTask
-
-        return isinstance(task, IdempotentTask) and task.app is self.idem.app
+        return isinstance(task, HandledTask) and task.app is self.idem.app
 
     def exiting(self, **_: Any) -> None:
         self.idem.heartbeat.flush()
@@ -132,7 +131,7 @@ def options_to_headers(headers: Any = None, properties: Any = None, **_: Any) ->
             headers[name] = value
 
 
-def connect(idem: Idempotency) -> list[tuple[Any, Any]]:
+def connect(idem: Runtime) -> list[tuple[Any, Any]]:
     """Connect one extension's hooks; returns what :func:`disconnect` needs.
 
     The publish hook is process-wide (a message sent by name names no app) and connected once.

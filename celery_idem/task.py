@@ -13,7 +13,7 @@ from . import attempts, replacement
 from .config import IdempotencyPolicy
 from .errors import ConfigurationError
 from .extension import Idempotency
-from .handler import Handler
+from .handler import HandledTask, Handler
 from .protocol import BYPASS_HEADER, KEY_HEADER, SCOPE_HEADER, headers_with_options, request_header
 from .result import IdempotentResult
 
@@ -32,7 +32,7 @@ def _running_here() -> set[tuple[str, str]]:
     return running
 
 
-class IdempotentTask(Task):  # type: ignore[misc]
+class IdempotentTask(Task, HandledTask):  # type: ignore[misc]
     """Base class of idempotent tasks: ``@app.task(base=IdempotentTask, idempotency={...})``.
 
     The task option ``idempotency`` (a dict or :class:`IdempotencyPolicy`) is the task's policy;

@@ -78,7 +78,7 @@ def test_the_stores_page_says_a_worker_sends_an_outage_message_back_and_it_does(
     sent: list[tuple[float, dict[str, object]]] = []
     monkeypatch.setattr(
         Handler,
-        "_republish",
+        "republish",
         lambda self, a, k, *, countdown, headers=None: sent.append((countdown, dict(headers or {}))),
     )
     # When its message runs, first and after many trips back

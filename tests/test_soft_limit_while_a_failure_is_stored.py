@@ -2,7 +2,7 @@
 error with SoftTimeLimitExceeded (retryable) and leaves the record IN_PROGRESS; the reconciler then
 reads FAILURE(SoftTimeLimitExceeded) from the result backend and frees the key, and the next call
 runs the body again. 3b01bc8 handled the same strike while a returned VALUE is stored
-(_defer_value); the failure path (_settle_exception -> _settle_failure -> _write(fail)) was not.
+(_defer_value); the failure path (_settle_exception -> settle_failure -> _write(fail)) was not.
 """
 
 from __future__ import annotations

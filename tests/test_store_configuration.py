@@ -77,7 +77,7 @@ def test_a_misconfigured_store_fails_the_task_instead_of_looping_its_message(
     app, idem, charge, runs = _app(url)
     sent: list[dict[str, Any]] = []
     monkeypatch.setattr(
-        Handler, "_republish", lambda self, a, k, *, countdown, headers=None: sent.append(dict(headers or {}))
+        Handler, "republish", lambda self, a, k, *, countdown, headers=None: sent.append(dict(headers or {}))
     )
     # A message that already went back 1000 times (and claims 0 "surprises"): it should have failed long ago.
     execute_as_worker(app, charge.name, "t-1", idempotency_key="k", **{OUTAGE_HEADER: 1000, SURPRISES_HEADER: 0})
@@ -202,7 +202,7 @@ def test_a_task_whose_policy_keeps_forever_fails_once_instead_of_looping_its_mes
     app.finalize()
     sent: list[dict[str, Any]] = []
     monkeypatch.setattr(
-        Handler, "_republish", lambda self, a, k, *, countdown, headers=None: sent.append(dict(headers or {}))
+        Handler, "republish", lambda self, a, k, *, countdown, headers=None: sent.append(dict(headers or {}))
     )
     # When a worker runs its message, Then it fails once with the reason, and is not sent back
     execute_as_worker(app, keep.name, "t-forever", idempotency_key="k")

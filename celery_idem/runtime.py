@@ -1,0 +1,255 @@
+"""The services the state machine, the result handles and the reconciler are given: the resolved
+settings and per-task policies, the store, the heartbeat, the counters, and how a settled record is
+read back (the ledger over the store).
+
+:class:`Runtime` knows nothing of signals, the reconciler's beat task or the task class: the
+extension (:class:`~celery_idem.extension.Idempotency`, the composition root) is a Runtime that
+also wires those onto its app. Modules below the extension are given a Runtime, never the
+extension.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import logging
+import threading
+from typing import Any
+
+from pydantic import ValidationError
+
+from .config import IdempotencyPolicy, IdempotencySettings
+from .errors import ConfigurationError
+from .fingerprint import validate_key, validate_scope
+from .heartbeat import Heartbeat
+from .outcome import accepted_content_types, replay
+from .records import IdempotencyRecord, Identity, State
+from .stores import Store, store_from_url
+
+__all__ = ["COUNTERS", "INSTALLED_ATTRIBUTE", "LeftBehind", "Runtime", "installed_on", "invalid_settings"]
+
+logger = logging.getLogger("celery_idem")
+
+INSTALLED_ATTRIBUTE = "_celery_idempotency"  # where an app keeps the runtime installed on it
+COUNTERS = (
+    "claims",
+    "duplicates",
+    "replays",
+    "mismatches",
+    "busy_waits",
+    "lost_locks",
+    "store_errors",
+    "reconciled_completed",
+    "reconciled_failed",
+    "reconciled_released",
+)
+
+
+def installed_on(app: Any) -> Runtime | None:
+    """The runtime installed on ``app`` (its :class:`~celery_idem.Idempotency`), or None."""
+    installed = app.__dict__.get(INSTALLED_ATTRIBUTE)
+    return installed if isinstance(installed, Runtime) else None
+
+
+class LeftBehind:
+    """Stands in ``app.conf`` for a setting given in code that cannot travel with the app (a Store
+    instance, an object that does not pickle). A process that rebuilds the app from its conf (a
+    pool child started with ``spawn``) finds this instead, and using it is a clear error."""
+
+    def __init__(self, name: str, description: str) -> None:
+        self.name = name
+        self.description = description
+
+    def error(self) -> ConfigurationError:
+        return ConfigurationError(
+            f"celery-idem setting {self.name} was given in code as {self.description}, which cannot travel "
+            "to this process (a pool child started with worker_pool_start_method='spawn' rebuilds the app "
+            f"from app.conf): pass a value that pickles ({'its URL, ' if self.name == 'store' else ''}"
+            f"e.g. Idempotency(app, {self.name}=...)) or set app.conf.idempotency_{self.name}"
+        )
+
+    def __getattr__(self, attribute: str) -> Any:
+        if attribute.startswith("__"):
+            raise AttributeError(attribute)
+        raise self.error()
+
+    def __repr__(self) -> str:
+        return f"<left behind: {self.description}>"
+
+
+def invalid_settings(where: str, error: ValidationError) -> ConfigurationError:
+    problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in error.errors())
+    return ConfigurationError(f"invalid {where}: {problems}")
+
+
+class Runtime:
+    """celery-idem's services on one Celery app; see the module docstring.
+
+    Args:
+        app: The Celery app.
+        settings: :class:`IdempotencySettings` fields given in code; they win over
+            ``app.conf.idempotency_<name>`` and the defaults.
+    """
+
+    def __init__(self, app: Any, settings: dict[str, Any]) -> None:
+        self.app = app
+        self._keywords = settings
+        self._lock = threading.Lock()
+        self._counters = dict.fromkeys(COUNTERS, 0)
+        self._policies: dict[str, IdempotencyPolicy] = {}
+        self.heartbeat = Heartbeat(
+            on_error=functools.partial(self.count, "store_errors"), liveness_seconds=self._liveness_seconds
+        )
+
+    # ---- settings and policies -----------------------------------------------------------------
+
+    @functools.cached_property
+    def settings(self) -> IdempotencySettings:
+        """Resolved on first use, so ``app.conf`` may still change after tasks are defined."""
+        known = IdempotencySettings.model_fields
+        misspelt = sorted(
+            key for key in self.app.conf.keys() if key.startswith("idempotency_") and key[12:] not in known
+        )
+        if misspelt:
+            guesses = {
+                k: [name for name in known if name.startswith(k[12:])][:1]
+                or difflib.get_close_matches(k[12:], known, n=1, cutoff=0.5)
+                for k in misspelt
+            }
+            hints = ", ".join(
+                f"{k}" + (f" (did you mean idempotency_{g[0]}?)" if g else "") for k, g in guesses.items()
+            )
+            raise ConfigurationError(f"unknown celery-idem setting in app.conf: {hints}")
+        values: dict[str, Any] = {}
+        for name in known:
+            conf_value = self.app.conf.get(f"idempotency_{name}")
+            if conf_value is not None:
+                values[name] = conf_value
+        values.update(self._keywords)
+        try:
+            return IdempotencySettings(**values)
+        except ValidationError as exc:
+            raise invalid_settings(f"celery-idem settings of app {self.app.main!r}", exc) from None
+
+    def _liveness_seconds(self) -> float:
+        return self.settings.liveness_seconds
+
+    @functools.cached_property
+    def accepted_content_types(self) -> frozenset[str]:
+        """The content types a stored outcome may be decoded from, everywhere this app reads the
+        store (replays, ``get()``, the CLI, the ledger): the app's accepted serializers; pickle
+        only with ``accept_pickle=True``."""
+        return accepted_content_types(self.app.conf, accept_pickle=self.settings.accept_pickle)
+
+    @functools.cached_property
+    def store(self) -> Store:
+        """The store, built once from the ``store`` setting."""
+        settings = self.settings
+        store = settings.store
+        if isinstance(store, LeftBehind):
+            raise store.error()
+        if store is None:
+            if not self.app.conf.task_always_eager:
+                raise ConfigurationError(
+                    f"no idempotency store for app {self.app.main!r}: pass Idempotency(app, "
+                    "store='redis://...') or set app.conf.idempotency_store (memory:// is the default "
+                    "only with task_always_eager)"
+                )
+            store = "memory://"
+        if isinstance(store, Store):
+            return store
+        # A store that cannot be opened raises StoreUnavailableError (an outage, or a surprise)
+        # or ConfigurationError (a mistake in the URL); nothing is cached, so the next use retries.
+        return store_from_url(
+            str(store),
+            key_prefix=settings.key_prefix,
+            timeout_seconds=settings.store_timeout_seconds,
+            max_result_bytes=settings.max_result_bytes,
+        )
+
+    def policy_for(self, task: Any) -> IdempotencyPolicy:
+        """The task's effective policy: its ``idempotency`` option over the app-wide defaults."""
+        policy = self._policies.get(task.name)
+        if policy is None:
+            # A task class's policy refines its base classes' (a task option refines its base=).
+            merged: dict[str, Any] = {}
+            for klass in reversed(task.__class__.__mro__):  # __class__: Celery may hand us a Proxy
+                option = klass.__dict__.get("idempotency")
+                if option is None:
+                    continue
+                if not isinstance(option, (dict, IdempotencyPolicy)):
+                    raise ConfigurationError(
+                        f"the idempotency option of task {task.name!r} must be a dict or IdempotencyPolicy; "
+                        f"got {type(option).__name__}"
+                    )
+                merged.update(option if isinstance(option, dict) else {
+                    name: getattr(option, name) for name in option.model_fields_set
+                })  # fmt: skip
+            try:
+                policy = self.settings.policy(merged)
+            except ValidationError as exc:
+                raise invalid_settings(f"idempotency policy of task {task.name!r}", exc) from None
+            self._policies[task.name] = policy
+        return policy
+
+    # ---- records -------------------------------------------------------------------------------
+
+    def _identity(self, task: Any, key: str, scope: str | None) -> Identity:
+        name = task if isinstance(task, str) else task.name
+        return Identity(validate_scope(scope), name, validate_key(key))
+
+    def get(self, task: Any, key: str, scope: str | None = None) -> IdempotencyRecord | None:
+        """The record of ``(scope, task, key)``; ``task`` is the task or its name."""
+        return self.store.get(self._identity(task, key, scope))
+
+    def committed(self, identity: Identity, fingerprint: str | None, ledger: Any = None) -> Any:
+        """The committed entry of this call (a :class:`~celery_idem.ledger.LedgerEntry`) in
+        ``ledger`` (default: the app's), or None: no ledger, no committed row, or other arguments.
+
+        Raises:
+            LedgerUnavailableError: the ledger's database could not be asked in time.
+            sqlalchemy.exc.SQLAlchemyError: any other database error.
+        """
+        ledger = ledger if ledger is not None else self.settings.ledger
+        return None if ledger is None else ledger.completed(identity, fingerprint)
+
+    def replay(self, record: IdempotencyRecord) -> Any:
+        """A settled record's outcome as every reader answers it (a worker's duplicate, ``get()``):
+        the stored value or failure, except that a stored failure of a call the ledger holds
+        committed answers with the ledger's value. The business database wins over the store."""
+        try:
+            entry = self.overruled(record)
+        except Exception as exc:  # noqa: BLE001 - the ledger cannot be asked: the store's outcome stands
+            logger.warning("could not read the ledger for %s: %s; the store's outcome stands", record.identity, exc)
+            entry = None
+        if entry is not None:
+            return entry.value(self.accepted_content_types)
+        return replay(record, self.accepted_content_types)
+
+    def overruled(self, record: IdempotencyRecord) -> Any:
+        """The app's ledger entry that overrules a FAILED record, or None.
+
+        Raises:
+            LedgerUnavailableError: the ledger's database could not be asked in time.
+        """
+        if record.state is not State.FAILED or self.settings.ledger is None:
+            return None
+        entry = self.committed(record.identity, record.fingerprint)
+        if entry is not None:
+            logger.warning("%s is FAILED in the store but committed in the ledger: the ledger wins", record.identity)
+        return entry
+
+    def forget(self, task: Any, key: str, scope: str | None = None) -> bool:
+        """Remove the record in any state; True if there was one. A running attempt is fenced out."""
+        return self.store.forget(self._identity(task, key, scope))
+
+    # ---- counters ------------------------------------------------------------------------------
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counters[name] += n
+
+    def metrics(self) -> dict[str, int]:
+        """Counters since this process started: claims, duplicates, replays, mismatches, ..."""
+        with self._lock:
+            return dict(self._counters)
