@@ -51,6 +51,7 @@ from .protocol import (
     request_header,
 )
 from .records import Decision, Identity, Transition
+from .settle import Settlement
 
 if TYPE_CHECKING:
     from .config import IdempotencyPolicy
@@ -63,11 +64,13 @@ logger = logging.getLogger("celery_idem.replacement")
 
 class Handler(Protocol):
     """What this module is given of the replaced task's handler (:class:`celery_idem.handler.Handler`,
-    which calls it): the task, its runtime and policy, how its calls are identified, and its writes."""
+    which calls it): the task, its runtime and policy, how its calls are identified, its writes
+    (:class:`~celery_idem.settle.Settlement`) and how its message goes back to the broker."""
 
     idem: Runtime
     task: Any
     policy: IdempotencyPolicy
+    settle: Settlement
 
     def fingerprint(self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None) -> str: ...
 
@@ -85,10 +88,6 @@ class Handler(Protocol):
         countdown: float,
         headers: Mapping[str, Any] | None = None,
     ) -> None: ...
-
-    def store_value(self, identity: Identity, owner: str, task_id: str, value: Any) -> bool | None: ...
-
-    def settle_failure(self, identity: Identity, owner: str, exc: BaseException) -> Any: ...
 
 
 # ---- the replaced attempt --------------------------------------------------------------------------
@@ -253,10 +252,10 @@ def _settle(app: Any, task_name: str, scope: str, key: str, owner: str, value: A
         return
     handler, identity = task.idempotency_handler, Identity(scope, task_name, key)
     if exc is not None:
-        handler.settle_failure(identity, owner, exc)
+        handler.settle.settle_failure(identity, owner, exc)
         return
     with contextlib.suppress(SerializationError):  # stored as the record's permanent failure
-        handler.store_value(identity, owner, "(replacement)", value)
+        handler.settle.store_value(identity, owner, "(replacement)", value)
 
 
 def replaced(self: Any, value: Any, *, task_name: str, scope: str, key: str, owner: str) -> None:

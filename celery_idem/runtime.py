@@ -243,6 +243,20 @@ class Runtime:
         """Remove the record in any state; True if there was one. A running attempt is fenced out."""
         return self.store.forget(self._identity(task, key, scope))
 
+    def proceed_unprotected(self, operation: str, identity: Identity, task_id: str) -> bool:
+        """Count a store outage; True (and a warning) when the settings say run on without the store."""
+        self.count("store_errors")
+        if self.settings.on_store_error != "proceed":
+            return False
+        logger.warning(
+            "store unavailable at %s of %s (task %s): proceeding unprotected (on_store_error='proceed')",
+            operation,
+            identity,
+            task_id,
+            exc_info=True,
+        )
+        return True
+
     # ---- counters ------------------------------------------------------------------------------
 
     def count(self, name: str, n: int = 1) -> None:

@@ -1,0 +1,132 @@
+"""How one task's calls are told apart: the fingerprint of a call, its identity, the arguments as
+Celery sends them, and the call a record keeps for the reconciler to deliver again.
+
+:class:`TaskCalls` is built once per task from its policy; the handler is one (it extends it), and
+the producer side, the worker side, the signal hooks and replace() all identify a call through it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from . import attempts
+from .calls import encode_call, published_options
+from .config import IdempotencyPolicy
+from .errors import ConfigurationError, InvalidKeyError, PayloadMismatchError
+from .fingerprint import check_key_args, fingerprint, validate_key, validate_scope
+from .pydantic_sets import parameter_shapes
+from .records import Decision, IdempotencyRecord, Identity
+
+__all__ = ["TaskCalls", "log_decision"]
+
+logger = logging.getLogger("celery_idem.handler")  # the decision log users filter on (operations.md)
+
+
+class TaskCalls:
+    """The identity rules of one task under its policy.
+
+    Raises:
+        ConfigurationError: the task uses pickle without ``accept_pickle``, or its ``key_args`` name
+            parameters its function does not have.
+    """
+
+    def __init__(self, task: Any, policy: IdempotencyPolicy, *, accept_pickle: bool) -> None:
+        self.task = task
+        self.policy = policy
+        self.serializer: str = task.serializer or task.app.conf.task_serializer or "json"
+        if self.serializer == "pickle" and not accept_pickle:
+            raise ConfigurationError(
+                f"task {task.name!r} uses the pickle serializer, which celery-idem refuses by default: "
+                "a stored pickle runs code when replayed; use json, or set accept_pickle=True"
+            )
+        self._run_function: Callable[..., Any] = task.run
+        # Celery checks a call against the signature only while the task's typing is on (it
+        # defaults to app.strict_typing): with it off, the call is fingerprinted as given.
+        self._typed = bool(task.app.strict_typing if task.typing is None else task.typing)
+        self._sets = parameter_shapes(task)  # a pydantic=True task's set fields, sent as lists
+        if policy.key_args is not None:
+            check_key_args(self._run_function, policy.key_args, task_name=task.name, typed=self._typed)
+
+    def fingerprint(self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None) -> str:
+        return fingerprint(
+            self._run_function,
+            args,
+            kwargs,
+            key_args=self.policy.key_args,
+            serializer=self.serializer,
+            bind=self._typed,
+            sets=self._sets,
+        )
+
+    def identify(self, key: Any, scope: Any, fp: str) -> Identity:
+        """Validate the caller's key and scope; a call without a key is keyed by its fingerprint."""
+        scope_value = validate_scope(scope)
+        if key is None:
+            if self.policy.require_key:
+                raise InvalidKeyError(
+                    f"task {self.task.name!r} requires an idempotency key (require_key=True); "
+                    "call it with apply_async(..., idempotency_key='...')",
+                    task_name=self.task.name,
+                )
+            return Identity(scope_value, self.task.name, fp)
+        return Identity(scope_value, self.task.name, validate_key(key))
+
+    def as_sent(
+        self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, options: Mapping[str, Any]
+    ) -> tuple[Any, Any]:
+        """The arguments as Celery sends them: a ``pydantic=True`` task's models dumped, as Celery's
+        apply_async does (5.5+, for every serializer but pickle). The fingerprint and the kept call
+        are taken of what the worker will receive, never of the models."""
+        dump = getattr(self.task, "_dump_pydantic_arguments", None)
+        if dump is None or (options.get("serializer") or self.serializer) == "pickle":
+            return args, kwargs
+        dumped: tuple[Any, Any] = dump(args, kwargs)
+        return dumped
+
+    def running_identity(self, fp: str) -> tuple[str | None, str | None]:
+        """A key-less call of this task from inside its own body, with the same arguments, is the
+        running call itself: it inherits that call's key and scope (and so gets its own id back)."""
+        attempt = attempts.current(self.task)
+        if attempt is not None and attempt.fingerprint == fp:
+            return attempt.identity.key, attempt.identity.scope or None
+        return None, None
+
+    def kept_call(
+        self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, options: Mapping[str, Any] | None = None
+    ) -> bytes | None:
+        """The call as the reconciler delivers it again (celery_idem.calls); kept only when the policy
+        requeues. ``options`` are the publish-time ones; without them, the running message's own,
+        as Celery re-publishes it (Task.retry): the arguments, routing and retries of this attempt."""
+        if self.policy.stale_action != "requeue":
+            return None
+        if options is None:
+            options = self.task.signature_from_request(self.task.request, args, kwargs).options
+        else:
+            options = published_options(options, stamped=options.get("stamped_headers") or ())
+        return encode_call(self.task.name, args, kwargs, options, serializer=self.serializer)
+
+    def mismatch(self, identity: Identity, record: IdempotencyRecord) -> PayloadMismatchError:
+        return PayloadMismatchError(
+            f"idempotency key {identity.key!r} of task {self.task.name!r} was first used with other arguments "
+            f"(task {record.task_id}, {record.state.value}); a new call needs a new key",
+            key=identity.key,
+            task_name=self.task.name,
+            task_id=record.task_id,
+        )
+
+
+def log_decision(decision: Decision, identity: Identity, task_id: str, record: IdempotencyRecord) -> None:
+    """One INFO line per decision of a call or a message."""
+    if logger.isEnabledFor(logging.INFO):
+        logger.info(
+            "%s key=%s scope=%s task=%s task_id=%s record_task_id=%s state=%s",
+            decision.value,
+            identity.key,
+            identity.scope or "-",
+            identity.task_name,
+            task_id,
+            record.task_id,
+            record.state.value,
+        )

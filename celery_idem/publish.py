@@ -1,0 +1,145 @@
+"""The producer side: what happens to a call (``apply_async``, ``apply``, a signature's ``delay``).
+
+Validate key and scope, fingerprint, claim, then
+    NEW       -> publish (and give the claim back if publishing fails)
+    DUPLICATE -> hand back the original task id, publish nothing
+    REPLAY    -> hand back the stored outcome, publish nothing
+    MISMATCH  -> PayloadMismatchError
+A duplicate that carries a continuation (link, chain, chord, group) is published anyway: the worker
+replays the stored outcome into it instead of running the body.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from . import attempts, timing
+from .calling import TaskCalls, log_decision
+from .errors import DuplicateTaskError, StoreUnavailableError
+from .protocol import BYPASS_HEADER, HANDOVER_HEADER, KEY_HEADER, SCOPE_HEADER
+from .records import Decision, Identity
+from .result import bind_handle
+from .settle import Settlement
+from .stores.base import new_token
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+__all__ = ["publish"]
+
+_CONTINUATIONS = ("link", "link_error", "chain", "chord", "group_id")
+
+
+def publish(
+    calls: TaskCalls,
+    idem: Runtime,
+    settle: Settlement,
+    args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+    options: dict[str, Any],
+    send: Callable[[Any, Any, dict[str, Any]], Any],
+) -> Any:
+    """Claim, then publish through ``send`` (Celery's own apply_async) or hand back the original."""
+    task = calls.task
+    key = options.pop(KEY_HEADER, None)
+    scope = options.pop(SCOPE_HEADER, None)
+    enabled = options.pop(BYPASS_HEADER, True)
+    headers = dict(options.get("headers") or {})
+    key = headers.get(KEY_HEADER) if key is None else key
+    scope = headers.get(SCOPE_HEADER) if scope is None else scope
+    if enabled is False or headers.get(BYPASS_HEADER) is False:
+        options["headers"] = {**headers, BYPASS_HEADER: False}
+        return send(args, kwargs, options)
+    if options.get("retries"):
+        # Celery's retry re-publishes the same attempt chain under the same task id: never claimed again.
+        return send(args, kwargs, options)
+
+    args, kwargs = calls.as_sent(args, kwargs, options)
+    fp = calls.fingerprint(args, kwargs)
+    if key is None and scope is None:
+        key, scope = calls.running_identity(fp)
+    identity = calls.identify(key, scope, fp)
+    if _handing_over(task, options.get("task_id"), identity):
+        # replace() with this very call: the record is handed to this message (replacement.py),
+        # so there is nothing to claim, and a store outage must not stop it from being sent.
+        options["headers"] = {**headers, KEY_HEADER: identity.key, **({SCOPE_HEADER: scope} if scope else {})}
+        return bind_handle(send(args, kwargs, options), identity, idem, deduplicated=False)
+    # A caller that chose the task id (a frozen signature, a chain step, a group member) waits
+    # on that id: a duplicate of it is published anyway, and the worker replays into it.
+    awaited_id = bool(options.get("task_id"))
+    task_id = options.get("task_id") or str(uuid.uuid4())
+    options["task_id"] = task_id
+    options["headers"] = {**headers, KEY_HEADER: identity.key, **({SCOPE_HEADER: scope} if scope else {})}
+    policy = calls.policy
+    claim_token = new_token()
+    try:
+        claimed = idem.store.claim(
+            identity,
+            fp,
+            task_id,
+            pending_seconds=timing.pending_seconds(policy.pending_timeout_seconds, options, task.expires),
+            ttl_seconds=policy.ttl_seconds,
+            owner=claim_token,
+            call=calls.kept_call(args, kwargs, options),
+        )
+    except StoreUnavailableError:
+        if not idem.proceed_unprotected("claim", identity, task_id):
+            # The claim may have landed with only its reply lost: a PENDING record under a task
+            # id no message will carry would hand every retry of the key that id. Give it back.
+            settle.give_back(identity, claim_token, settled_is_fine=True)
+            raise
+        return bind_handle(send(args, kwargs, options), identity, idem, deduplicated=False)
+    idem.count("claims")
+    record = claimed.record
+    assert record is not None
+    log_decision(claimed.decision, identity, task_id, record)
+
+    if claimed.decision is Decision.NEW:
+        try:
+            sent = send(args, kwargs, options)
+        except BaseException:
+            if task.app.conf.task_always_eager:
+                # The body ran inline in this call, its retries too, and nothing was queued: the
+                # call is over, so free what it left unsettled under its task id (a Celery
+                # retry's PENDING); an outcome the body stored stays.
+                settle.give_back(identity, task_id, fence="task_id", settled_is_fine=True)
+            else:
+                # Publishing failed. The producer gives back only its own PENDING claim, fenced
+                # by the token the claim minted: the broker's error can come after the message
+                # got through (a publisher-confirm timeout, kombu's retried publish), and a
+                # worker that took the record holds it under its own token, so it stays.
+                settle.give_back(identity, record.owner, settled_is_fine=True)
+            raise  # the broker's own error, unwrapped
+        return bind_handle(sent, identity, idem, deduplicated=False, record=record)
+    # A chain step that replace() handed the record to, published later by the step before it: the
+    # store holds the record under exactly the token it carries (a forged one matches nothing). It
+    # may carry other arguments than the record's (a poll one try later): the same attempt chain.
+    token = headers.get(HANDOVER_HEADER)
+    handed = isinstance(token, str) and token == record.owner and task_id == record.task_id
+    if claimed.decision is Decision.MISMATCH and not handed:
+        idem.count("mismatches")
+        raise calls.mismatch(identity, record)
+    idem.count("replays" if claimed.decision is Decision.REPLAY else "duplicates")
+    if policy.on_duplicate == "raise" and not handed:
+        raise DuplicateTaskError(
+            f"task {task.name!r} with idempotency key {identity.key!r} is a duplicate of task "
+            f"{record.task_id} ({record.state.value}); on_duplicate='raise' refuses it",
+            key=identity.key,
+            task_name=task.name,
+            task_id=record.task_id,
+        )
+    copy = task_id == record.task_id and not handed  # the original's own id again
+    if not copy and (awaited_id or any(options.get(name) for name in _CONTINUATIONS)):
+        # Published anyway: the worker replays the outcome into the chain (or under the id the
+        # caller waits on) instead of running the body.
+        return bind_handle(send(args, kwargs, options), identity, idem, deduplicated=True, record=record)
+    return bind_handle(task.AsyncResult(record.task_id), identity, idem, deduplicated=True, record=record)
+
+
+def _handing_over(task: Any, task_id: str | None, identity: Identity) -> bool:
+    """Whether this publish is the replacement a running attempt of this task hands its record to:
+    known from the attempt on this thread, never from a header (headers are input)."""
+    attempt = attempts.current(task)
+    return attempt is not None and attempt.handed_over and task_id == attempt.task_id and (identity == attempt.identity)

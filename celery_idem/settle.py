@@ -1,0 +1,218 @@
+"""How an attempt's outcome is written: fenced by the attempt's owner token, retried while its lease
+lasts, then handed to the heartbeat thread; and which failures are stored and which free the key.
+
+A write answers True (written), False (LOST: another attempt owns the record) or None (the store
+did not answer while the lease lasted, or the soft time limit struck: the heartbeat thread goes on
+trying, so the outcome lands as soon as the store is back, before a duplicate can take the lease
+that ran out meanwhile).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from celery.exceptions import SoftTimeLimitExceeded
+
+from . import attempts, evidence
+from .calling import TaskCalls
+from .errors import IdempotencyError, LedgerUnavailableError, SerializationError, StoreUnavailableError
+from .failures import FailureClass, classify_failure
+from .outcome import encode_result
+from .records import ErrorInfo, IdempotencyRecord, Identity, Transition
+from .stores.base import Fence
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+__all__ = ["Settlement"]
+
+logger = logging.getLogger("celery_idem.handler")
+
+Write = Callable[[], Transition]
+
+
+class Settlement:
+    """The writes that settle one task's records, on its runtime's store."""
+
+    def __init__(self, idem: Runtime, calls: TaskCalls) -> None:
+        self.idem = idem
+        self.calls = calls
+        self._autoretry_for: tuple[type[BaseException], ...] = tuple(getattr(calls.task, "autoretry_for", ()) or ())
+
+    def give_back(
+        self,
+        identity: Identity,
+        token: str,
+        pending_seconds: float | None = None,
+        *,
+        fence: Fence = "owner",
+        settled_is_fine: bool = False,
+    ) -> None:
+        """Release under ``token``; a store error here is logged, never raised over the real error."""
+        try:
+            answer = self.idem.store.release(identity, token, pending_seconds=pending_seconds, fence=fence)
+        except IdempotencyError as exc:
+            logger.warning("could not release %s: %s; it frees itself when its lease runs out", identity, exc)
+            self.idem.count("store_errors")
+            return
+        if not answer.ok and not settled_is_fine:
+            self.idem.count("lost_locks")
+            logger.warning("release of %s was LOST: another attempt owns it now", identity)
+
+    def store_value(self, identity: Identity, owner: str, task_id: str, value: Any) -> bool | None:
+        """Complete with ``value``, as :meth:`write` answers.
+
+        Raises:
+            SerializationError: ``value`` cannot be encoded, or is over max_result_bytes; the record
+                is FAILED with this error (the effect happened: the key is never freed).
+        """
+        store = self.idem.store
+        try:
+            payload, content_type, encoding = encode_result(value, self.calls.serializer)
+            return self.write(
+                identity, owner, task_id, self._complete(identity, owner, payload, content_type, encoding)
+            )
+        except SerializationError as exc:  # from the encoding, or the store's max_result_bytes
+            error = ErrorInfo.from_exception(exc)
+            self.write(identity, owner, task_id, lambda: store.fail(identity, owner, error))
+            raise
+
+    def defer_value(self, record: IdempotencyRecord, value: Any) -> None:
+        """Hand the value's write to the heartbeat thread, and leave it in the result backend."""
+        identity, owner = record.identity, record.owner
+        logger.warning("the soft time limit struck while %s stored its outcome: the heartbeat stores it", identity)
+        payload, content_type, encoding = encode_result(value, self.calls.serializer)
+        self.defer(identity, owner, self._complete(identity, owner, payload, content_type, encoding))
+        evidence.leave(self.calls.task, value)
+
+    def _complete(self, identity: Identity, owner: str, payload: bytes, content_type: str, encoding: str) -> Write:
+        store = self.idem.store
+        return functools.partial(
+            store.complete, identity, owner, payload, content_type=content_type, content_encoding=encoding
+        )
+
+    def write(self, identity: Identity, owner: str, task_id: str, write: Write) -> bool | None:
+        """Settle the record through ``write``, as the module docstring says it answers."""
+        try:
+            return self._write_while_the_lease_lasts(identity, owner, task_id, write)
+        except SoftTimeLimitExceeded:
+            # Struck anywhere in the write or its retries: whether it landed is unknown, and this
+            # thread must stop. The heartbeat finishes it; the task keeps its own ending.
+            logger.warning(
+                "the soft time limit struck while %s (task %s) was settled: the heartbeat finishes the write",
+                identity,
+                task_id,
+            )
+            self.defer(identity, owner, write)
+            return None
+
+    def _write_while_the_lease_lasts(self, identity: Identity, owner: str, task_id: str, write: Write) -> bool | None:
+        deadline = time.monotonic() + self.calls.policy.lease_seconds
+        pause = 0.05
+        retried = False
+        while True:
+            try:
+                answer = write()
+                if not answer.ok and retried and self.settled_by(identity, owner):
+                    return True  # an earlier try was written and only its reply was lost
+            except StoreUnavailableError as exc:
+                retried = True
+                self.idem.count("store_errors")
+                if time.monotonic() + pause >= deadline:
+                    logger.error(
+                        "could not settle %s (task %s) while its lease lasted: %s; the heartbeat goes on trying",
+                        identity,
+                        task_id,
+                        exc,
+                    )
+                    self.defer(identity, owner, write)
+                    return None
+                logger.warning("settling %s (task %s) failed, retrying in %gs: %s", identity, task_id, pause, exc)
+                time.sleep(pause)
+                pause = min(pause * 2, 1.0)
+                continue
+            if not answer.ok:
+                self.idem.count("lost_locks")
+                logger.warning("outcome of %s (task %s) was LOST: another attempt owns the record", identity, task_id)
+            return answer.ok
+
+    def defer(self, identity: Identity, owner: str, write: Write) -> None:
+        """Hand ``write`` to the heartbeat thread, which tries it until it lands or the record expires."""
+        landed = functools.partial(self.settled_by, identity, owner)
+        self.idem.heartbeat.defer(identity, write, landed, seconds=self.calls.policy.ttl_seconds)
+
+    def settled_by(self, identity: Identity, owner: str) -> bool:
+        """Whether the record stands settled under ``owner``'s token (its own write landed)."""
+        try:
+            record = self.idem.store.get(identity)
+        except StoreUnavailableError:
+            return False
+        return record is not None and record.state.settled and record.owner == owner
+
+    def classify(self, exc: BaseException) -> FailureClass:
+        """``"permanent"`` (stored and replayed) or ``"retryable"`` (released) for an exception."""
+        return classify_failure(exc, self.calls.policy, self._autoretry_for)
+
+    def settle_failure(
+        self,
+        identity: Identity,
+        owner: str,
+        exc: BaseException,
+        fingerprint: str | None = None,
+        *,
+        earlier_attempts: bool = False,
+    ) -> None:
+        """Store a permanent failure, or free the key after a retryable one (``SystemExit`` and
+        any other non-``Exception`` too). Where the ledger holds the call committed, the record is
+        completed with the ledger's value instead, whatever was raised: the ledger wins. The
+        exception still propagates (the task did raise); results read through celery-idem answer
+        with the record.
+        """
+        retryable = not isinstance(exc, Exception) or self.classify(exc) == "retryable"
+        attempt = attempts.current(self.calls.task)  # None: a callback settles a replaced attempt's record
+        # Whether an effect of this identity may stand committed: this attempt called run_once, or
+        # an earlier attempt (a retry, a redelivery, a takeover) ran and may have.
+        touched = (attempt is not None and attempt.ledger_nonce is not None) or (
+            earlier_attempts and self.idem.settings.ledger is not None
+        )
+        if retryable and not touched:
+            self.give_back(identity, owner)
+            return
+        try:
+            entry = self.idem.committed(identity, fingerprint, attempt.ledger if attempt else None)
+        except LedgerUnavailableError as down:
+            if touched:
+                # Unknown is not failed: no outcome is stored and the key is not freed. The lease runs
+                # out and the reconciler settles the record from the ledger once it answers.
+                logger.warning(
+                    "%s raised %r and the ledger cannot say whether its effect committed (%s): left to the reconciler",
+                    identity,
+                    exc,
+                    down,
+                )
+                return
+            logger.warning("%s; the failure is stored", down)
+            entry = None
+        except Exception as broken:  # noqa: BLE001 - a misconfigured ledger never hides the task's error
+            logger.error("could not read the ledger for %s: %r; the failure stands", identity, broken)
+            entry = None
+        store = self.idem.store
+        if entry is not None:
+            logger.warning("%s raised %r after its effect committed: completed from the ledger", identity, exc)
+            payload = entry.result or b"null"
+            content_type = entry.content_type or "application/json"
+            self.write(
+                identity,
+                owner,
+                "-",
+                self._complete(identity, owner, payload, content_type, entry.content_encoding or "utf-8"),
+            )
+            return
+        if retryable:
+            self.give_back(identity, owner)
+        else:
+            self.write(identity, owner, "-", lambda: store.fail(identity, owner, ErrorInfo.from_exception(exc)))
