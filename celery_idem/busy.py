@@ -117,8 +117,11 @@ class BusyWait:
         message's own task id, the quiet ending: a message under another call's id (a send_task with
         a chosen id, a forged copy) must not write that id's state or result."""
         if record.task_id == self.task_id and not self.task.request.is_eager:
-            logger.warning("task %s (%s) carries other arguments than its own record: refused, ending quietly",
-                           self.task_id, self.identity)  # fmt: skip
+            logger.warning(
+                "task %s (%s) carries other arguments than its own record: refused, ending quietly",
+                self.task_id,
+                self.identity,
+            )
             return Ignore(f"task {self.task_id} with other arguments than its record's: refused")
         return None
 
@@ -169,8 +172,13 @@ class BusyWait:
         )
         if task.request.is_eager:
             raise task.retry(countdown=countdown, exc=error)
-        logger.info("%s (task %s) is BUSY with task %s: back to the broker for %gs", identity, self.task_id,
-                    record.task_id, countdown)  # fmt: skip
+        logger.info(
+            "%s (task %s) is BUSY with task %s: back to the broker for %gs",
+            identity,
+            self.task_id,
+            record.task_id,
+            countdown,
+        )
         self._republish(args, kwargs, countdown=countdown, headers=headers)
         raise Retry(exc=error, when=countdown)
 

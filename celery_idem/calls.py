@@ -36,11 +36,31 @@ MAX_CALL_BYTES = 64 * 1024
 # The apply_async options that are part of the call; the others (a connection, a producer, a
 # countdown or ETA already spent by the time a dead attempt is requeued) are not.
 _PUBLISH_OPTIONS = (
-    "queue", "exchange", "exchange_type", "routing_key", "priority", "serializer", "compression",
-    "link", "link_error", "chain", "chord", "group_id", "group_index", "root_id", "parent_id", "shadow",
-    "expires", "time_limit", "soft_time_limit", "headers", "reply_to", "ignore_result",
-    "replaced_task_nesting", "stamped_headers",
-)  # fmt: skip
+    "queue",
+    "exchange",
+    "exchange_type",
+    "routing_key",
+    "priority",
+    "serializer",
+    "compression",
+    "link",
+    "link_error",
+    "chain",
+    "chord",
+    "group_id",
+    "group_index",
+    "root_id",
+    "parent_id",
+    "shadow",
+    "expires",
+    "time_limit",
+    "soft_time_limit",
+    "headers",
+    "reply_to",
+    "ignore_result",
+    "replaced_task_nesting",
+    "stamped_headers",
+)
 # Never kept: the task id is the record's, and these belong to one delivery, not to the call.
 _DELIVERY_ONLY = ("task_id", "countdown", "eta", "redelivered", "is_eager")
 
@@ -120,5 +140,6 @@ def decode_call(data: bytes) -> Call:
         raise CallRefused("its call is in an unknown format")
     if "refused" in document:
         raise CallRefused(str(document["refused"]))
-    return Call(list(document.get("args") or ()), dict(document.get("kwargs") or {}),
-                dict(document.get("options") or {}))  # fmt: skip
+    return Call(
+        list(document.get("args") or ()), dict(document.get("kwargs") or {}), dict(document.get("options") or {})
+    )

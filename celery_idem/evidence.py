@@ -78,9 +78,12 @@ def earlier_outcome(idem: Runtime, task: Any, record: IdempotencyRecord) -> Foun
 
     def write() -> Transition:
         return idem.store.complete(
-            identity, owner, payload, content_type=content_type or "application/json",
+            identity,
+            owner,
+            payload,
+            content_type=content_type or "application/json",
             content_encoding=encoding or "utf-8",
-        )  # fmt: skip
+        )
 
     try:
         answer = write()
@@ -88,17 +91,24 @@ def earlier_outcome(idem: Runtime, task: Any, record: IdempotencyRecord) -> Foun
         # The earlier attempt's outcome is known: never run the body for it. The heartbeat stores it
         # once the store answers (this attempt holds the record), as for an outcome of its own.
         logger.warning("%s: storing the earlier attempt's outcome failed (%s); the heartbeat goes on", identity, exc)
-        idem.heartbeat.defer(identity, write, functools.partial(_settled_by, idem, identity, owner),
-                             seconds=record.ttl_seconds)  # fmt: skip
+        idem.heartbeat.defer(
+            identity, write, functools.partial(_settled_by, idem, identity, owner), seconds=record.ttl_seconds
+        )
         idem.count("replays")
         return Found(value)
     if not answer.ok:
         raise LockLostError(
             f"{record.identity} was taken by another attempt while its earlier attempt's outcome was read",
-            key=record.key, task_name=record.task_name, task_id=record.task_id,
-        )  # fmt: skip
-    logger.warning("%s: the earlier attempt %s completed (%s); settled with its outcome instead of running again",
-                   record.identity, earlier, why)  # fmt: skip
+            key=record.key,
+            task_name=record.task_name,
+            task_id=record.task_id,
+        )
+    logger.warning(
+        "%s: the earlier attempt %s completed (%s); settled with its outcome instead of running again",
+        record.identity,
+        earlier,
+        why,
+    )
     idem.count("replays")
     return Found(value)
 

@@ -37,8 +37,9 @@ def _travelling(name: str, value: Any) -> Any:
             pass
     if IdempotencySettings.model_fields[name].annotation is Any:
         return LeftBehind(name, f"{type(value).__name__} {value!r}")
-    logger.warning("celery-idem setting %s=%r does not pickle: pool children started with spawn will not see it",
-                   name, value)  # fmt: skip
+    logger.warning(
+        "celery-idem setting %s=%r does not pickle: pool children started with spawn will not see it", name, value
+    )
     return None
 
 

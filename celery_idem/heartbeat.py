@@ -158,8 +158,12 @@ class Heartbeat:
                 self._settle(item)
             time.sleep(min(0.2, max(deadline - time.monotonic(), 0.0)))
         for item in left:
-            logger.error("exiting with the outcome of %s not stored (no answer in %gs): the next attempt settles "
-                         "it from the result backend or the ledger", item.identity, timeout_seconds)  # fmt: skip
+            logger.error(
+                "exiting with the outcome of %s not stored (no answer in %gs): the next attempt settles "
+                "it from the result backend or the ledger",
+                item.identity,
+                timeout_seconds,
+            )
         return len(left)
 
     @property
@@ -246,8 +250,9 @@ class Heartbeat:
         except Exception as exc:  # noqa: BLE001 - the store is still down: try again at the next second
             if time.monotonic() < item.until:
                 return
-            logger.error("gave up settling %s: the store did not answer before its record expired (%r)",
-                         item.identity, exc)  # fmt: skip
+            logger.error(
+                "gave up settling %s: the store did not answer before its record expired (%r)", item.identity, exc
+            )
             ok = None
         with self._lock:
             self._settlements.discard(item)

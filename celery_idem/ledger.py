@@ -88,9 +88,7 @@ def ledger_table(metadata: sa.MetaData, name: str = "celery_idem_ledger") -> sa.
 class LedgerEntry:
     """A committed outcome as the ledger holds it."""
 
-    __slots__ = (
-        "content_encoding", "content_type", "fingerprint", "identity", "nonce", "outcome", "result", "task_id"
-    )  # fmt: skip
+    __slots__ = ("content_encoding", "content_type", "fingerprint", "identity", "nonce", "outcome", "result", "task_id")
 
     def __init__(self, row: Any) -> None:
         self.identity = Identity(row.scope, row.task_name, row.key)
@@ -327,9 +325,17 @@ class Ledger:
         identity, fingerprint = attempt.identity, attempt.fingerprint
         self._refuse_second_call(attempt.ledger_nonce, identity, session)
         serializer = task.serializer or task.app.conf.task_serializer or "json"
-        row = {"namespace": self.namespace, "scope": identity.scope, "task_name": identity.task_name,
-               "key": identity.key, "task_id": request.id or "", "fingerprint": fingerprint, "nonce": uuid.uuid4().hex,
-               "outcome": _UNSETTLED, "committed_at": _DB_NOW[self.engine.dialect.name]}  # fmt: skip
+        row = {
+            "namespace": self.namespace,
+            "scope": identity.scope,
+            "task_name": identity.task_name,
+            "key": identity.key,
+            "task_id": request.id or "",
+            "fingerprint": fingerprint,
+            "nonce": uuid.uuid4().hex,
+            "outcome": _UNSETTLED,
+            "committed_at": _DB_NOW[self.engine.dialect.name],
+        }
         # Marked before the row can commit: an attempt whose COMMIT's fate is unknown has touched the
         # ledger, and the handler leaves such an attempt's failure to the reconciler.
         nonce = str(row["nonce"])
@@ -372,8 +378,10 @@ class Ledger:
             logger.warning(
                 "Ledger.run_once of %s writes to a ledger that app %r does not read (%s): pass it as "
                 "Idempotency(app, ledger=...) so duplicates' results and the reconciler answer from it",
-                task.name, task.app.main, "it has none" if configured is None else "it has another",
-            )  # fmt: skip
+                task.name,
+                task.app.main,
+                "it has none" if configured is None else "it has another",
+            )
 
     def _refuse_second_call(
         self, used: str | None, identity: Identity, session: Session | sa.Connection | None
@@ -415,18 +423,31 @@ class Ledger:
         # The COMMIT's answer was lost or wrong about what happened: ask the database, on a new connection.
         known, entry = self._settle(identity, row)
         if not known or entry is None:
-            logger.warning("COMMIT of %s failed (%s); %s", identity, failed,
-                           "the ledger holds no row of it" if known else "the ledger could not be asked")  # fmt: skip
+            logger.warning(
+                "COMMIT of %s failed (%s); %s",
+                identity,
+                failed,
+                "the ledger holds no row of it" if known else "the ledger could not be asked",
+            )
             raise failed
         ours = entry.nonce == row["nonce"]
-        logger.warning("COMMIT of %s raised %s but %s row is committed: %s", identity, failed,
-                       "its" if ours else "another attempt's", "its outcome stands")  # fmt: skip
+        logger.warning(
+            "COMMIT of %s raised %s but %s row is committed: %s",
+            identity,
+            failed,
+            "its" if ours else "another attempt's",
+            "its outcome stands",
+        )
         return (None, value) if ours else (entry, value)
 
     def _record(
-        self, connection: sa.Connection, identity: Identity, row: dict[str, Any], fn: Callable[[Session], T],
+        self,
+        connection: sa.Connection,
+        identity: Identity,
+        row: dict[str, Any],
+        fn: Callable[[Session], T],
         serializer: str,
-    ) -> tuple[LedgerEntry | None, T]:  # fmt: skip
+    ) -> tuple[LedgerEntry | None, T]:
         """Write the row, run ``fn`` and store its outcome, in a SAVEPOINT of ``connection``'s transaction.
 
         Returns (None, fn's value) when fn ran, or (the committed entry, None) when the unique key
@@ -453,9 +474,10 @@ class Ledger:
             connection.execute(
                 sa.update(self.table)
                 .where(self._where(identity), self.table.c.nonce == row["nonce"])
-                .values(outcome=State.COMPLETED.value, result=payload, content_type=content_type,
-                        content_encoding=encoding)
-            )  # fmt: skip
+                .values(
+                    outcome=State.COMPLETED.value, result=payload, content_type=content_type, content_encoding=encoding
+                )
+            )
         except BaseException:
             savepoint.rollback()
             raise

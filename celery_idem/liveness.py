@@ -62,6 +62,9 @@ class ProcessLiveness:
         if answer.ok:
             self.created = True
             return self
-        logger.warning("liveness record %s expired: this process was taken for dead; its attempts past "
-                       "their leases are settled without it, and new attempts name a new record", self.id)  # fmt: skip
+        logger.warning(
+            "liveness record %s expired: this process was taken for dead; its attempts past "
+            "their leases are settled without it, and new attempts name a new record",
+            self.id,
+        )
         return ProcessLiveness(self.seconds)

@@ -25,8 +25,16 @@ from celery.exceptions import Retry
 from .errors import StoreUnavailableError
 from .protocol import OUTAGE_HEADER, SURPRISES_HEADER, request_header
 
-__all__ = ["FIRST_DELAY_SECONDS", "MAX_DELAY_SECONDS", "MAX_TRIPS", "UNEXPECTED_MAX_TRIPS", "countdown",
-           "gives_up", "keep_message", "trips"]  # fmt: skip
+__all__ = [
+    "FIRST_DELAY_SECONDS",
+    "MAX_DELAY_SECONDS",
+    "MAX_TRIPS",
+    "UNEXPECTED_MAX_TRIPS",
+    "countdown",
+    "gives_up",
+    "keep_message",
+    "trips",
+]
 
 FIRST_DELAY_SECONDS, MAX_DELAY_SECONDS = 0.5, 30.0  # the outage backoff doubles up to this
 # Each delay of the backoff, by trip: 0.5, 1, 2, ... and MAX_DELAY_SECONDS from the first doubling

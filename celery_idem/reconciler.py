@@ -182,8 +182,12 @@ class Reconciler:
                 return False
             if isinstance(error, BaseException) and self._permanent(record, error):
                 info = ErrorInfo.from_exception(error)
-                self._write(record, "failed", "result backend: permanent failure",
-                            lambda: self.store.fail(record.identity, record.owner, info))  # fmt: skip
+                self._write(
+                    record,
+                    "failed",
+                    "result backend: permanent failure",
+                    lambda: self.store.fail(record.identity, record.owner, info),
+                )
             else:
                 self._release(record, "result backend: retryable failure")
             return True
@@ -268,19 +272,32 @@ class Reconciler:
             # As a worker stores it: the effect happened, so the key is never freed; the error says why.
             error = ResultTooLargeError(
                 f"the {why}'s result of {record.identity} is {len(payload)} bytes, over max_result_bytes "
-                f"({self.store.max_result_bytes})", key=record.key, task_name=record.task_name, task_id=record.task_id,
-            )  # fmt: skip
+                f"({self.store.max_result_bytes})",
+                key=record.key,
+                task_name=record.task_name,
+                task_id=record.task_id,
+            )
             info = ErrorInfo.from_exception(error)
-            self._write(record, "failed", f"{why}: result too large",
-                        lambda: self.store.fail(record.identity, record.owner, info))  # fmt: skip
+            self._write(
+                record,
+                "failed",
+                f"{why}: result too large",
+                lambda: self.store.fail(record.identity, record.owner, info),
+            )
             return
-        self._write(record, "completed", why, lambda: self.store.complete(
-            record.identity, record.owner, payload, content_type=content_type, content_encoding=encoding or "utf-8"
-        ))  # fmt: skip
+        self._write(
+            record,
+            "completed",
+            why,
+            lambda: self.store.complete(
+                record.identity, record.owner, payload, content_type=content_type, content_encoding=encoding or "utf-8"
+            ),
+        )
 
     def _release(self, record: IdempotencyRecord, why: str) -> None:
-        self._write(record, "released", why,
-                    lambda: self.store.release(record.identity, record.owner, expired_only=True))  # fmt: skip
+        self._write(
+            record, "released", why, lambda: self.store.release(record.identity, record.owner, expired_only=True)
+        )
 
     def _requeue(self, record: IdempotencyRecord) -> None:
         """Deliver the kept call again, as it was sent (routing, continuations, limits, retries),
@@ -299,9 +316,12 @@ class Reconciler:
         pending = self._policy(record).pending_timeout_seconds
         if expires_at is not None:  # a claim never outlives its message
             pending = min(pending, expires_at - self.now + EXPIRY_GRACE_SECONDS)
-        written = self._write(record, "requeued", "provably dead: requeued", lambda: self.store.release(
-            record.identity, record.owner, pending_seconds=pending, expired_only=True
-        ))  # fmt: skip
+        written = self._write(
+            record,
+            "requeued",
+            "provably dead: requeued",
+            lambda: self.store.release(record.identity, record.owner, pending_seconds=pending, expired_only=True),
+        )
         if not written or self.dry_run:
             return
         headers = {name: value for name, value in (call.options.get("headers") or {}).items() if name != SCOPE_HEADER}
@@ -314,8 +334,14 @@ class Reconciler:
 
     def _leave(self, record: IdempotencyRecord, why: str) -> None:
         self.counts["left"] += 1
-        logger.info("left key=%s task=%s task_id=%s state=%s: %s", record.key, record.task_name, record.task_id,
-                    record.state.value, why)  # fmt: skip
+        logger.info(
+            "left key=%s task=%s task_id=%s state=%s: %s",
+            record.key,
+            record.task_name,
+            record.task_id,
+            record.state.value,
+            why,
+        )
 
     def _write(self, record: IdempotencyRecord, outcome: str, why: str, write: Any) -> bool:
         if not self.dry_run:
@@ -332,6 +358,13 @@ class Reconciler:
                 self._leave(record, f"changed since the scan ({why})")
                 return False
         self.counts[outcome] += 1
-        logger.info("%s key=%s task=%s task_id=%s was=%s: %s", outcome, record.key, record.task_name,
-                    record.task_id, record.state.value, why)  # fmt: skip
+        logger.info(
+            "%s key=%s task=%s task_id=%s was=%s: %s",
+            outcome,
+            record.key,
+            record.task_name,
+            record.task_id,
+            record.state.value,
+            why,
+        )
         return True

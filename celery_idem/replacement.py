@@ -263,8 +263,9 @@ def replaced(self: Any, value: Any, *, task_name: str, scope: str, key: str, own
     _settle(self.app, task_name, scope, key, owner, value=value)
 
 
-def replaced_failed(request: Any, exc: Any, traceback: Any, *, task_name: str, scope: str, key: str,
-                    owner: str) -> None:  # fmt: skip
+def replaced_failed(
+    request: Any, exc: Any, traceback: Any, *, task_name: str, scope: str, key: str, owner: str
+) -> None:
     """Error link of the replacement: the replaced task's record takes its failure (classed as usual).
 
     Not bound: Celery calls an errback whose signature it reads as ``(request, exc, traceback)`` in

@@ -182,9 +182,11 @@ class Runtime:
                         f"the idempotency option of task {task.name!r} must be a dict or IdempotencyPolicy; "
                         f"got {type(option).__name__}"
                     )
-                merged.update(option if isinstance(option, dict) else {
-                    name: getattr(option, name) for name in option.model_fields_set
-                })  # fmt: skip
+                merged.update(
+                    option
+                    if isinstance(option, dict)
+                    else {name: getattr(option, name) for name in option.model_fields_set}
+                )
             try:
                 policy = self.settings.policy(merged)
             except ValidationError as exc:

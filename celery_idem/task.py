@@ -102,8 +102,19 @@ class IdempotentTask(Task, HandledTask):  # type: ignore[misc]
         if found.get(BYPASS_HEADER) is not False:
             handler.identify(found.get(KEY_HEADER), found.get(SCOPE_HEADER), "")  # the key rules, require_key too
         args, kwargs = handler.as_sent(args, kwargs, options)
-        return super().apply(args, kwargs, link=link, link_error=link_error, task_id=task_id, retries=retries,
-                             throw=throw, logfile=logfile, loglevel=loglevel, headers=headers, **options)  # fmt: skip
+        return super().apply(
+            args,
+            kwargs,
+            link=link,
+            link_error=link_error,
+            task_id=task_id,
+            retries=retries,
+            throw=throw,
+            logfile=logfile,
+            loglevel=loglevel,
+            headers=headers,
+            **options,
+        )
 
     def _send(self, args: Any, kwargs: Any, options: dict[str, Any]) -> Any:
         return super().apply_async(args, kwargs, **options)

@@ -65,8 +65,14 @@ def _add_tasks(app: Celery, prefix: str) -> None:
         counter.incr(key)
         return outcome
 
-    @app.task(name="chaos.work", shared=False, base=IdempotentTask, bind=True, acks_late=True,
-              idempotency={"lease_seconds": LEASE})  # fmt: skip
+    @app.task(
+        name="chaos.work",
+        shared=False,
+        base=IdempotentTask,
+        bind=True,
+        acks_late=True,
+        idempotency={"lease_seconds": LEASE},
+    )
     def work(self: Any, seconds: float, tag: str = "") -> str:
         """A long task with no ledger: its effect (an INCR, and the pid) comes first, then it works."""
         key = effects_key(prefix, self.name, self.request.idempotency_key)

@@ -61,86 +61,179 @@ REDELIVERED = Seen("`COMPLETED`", "`COMPLETED`", VALUE, "2")
 
 ENDINGS: tuple[Ending, ...] = (
     Ending("returns a value", "returns", "", same(Seen("`COMPLETED`", "`COMPLETED`", VALUE, "1"))),
-    Ending("raises a permanent error (`PermanentError`)", "permanent",
-           "stored; replayed to every duplicate as the same exception class",
-           same(Seen("`FAILED` (`PermanentError`)", "`FAILED` (`PermanentError`)",
-                     "deduplicated: raises `PermanentError`", "1"))),
-    Ending("raises a retryable error, no retry", "retryable",
-           "a transient error is never frozen as the answer to a key: released, so a new call runs",
-           same(Seen("none", "none", RUNS, "1, then 2"))),
-    Ending("`self.retry()`, then returns", "retries",
-           "the retry is the same attempt chain: `PENDING` under the same task id meanwhile (lease "
-           "`pending_timeout_seconds` + countdown, never past the expiry the retry message inherits + 5 s)",
-           same(Seen("`COMPLETED`", "`COMPLETED`", VALUE, "2"))),
-    Ending("`autoretry_for`, a retry left, then returns", "autoretried", "as `self.retry()`",
-           same(Seen("`COMPLETED`", "`COMPLETED`", VALUE, "2")), args=(1,)),
-    Ending("`autoretry_for`, retries exhausted", "autoretried", "as a retryable error with no retry left",
-           same(Seen("none", "none", RUNS, "2, then 3")), args=(2,)),
-    Ending("`self.replace(sig)`", "replaced",
-           "the body handed its work on and must not run again: a replacement by its own call takes the record "
-           "over at once (a handover token the store checks); any other keeps it `IN_PROGRESS` (lease "
-           "`pending_timeout_seconds` + `lease_seconds`) until callbacks linked to the replacement settle it with "
-           "its outcome, fenced by the owner token; duplicates get the original task id, whose result is the "
-           "replacement's",
-           same(Seen("`COMPLETED`", "`COMPLETED`", VALUE, "1 (+ 1 replacement)"))),
-    Ending("`Reject(requeue=True)`", "rejects",
-           "with `acks_late` the broker redelivers the message (`PENDING` meanwhile); without, Celery acked it "
-           "already and it is gone, so the key is freed",
-           by_ack(REDELIVERED, Seen("none", "none", RUNS, "1, then 2")), args=(True,)),
-    Ending("`Reject(requeue=False)`", "rejects",
-           "the task said this message must not be processed: a duplicate message is rejected too; to process it "
-           "again (say, from a dead-letter queue), `forget` the key first",
-           same(Seen("`FAILED` (`Reject`)", "`FAILED` (`Reject`)", "deduplicated: raises `Reject`", "1")),
-           args=(False,)),
-    Ending("`Ignore`", "ignores",
-           "ended on purpose without a result: a duplicate message is acknowledged quietly, as the original was; a "
-           "caller's `get()` raises `Ignore` instead of waiting for a result that never comes",
-           same(Seen("`FAILED` (`Ignore`)", "`FAILED` (`Ignore`)", "deduplicated: raises `Ignore`", "1"))),
-    Ending("revoked before it ran", "returns", "the worker's `task_revoked` hook frees the `PENDING` claim",
-           same(Seen("none", "none", RUNS, "0, then 1")), act="revoke_first", first=True),
-    Ending("`expires` passed when the worker received it", "returns",
-           "the worker revokes it: the same hook frees the claim",
-           same(Seen("none", "none", RUNS, "0, then 1")), options=_past, first=True),
-    Ending("`expires` passed with no worker to take it", "returns",
-           "RabbitMQ drops it unseen (message TTL), Redis keeps it unseen: nobody is told, so the claim lapses "
-           "at the expiry + 5 s, and the reconciler releases it (no worker holds it)",
-           same(Seen("`PENDING`", "none", RUNS, "0, then 1")), options=_past, worker="idle"),
-    Ending("`revoke(terminate=True)` while it runs (SIGTERM)", "hangs",
-           "the child gets SIGTERM: the attempt sees `SystemExit` (never an outcome) and releases its record under "
-           "its owner token",
-           same(Seen("none", "none", RUNS, "1, then 2")), act="terminate"),
-    Ending("`revoke(terminate=True, signal=\"SIGKILL\")` while it runs", "hangs",
-           "as a SIGKILL of the child (below)",
-           same(KILLED), act="terminate_kill"),
-    Ending("soft time limit", "hangs",
-           "`SoftTimeLimitExceeded` is raised in the body: an unlisted error, retryable by default",
-           same(Seen("none", "none", RUNS, "1, then 2")), options=lambda: {"soft_time_limit": 1}),
-    Ending("hard time limit", "hangs",
-           "billiard sends the child SIGTERM, then SIGKILL 0.1 s later: the attempt's `SystemExit` path releases "
-           "its record under its owner token if it can in that time; if not, the lease runs out and the "
-           "reconciler releases it (`TimeLimitExceeded` is retryable)",
-           same(Seen("none or `IN_PROGRESS`", "none", RUNS, "1, then 2")), options=lambda: {"time_limit": 1}),
-    Ending("SIGKILL of its prefork child", "hangs",
-           "no heartbeat renews the lease now; the parent's hook (fenced by the task id) may free only a `PENDING` "
-           "claim or an expired lease, as a live record under that id may be a copy running elsewhere; once the "
-           "lease ran out, the reconciler releases it on the result backend's `WorkerLostError` (retryable), and "
-           "a redelivery or the next call takes over", same(KILLED), act="sigkill"),
-    Ending("SIGKILL of its child, `task_reject_on_worker_lost`", "hangs_reject_lost",
-           "with `acks_late` the message goes back to the broker: the copy waits for the dead attempt's lease "
-           "(`busy_wait_seconds`), then runs; without, the message is gone (as above)",
-           by_ack(REDELIVERED, KILLED), act="sigkill"),
-    Ending("SIGKILL of its child, `task_retry_on_worker_lost`", "hangs_retry_lost",
-           "Celery sends a retry under the same task id, with either ack: it waits for the dead attempt's lease, "
-           "then runs",
-           same(REDELIVERED), act="sigkill"),
-    Ending("warm shutdown (SIGTERM to the worker) while it runs", "hangs",
-           "the worker finishes its running tasks before it exits",
-           same(Seen("`COMPLETED`", "`COMPLETED`", VALUE, "1")), args=(2,), act="warm_shutdown", worker="warm"),
-    Ending("returns a value, `spawn` pool", "returns", "settings given in code reach spawned children",
-           same(Seen("`COMPLETED`", "`COMPLETED`", VALUE, "1")), worker="spawn"),
-    Ending("SIGKILL of its child, `spawn` pool", "hangs", "as with fork", same(KILLED), act="sigkill",
-           worker="spawn"),
-)  # fmt: skip
+    Ending(
+        "raises a permanent error (`PermanentError`)",
+        "permanent",
+        "stored; replayed to every duplicate as the same exception class",
+        same(
+            Seen(
+                "`FAILED` (`PermanentError`)",
+                "`FAILED` (`PermanentError`)",
+                "deduplicated: raises `PermanentError`",
+                "1",
+            )
+        ),
+    ),
+    Ending(
+        "raises a retryable error, no retry",
+        "retryable",
+        "a transient error is never frozen as the answer to a key: released, so a new call runs",
+        same(Seen("none", "none", RUNS, "1, then 2")),
+    ),
+    Ending(
+        "`self.retry()`, then returns",
+        "retries",
+        "the retry is the same attempt chain: `PENDING` under the same task id meanwhile (lease "
+        "`pending_timeout_seconds` + countdown, never past the expiry the retry message inherits + 5 s)",
+        same(Seen("`COMPLETED`", "`COMPLETED`", VALUE, "2")),
+    ),
+    Ending(
+        "`autoretry_for`, a retry left, then returns",
+        "autoretried",
+        "as `self.retry()`",
+        same(Seen("`COMPLETED`", "`COMPLETED`", VALUE, "2")),
+        args=(1,),
+    ),
+    Ending(
+        "`autoretry_for`, retries exhausted",
+        "autoretried",
+        "as a retryable error with no retry left",
+        same(Seen("none", "none", RUNS, "2, then 3")),
+        args=(2,),
+    ),
+    Ending(
+        "`self.replace(sig)`",
+        "replaced",
+        "the body handed its work on and must not run again: a replacement by its own call takes the record "
+        "over at once (a handover token the store checks); any other keeps it `IN_PROGRESS` (lease "
+        "`pending_timeout_seconds` + `lease_seconds`) until callbacks linked to the replacement settle it with "
+        "its outcome, fenced by the owner token; duplicates get the original task id, whose result is the "
+        "replacement's",
+        same(Seen("`COMPLETED`", "`COMPLETED`", VALUE, "1 (+ 1 replacement)")),
+    ),
+    Ending(
+        "`Reject(requeue=True)`",
+        "rejects",
+        "with `acks_late` the broker redelivers the message (`PENDING` meanwhile); without, Celery acked it "
+        "already and it is gone, so the key is freed",
+        by_ack(REDELIVERED, Seen("none", "none", RUNS, "1, then 2")),
+        args=(True,),
+    ),
+    Ending(
+        "`Reject(requeue=False)`",
+        "rejects",
+        "the task said this message must not be processed: a duplicate message is rejected too; to process it "
+        "again (say, from a dead-letter queue), `forget` the key first",
+        same(Seen("`FAILED` (`Reject`)", "`FAILED` (`Reject`)", "deduplicated: raises `Reject`", "1")),
+        args=(False,),
+    ),
+    Ending(
+        "`Ignore`",
+        "ignores",
+        "ended on purpose without a result: a duplicate message is acknowledged quietly, as the original was; a "
+        "caller's `get()` raises `Ignore` instead of waiting for a result that never comes",
+        same(Seen("`FAILED` (`Ignore`)", "`FAILED` (`Ignore`)", "deduplicated: raises `Ignore`", "1")),
+    ),
+    Ending(
+        "revoked before it ran",
+        "returns",
+        "the worker's `task_revoked` hook frees the `PENDING` claim",
+        same(Seen("none", "none", RUNS, "0, then 1")),
+        act="revoke_first",
+        first=True,
+    ),
+    Ending(
+        "`expires` passed when the worker received it",
+        "returns",
+        "the worker revokes it: the same hook frees the claim",
+        same(Seen("none", "none", RUNS, "0, then 1")),
+        options=_past,
+        first=True,
+    ),
+    Ending(
+        "`expires` passed with no worker to take it",
+        "returns",
+        "RabbitMQ drops it unseen (message TTL), Redis keeps it unseen: nobody is told, so the claim lapses "
+        "at the expiry + 5 s, and the reconciler releases it (no worker holds it)",
+        same(Seen("`PENDING`", "none", RUNS, "0, then 1")),
+        options=_past,
+        worker="idle",
+    ),
+    Ending(
+        "`revoke(terminate=True)` while it runs (SIGTERM)",
+        "hangs",
+        "the child gets SIGTERM: the attempt sees `SystemExit` (never an outcome) and releases its record under "
+        "its owner token",
+        same(Seen("none", "none", RUNS, "1, then 2")),
+        act="terminate",
+    ),
+    Ending(
+        '`revoke(terminate=True, signal="SIGKILL")` while it runs',
+        "hangs",
+        "as a SIGKILL of the child (below)",
+        same(KILLED),
+        act="terminate_kill",
+    ),
+    Ending(
+        "soft time limit",
+        "hangs",
+        "`SoftTimeLimitExceeded` is raised in the body: an unlisted error, retryable by default",
+        same(Seen("none", "none", RUNS, "1, then 2")),
+        options=lambda: {"soft_time_limit": 1},
+    ),
+    Ending(
+        "hard time limit",
+        "hangs",
+        "billiard sends the child SIGTERM, then SIGKILL 0.1 s later: the attempt's `SystemExit` path releases "
+        "its record under its owner token if it can in that time; if not, the lease runs out and the "
+        "reconciler releases it (`TimeLimitExceeded` is retryable)",
+        same(Seen("none or `IN_PROGRESS`", "none", RUNS, "1, then 2")),
+        options=lambda: {"time_limit": 1},
+    ),
+    Ending(
+        "SIGKILL of its prefork child",
+        "hangs",
+        "no heartbeat renews the lease now; the parent's hook (fenced by the task id) may free only a `PENDING` "
+        "claim or an expired lease, as a live record under that id may be a copy running elsewhere; once the "
+        "lease ran out, the reconciler releases it on the result backend's `WorkerLostError` (retryable), and "
+        "a redelivery or the next call takes over",
+        same(KILLED),
+        act="sigkill",
+    ),
+    Ending(
+        "SIGKILL of its child, `task_reject_on_worker_lost`",
+        "hangs_reject_lost",
+        "with `acks_late` the message goes back to the broker: the copy waits for the dead attempt's lease "
+        "(`busy_wait_seconds`), then runs; without, the message is gone (as above)",
+        by_ack(REDELIVERED, KILLED),
+        act="sigkill",
+    ),
+    Ending(
+        "SIGKILL of its child, `task_retry_on_worker_lost`",
+        "hangs_retry_lost",
+        "Celery sends a retry under the same task id, with either ack: it waits for the dead attempt's lease, "
+        "then runs",
+        same(REDELIVERED),
+        act="sigkill",
+    ),
+    Ending(
+        "warm shutdown (SIGTERM to the worker) while it runs",
+        "hangs",
+        "the worker finishes its running tasks before it exits",
+        same(Seen("`COMPLETED`", "`COMPLETED`", VALUE, "1")),
+        args=(2,),
+        act="warm_shutdown",
+        worker="warm",
+    ),
+    Ending(
+        "returns a value, `spawn` pool",
+        "returns",
+        "settings given in code reach spawned children",
+        same(Seen("`COMPLETED`", "`COMPLETED`", VALUE, "1")),
+        worker="spawn",
+    ),
+    Ending("SIGKILL of its child, `spawn` pool", "hangs", "as with fork", same(KILLED), act="sigkill", worker="spawn"),
+)
 
 
 def merged(cells: dict[tuple[str, str], str]) -> str:
@@ -151,8 +244,10 @@ def merged(cells: dict[tuple[str, str], str]) -> str:
     by_variant = {variant: {cells[(broker, variant)] for broker in BROKERS} for variant in VARIANTS}
     if all(len(v) == 1 for v in by_variant.values()):
         return f"`acks_late`: {by_variant['late'].pop()}; otherwise: {by_variant['early'].pop()}"
-    return "; ".join(f"{broker}, {'`acks_late`' if variant == 'late' else 'early ack'}: {value}"
-                     for (broker, variant), value in sorted(cells.items()))  # fmt: skip
+    return "; ".join(
+        f"{broker}, {'`acks_late`' if variant == 'late' else 'early ack'}: {value}"
+        for (broker, variant), value in sorted(cells.items())
+    )
 
 
 def render(seen: dict[tuple[str, str, str], Seen]) -> str:
@@ -163,8 +258,10 @@ def render(seen: dict[tuple[str, str, str], Seen]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for ending in ENDINGS:
-        columns = [merged({(b, v): getattr(seen[(ending.label, b, v)], name) for b in BROKERS for v in VARIANTS})
-                   for name in Seen._fields]  # fmt: skip
+        columns = [
+            merged({(b, v): getattr(seen[(ending.label, b, v)], name) for b in BROKERS for v in VARIANTS})
+            for name in Seen._fields
+        ]
         lines.append("| " + " | ".join([ending.label, *columns, ending.why]) + " |")
     return "\n".join(lines)
 

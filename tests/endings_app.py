@@ -127,19 +127,25 @@ def make_app(
         "permanent": (permanent, {}),
         "retryable": (retryable, {}),
         "retries": (retries, {"max_retries": 1}),
-        "autoretried": (autoretried, {"autoretry_for": (ConnectionError,), "max_retries": 1,
-                                      "default_retry_delay": 0}),
+        "autoretried": (autoretried, {"autoretry_for": (ConnectionError,), "max_retries": 1, "default_retry_delay": 0}),
         "replaced": (replaced, {}),
         "rejects": (rejects, {}),
         "ignores": (ignores, {}),
         "hangs": (hangs, {}),
         "hangs_reject_lost": (hangs, {"reject_on_worker_lost": True}),
         "hangs_retry_lost": (hangs, {"retry_on_worker_lost": True, "max_retries": 1, "default_retry_delay": 0}),
-    }  # fmt: skip
+    }
     for kind, (body, options) in kinds.items():
         for variant, late in (("late", True), ("early", False)):
-            app.task(shared=False, base=IdempotentTask, bind=True, name=f"end.{kind}.{variant}", acks_late=late,
-                     idempotency={"lease_seconds": LEASE_SECONDS}, **options)(body)  # fmt: skip
+            app.task(
+                shared=False,
+                base=IdempotentTask,
+                bind=True,
+                name=f"end.{kind}.{variant}",
+                acks_late=late,
+                idempotency={"lease_seconds": LEASE_SECONDS},
+                **options,
+            )(body)
     return app
 
 

@@ -79,10 +79,15 @@ class Model:
     def key(self) -> tuple[Any, ...]:
         """A hashable snapshot (the linearizability checker memoizes on it)."""
         # ErrorInfo holds a list: the record goes in without it, and the error as its JSON.
-        return (self.time, tuple(sorted(
-            (i, dataclasses.replace(r, error=None), r.error.model_dump_json() if r.error else None)
-            for i, r in self.records.items()
-        )))  # fmt: skip
+        return (
+            self.time,
+            tuple(
+                sorted(
+                    (i, dataclasses.replace(r, error=None), r.error.model_dump_json() if r.error else None)
+                    for i, r in self.records.items()
+                )
+            ),
+        )
 
     def now(self) -> float:
         return self.time
@@ -102,9 +107,16 @@ class Model:
     # ---- take: claim and acquire -----------------------------------------------------------------
 
     def claim(
-        self, identity: Identity, fingerprint: str, task_id: str, *, pending_seconds: float, ttl_seconds: float,
-        owner: str, call: bytes | None = None,
-    ) -> Answer:  # fmt: skip
+        self,
+        identity: Identity,
+        fingerprint: str,
+        task_id: str,
+        *,
+        pending_seconds: float,
+        ttl_seconds: float,
+        owner: str,
+        call: bytes | None = None,
+    ) -> Answer:
         lease, ttl = pending_seconds, ttl_seconds
         held = self._live(identity)
         if held is not None:
@@ -118,21 +130,55 @@ class Model:
         # absent, or a lease that ran out: a new claim, written whole (nothing of the old survives
         # but a waiter's mark, since a BUSY duplicate of the old attempt is still owed its answer, and
         # the task id of the attempt it takes over, or the one the claim it takes over kept)
-        fresh = Rec(identity, fingerprint, State.PENDING, task_id, owner, 0, self.time + lease, self.time,
-                    self.time, self.time + lease + ttl, ttl, call=call,
-                    linger=held.linger if held is not None else None, previous_task_id=_taken_over(held))  # fmt: skip
+        fresh = Rec(
+            identity,
+            fingerprint,
+            State.PENDING,
+            task_id,
+            owner,
+            0,
+            self.time + lease,
+            self.time,
+            self.time,
+            self.time + lease + ttl,
+            ttl,
+            call=call,
+            linger=held.linger if held is not None else None,
+            previous_task_id=_taken_over(held),
+        )
         self.records[identity] = fresh
         return Answer(Decision.NEW, fresh)
 
     def acquire(
-        self, identity: Identity, fingerprint: str, task_id: str, *, lease_seconds: float, ttl_seconds: float,
-        owner: str, call: bytes | None = None, next_look_seconds: float = 0.0, retry: bool = False,
-    ) -> Answer:  # fmt: skip
+        self,
+        identity: Identity,
+        fingerprint: str,
+        task_id: str,
+        *,
+        lease_seconds: float,
+        ttl_seconds: float,
+        owner: str,
+        call: bytes | None = None,
+        next_look_seconds: float = 0.0,
+        retry: bool = False,
+    ) -> Answer:
         lease, ttl = lease_seconds, ttl_seconds
         held = self._live(identity)
         if held is None:
-            fresh = Rec(identity, fingerprint, State.IN_PROGRESS, task_id, owner, 1, self.time + lease, self.time,
-                        self.time, self.time + lease + ttl, ttl, call=call)  # fmt: skip
+            fresh = Rec(
+                identity,
+                fingerprint,
+                State.IN_PROGRESS,
+                task_id,
+                owner,
+                1,
+                self.time + lease,
+                self.time,
+                self.time,
+                self.time + lease + ttl,
+                ttl,
+                call=call,
+            )
             self.records[identity] = fresh
             return Answer(Decision.RUN, fresh)
         # A Celery retry under the record's task id is the same attempt chain: it runs with other
@@ -148,10 +194,17 @@ class Model:
             self.records[identity] = dataclasses.replace(held, linger=max(held.linger or look, look))
             return Answer(Decision.BUSY, held)
         taken = self._write(
-            held, state=State.IN_PROGRESS, task_id=task_id, owner=owner, attempt=held.attempt + 1,
-            lease_expires_at=self.time + lease, expires_at=self.time + lease + ttl, ttl_seconds=ttl,
-            call=call if call is not None else held.call, previous_task_id=_taken_over(held),
-        )  # fmt: skip
+            held,
+            state=State.IN_PROGRESS,
+            task_id=task_id,
+            owner=owner,
+            attempt=held.attempt + 1,
+            lease_expires_at=self.time + lease,
+            expires_at=self.time + lease + ttl,
+            ttl_seconds=ttl,
+            call=call if call is not None else held.call,
+            previous_task_id=_taken_over(held),
+        )
         return Answer(Decision.RUN, taken)
 
     # ---- fenced writes ---------------------------------------------------------------------------
@@ -163,14 +216,26 @@ class Model:
         return held
 
     def complete(
-        self, identity: Identity, token: str, result: bytes, *, content_type: str = "application/json",
+        self,
+        identity: Identity,
+        token: str,
+        result: bytes,
+        *,
+        content_type: str = "application/json",
         content_encoding: str = "utf-8",
-    ) -> Answer:  # fmt: skip
+    ) -> Answer:
         held = self._owned(identity, token)
         if held is None:
             return LOST
-        self._write(held, state=State.COMPLETED, result=result, content_type=content_type,
-                    content_encoding=content_encoding, lease_expires_at=None, expires_at=self._kept(held))  # fmt: skip
+        self._write(
+            held,
+            state=State.COMPLETED,
+            result=result,
+            content_type=content_type,
+            content_encoding=content_encoding,
+            lease_expires_at=None,
+            expires_at=self._kept(held),
+        )
         return OK
 
     def fail(self, identity: Identity, token: str, error: ErrorInfo) -> Answer:
@@ -185,9 +250,14 @@ class Model:
         return max(self.time + held.ttl_seconds, held.linger or 0.0)
 
     def release(
-        self, identity: Identity, token: str, *, pending_seconds: float | None = None, fence: str = "owner",
+        self,
+        identity: Identity,
+        token: str,
+        *,
+        pending_seconds: float | None = None,
+        fence: str = "owner",
         expired_only: bool = False,
-    ) -> Answer:  # fmt: skip
+    ) -> Answer:
         held = self._owned(identity, token, fence)
         if held is None:
             return LOST
@@ -200,8 +270,9 @@ class Model:
             del self.records[identity]
         else:
             lease = self.time + pending_seconds
-            self._write(held, state=State.PENDING, owner=MINTED, lease_expires_at=lease,
-                        expires_at=lease + held.ttl_seconds)  # fmt: skip
+            self._write(
+                held, state=State.PENDING, owner=MINTED, lease_expires_at=lease, expires_at=lease + held.ttl_seconds
+            )
         return OK
 
     def renew(self, identity: Identity, token: str, *, lease_seconds: float) -> Answer:
@@ -248,8 +319,18 @@ def _taken_over(held: Rec | None) -> str | None:
 
 # ---- holding a real store's answers to the model ------------------------------------------------
 
-_FIELDS = ("fingerprint", "state", "task_id", "attempt", "ttl_seconds", "result", "content_type",
-           "content_encoding", "error", "previous_task_id")  # fmt: skip
+_FIELDS = (
+    "fingerprint",
+    "state",
+    "task_id",
+    "attempt",
+    "ttl_seconds",
+    "result",
+    "content_type",
+    "content_encoding",
+    "error",
+    "previous_task_id",
+)
 _TIMES = ("lease_expires_at", "created_at", "updated_at", "expires_at")
 
 
@@ -274,11 +355,17 @@ class Timeline:
         """How ``real`` (an ``IdempotencyRecord`` or None) differs from the model's record."""
         if model is None or real is None:
             return [] if model is None and real is None else [f"record: model {model!r}, store {real!r}"]
-        found = [f"{name}: model {getattr(model, name)!r}, store {getattr(real, name)!r}"
-                 for name in _FIELDS if getattr(model, name) != getattr(real, name)]  # fmt: skip
-        found += [f"{name}: model {getattr(model, name)!r} (+base), store {getattr(real, name)!r} "
-                  f"(= base {self.base:.3f} + {(getattr(real, name) or 0) - self.base:.3f})"
-                  for name in _TIMES if not self.same_time(getattr(model, name), getattr(real, name))]  # fmt: skip
+        found = [
+            f"{name}: model {getattr(model, name)!r}, store {getattr(real, name)!r}"
+            for name in _FIELDS
+            if getattr(model, name) != getattr(real, name)
+        ]
+        found += [
+            f"{name}: model {getattr(model, name)!r} (+base), store {getattr(real, name)!r} "
+            f"(= base {self.base:.3f} + {(getattr(real, name) or 0) - self.base:.3f})"
+            for name in _TIMES
+            if not self.same_time(getattr(model, name), getattr(real, name))
+        ]
         if real.identity != model.identity:
             found.append(f"identity: model {model.identity}, store {real.identity}")
         if real.call != model.call:
@@ -300,8 +387,10 @@ class Timeline:
         """``expired_leases(limit=limit)`` answers the first ``limit`` due records by lease; records
         whose leases tie in model time may come in any order (the store's clock tells them apart)."""
         if len(real) != min(limit, len(model)):
-            return [f"expired_leases: model {[str(r.identity) for r in model]} (limit {limit}), "
-                    f"store {[str(r.identity) for r in real]}"]  # fmt: skip
+            return [
+                f"expired_leases: model {[str(r.identity) for r in model]} (limit {limit}), "
+                f"store {[str(r.identity) for r in real]}"
+            ]
         by_identity = {r.identity: r for r in model}
         found: list[str] = []
         for n, record in enumerate(real):

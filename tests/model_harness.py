@@ -33,8 +33,10 @@ TASK_IDS = ("task-1", "task-2", "task-3")
 OWNERS = ("owner-1", "owner-2", "owner-3")
 CALLS = (None, b"call-1", b"call-2")
 RESULTS = (b'"r1"', b'{"r":2}')
-ERRORS = (ErrorInfo(type="CardDeclined", module="shop", message="no", args=["no"]),
-          ErrorInfo(type="Boom", module="shop", message="boom", args=[1, None]))  # fmt: skip
+ERRORS = (
+    ErrorInfo(type="CardDeclined", module="shop", message="no", args=["no"]),
+    ErrorInfo(type="Boom", module="shop", message="boom", args=[1, None]),
+)
 # Every duration and time step is a whole number of quanta (see model.py); steps land exactly on
 # lease and TTL boundaries, where "expires_at <= now" counts as expired.
 LEASES = (QUANTUM, 2 * QUANTUM, 3 * QUANTUM)

@@ -67,12 +67,28 @@ def redis_cluster(root: Path) -> Iterator[str]:
             ports.append(port)
     nodes = [
         subprocess.Popen(
-            [binary, "--port", str(p), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-             "--cluster-config-file", f"nodes-{p}.conf", "--save", "", "--appendonly", "no", "--dir", str(root)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                binary,
+                "--port",
+                str(p),
+                "--bind",
+                "127.0.0.1",
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                f"nodes-{p}.conf",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(root),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         for p in ports
-    ]  # fmt: skip
+    ]
     try:
         import redis
 
@@ -80,8 +96,10 @@ def redis_cluster(root: Path) -> Iterator[str]:
             wait_until(lambda p=p: redis.Redis(port=p).ping(), f"cluster node {p}")
         subprocess.run(
             ["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports], "--cluster-yes"],
-            check=True, capture_output=True, timeout=60,
-        )  # fmt: skip
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
         wait_until(lambda: redis.Redis(port=ports[0]).cluster("INFO").get("cluster_state") == "ok", "cluster")
         yield f"redis+cluster://127.0.0.1:{ports[0]}"
     finally:

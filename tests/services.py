@@ -70,8 +70,20 @@ class RedisServer:
 
     def start(self) -> None:
         aof = ["--appendonly", "yes", "--appendfsync", "always"] if self.persistent else ["--appendonly", "no"]
-        command = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", *aof,
-                   "--dir", str(self.dir), "--logfile", str(self.dir / "redis.log")]  # fmt: skip
+        command = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            *aof,
+            "--dir",
+            str(self.dir),
+            "--logfile",
+            str(self.dir / "redis.log"),
+        ]
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_until(self.ping, f"redis-server on port {self.port}")
 
@@ -122,8 +134,9 @@ class PostgresServer:
                 missing("running as root without runuser: cannot start PostgreSQL as another user")
             self.as_user = [str(runuser), "-u", "postgres", "--"]
             shutil.chown(self.root, "postgres")
-        self._run(_postgres_bin("initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync",
-                  "-E", "UTF8")  # fmt: skip
+        self._run(
+            _postgres_bin("initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8"
+        )
         self.start()
 
     @property

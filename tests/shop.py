@@ -254,8 +254,9 @@ def make_app(
         """A keyed poll that replaces itself with its own call (same key) one try later: other arguments."""
         runs = effect(self)
         if runs == 1:
-            raise self.replace(self.s(order_id, tries + 1).set(idempotency_key=self.request.idempotency_key,
-                                                                countdown=1))  # fmt: skip
+            raise self.replace(
+                self.s(order_id, tries + 1).set(idempotency_key=self.request.idempotency_key, countdown=1)
+            )
         return {"order": order_id, "runs": runs, "tries": tries}
 
     @task(name="shop.chain_poll")
@@ -342,8 +343,9 @@ def make_app(
     def noted(task_id: str, tag: str) -> None:
         counter.incr(effects_key(prefix, "shop.noted", tag))
 
-    @task(name="shop.requeued", acks_late=True, max_retries=3,
-          idempotency={"lease_seconds": 3, "stale_action": "requeue"})  # fmt: skip
+    @task(
+        name="shop.requeued", acks_late=True, max_retries=3, idempotency={"lease_seconds": 3, "stale_action": "requeue"}
+    )
     def requeued(self: Any, amount: int, hold: float = 60, retry_first: bool = False) -> dict[str, Any]:
         """Stuck (to be killed) the first time it gets past its optional first retry; then an effect.
         Answers what the attempt ran with: its arguments, retries, time limits, queue and priority."""
@@ -353,8 +355,13 @@ def make_app(
             time.sleep(hold)  # only the first attempt gets stuck
         effect(self)
         delivery = self.request.delivery_info or {}
-        return {"amount": amount, "retries": self.request.retries, "time_limits": list(self.request.timelimit or ()),
-                "queue": delivery.get("routing_key"), "priority": delivery.get("priority")}  # fmt: skip
+        return {
+            "amount": amount,
+            "retries": self.request.retries,
+            "time_limits": list(self.request.timelimit or ()),
+            "queue": delivery.get("routing_key"),
+            "priority": delivery.get("priority"),
+        }
 
     def pay(self: Any, order_id: int, amount: int, hold_before_commit: float = 0, hold_after_commit: float = 0) -> Any:
         """A payment recorded in the business database with the ledger, in one transaction."""

@@ -77,7 +77,7 @@ def order(**overrides: Any) -> TaggedOrder:
         "parcel": Parcel(
             labels=frozenset({"top", "bottom", "side"}),
             contents=[Parcel(labels=frozenset({"inner", "outer", "middle"}))],
-        ),  # fmt: skip
+        ),
         "ordered": ["first", "second", "third"],
         "speed": Speed.EXPRESS,
         "at": datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.timezone.utc),
@@ -91,8 +91,13 @@ def order(**overrides: Any) -> TaggedOrder:
 
 def make_app(broker: str, backend: str | None, store: str, prefix: str, serializer: str = "json") -> Celery:
     app = Celery("tagged", broker=broker, backend=backend, set_as_current=False)
-    app.conf.update(task_default_queue=prefix, broker_connection_retry_on_startup=True, result_expires=600,
-                    task_serializer=serializer, accept_content=[serializer, "json"])  # fmt: skip
+    app.conf.update(
+        task_default_queue=prefix,
+        broker_connection_retry_on_startup=True,
+        result_expires=600,
+        task_serializer=serializer,
+        accept_content=[serializer, "json"],
+    )
     Idempotency(app, store=store, key_prefix=prefix, accept_pickle=serializer == "pickle")
     counter = redis.Redis.from_url(COUNTER_URL)
 

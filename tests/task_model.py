@@ -172,8 +172,10 @@ def allowed_answers(handle: Handle, executions: list[Execution]) -> list[Executi
     lifetime at its publish: the last completed run of its key within the TTL (a duplicate or a
     replay), and the first run that completed after it (the run it waited for, or a takeover of
     it)."""
-    runs = sorted((e for e in executions if e.task == handle.task and e.key == handle.key and e.end is not None),
-                  key=lambda e: e.end or 0.0)  # fmt: skip
+    runs = sorted(
+        (e for e in executions if e.task == handle.task and e.key == handle.key and e.end is not None),
+        key=lambda e: e.end or 0.0,
+    )
     allowed = [e for e in runs if e.task_id in handle.own_ids]
     before = [e for e in runs if e.end is not None and e.end <= handle.at + BOUNDARY_SLACK_SECONDS]
     if before and handle.at - (before[-1].end or 0.0) <= TTL + LINGER_SECONDS:
@@ -199,8 +201,10 @@ def answer_problem(handle: Handle, value: Any, executions: list[Execution]) -> s
     if value["task_id"] in handle.own_ids or made[0] in allowed:
         return None
     shown = ", ".join(f"run {e.run} of task {e.task_id[:8]} ended {e.end:.2f}" for e in allowed) or "none"
-    return (f"{handle} published at {handle.at:.2f}: answered run {value['run']} of task {value['task_id'][:8]} "
-            f"(ended {made[0].end:.2f}), another call's; its own answer is one of: {shown}")  # fmt: skip
+    return (
+        f"{handle} published at {handle.at:.2f}: answered run {value['run']} of task {value['task_id'][:8]} "
+        f"(ended {made[0].end:.2f}), another call's; its own answer is one of: {shown}"
+    )
 
 
 def continuation_problems(counts: dict[str, int], heads_succeeded: set[str], quiet: bool) -> list[str]:
@@ -232,12 +236,31 @@ class WorkerProcess:
     def __init__(self, tmp: Path, env: dict[str, str], queues: list[str], *, extra: tuple[str, ...] = ()) -> None:
         self.name = f"tm-{uuid.uuid4().hex[:6]}@{socket.gethostname()}"
         self.log = tmp / f"{self.name.partition('@')[0]}.log"
-        command = [sys.executable, "-m", "celery", "-A", "task_model_app", "worker", "-P", "prefork", "-c", "2",
-                   "-Q", ",".join(queues), "-n", self.name, "-l", "INFO", "--without-gossip", "--without-mingle",
-                   *extra]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "task_model_app",
+            "worker",
+            "-P",
+            "prefork",
+            "-c",
+            "2",
+            "-Q",
+            ",".join(queues),
+            "-n",
+            self.name,
+            "-l",
+            "INFO",
+            "--without-gossip",
+            "--without-mingle",
+            *extra,
+        ]
         with self.log.open("wb") as out:
-            self.process = subprocess.Popen(command, cwd=TESTS, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                            start_new_session=True)  # fmt: skip
+            self.process = subprocess.Popen(
+                command, cwd=TESTS, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
         deadline = time.monotonic() + 60
         while "ready." not in self.output() and self.process.poll() is None:
             if time.monotonic() > deadline:
@@ -252,8 +275,9 @@ class WorkerProcess:
         """The main process and its pool children."""
         found = {self.process.pid}
         with contextlib.suppress(OSError, subprocess.SubprocessError):
-            out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.process.pid)], capture_output=True,
-                                 text=True, timeout=5).stdout  # fmt: skip
+            out = subprocess.run(
+                ["ps", "-o", "pid=", "--ppid", str(self.process.pid)], capture_output=True, text=True, timeout=5
+            ).stdout
             found |= {int(p) for p in out.split()}
         return frozenset(found)
 
@@ -277,9 +301,14 @@ class Producer:
     """The second producer: a subprocess under another hash seed (task_model_app.py ``produce``)."""
 
     def __init__(self, env: dict[str, str]) -> None:
-        self.process = subprocess.Popen([sys.executable, "task_model_app.py", "produce"], cwd=TESTS,
-                                        env={**env, "PYTHONHASHSEED": "4242"}, stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True)  # fmt: skip
+        self.process = subprocess.Popen(
+            [sys.executable, "task_model_app.py", "produce"],
+            cwd=TESTS,
+            env={**env, "PYTHONHASHSEED": "4242"},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
 
     def send(self, task: str, args: list[Any], kwargs: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
         assert self.process.stdin is not None and self.process.stdout is not None

@@ -41,8 +41,14 @@ class Shop:
         self.prefix = f"b{uuid.uuid4().hex[:10]}"
         settings: dict[str, Any] = {"on_busy": on_busy, "ttl_seconds": ttl, "busy_wait_seconds": 0.5}
         self.worker = Worker(tmp, BROKERS["redis"], STORES[store], self.prefix, **settings)
-        self.app = make_app(broker=BROKERS["redis"], backend=BACKEND, store=STORES[store], prefix=self.prefix,
-                            queue=self.prefix, **settings)  # fmt: skip
+        self.app = make_app(
+            broker=BROKERS["redis"],
+            backend=BACKEND,
+            store=STORES[store],
+            prefix=self.prefix,
+            queue=self.prefix,
+            **settings,
+        )
         self.counter = redis.Redis.from_url(COUNTER_URL)
 
     def runs(self, key: str) -> int:
@@ -117,8 +123,9 @@ def test_a_busy_duplicate_back_from_the_broker_later_than_its_countdown_still_re
     settings: dict[str, Any] = {"on_busy": "retry", "ttl_seconds": 0.2}
     worker = Worker(tmp_path, BROKERS["redis"], REDIS_URL, prefix, **settings)
     try:
-        app = make_app(broker=BROKERS["redis"], backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix,
-                       **settings)  # fmt: skip
+        app = make_app(
+            broker=BROKERS["redis"], backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix, **settings
+        )
         counter, key = redis.Redis.from_url(COUNTER_URL), f"k-{uuid.uuid4().hex}"
         nap, slow = app.tasks["shop.nap"], app.tasks["shop.slow"]
         first = nap.apply_async((1.5,), idempotency_key=key)

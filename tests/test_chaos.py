@@ -98,8 +98,16 @@ def producer(
     **settings: Any,
 ) -> Any:
     """The test's own app (the callers' side)."""
-    app = make_chaos_app(conf=conf, broker=broker, backend=BACKEND, store=store, prefix=prefix, queue=prefix,
-                         ledger_url=POSTGRES_URL if ledger else None, **settings)  # fmt: skip
+    app = make_chaos_app(
+        conf=conf,
+        broker=broker,
+        backend=BACKEND,
+        store=store,
+        prefix=prefix,
+        queue=prefix,
+        ledger_url=POSTGRES_URL if ledger else None,
+        **settings,
+    )
     if ledger:
         engine = sa.create_engine(POSTGRES_URL, poolclass=sa.pool.NullPool)
         Idempotency.of(app).settings.ledger.create_schema()
@@ -475,8 +483,11 @@ def test_an_outcome_the_cut_kept_from_the_store_lands_when_the_link_is_back_and_
     # When the link is back, Then each outcome lands within a few seconds (the worker's heartbeat
     # thread kept trying it), not only when the reconciler runs: before, a call in between ran the
     # body again on the lease that ran out during the cut
-    wait_for(lambda: all((r := idem.get("chaos.work", k)) is not None and r.state is State.COMPLETED for k in keys),
-             "the deferred outcomes to land", seconds=8)  # fmt: skip
+    wait_for(
+        lambda: all((r := idem.get("chaos.work", k)) is not None and r.state is State.COMPLETED for k in keys),
+        "the deferred outcomes to land",
+        seconds=8,
+    )
     again = [work.apply_async((1.0,), idempotency_key=key) for key in keys]
     assert [r.get(timeout=GET) for r in results + again] == ["worked 1.0"] * 4
     assert all(r.deduplicated for r in again)
@@ -612,8 +623,9 @@ def test_a_worker_45s_ahead_neither_takes_over_a_live_lease_nor_expires_a_record
     app = producer(store, prefix, ttl_seconds=30)
     workers(store, ttl_seconds=30)
     path = os.pathsep.join([str(SKEWED_CLOCK), str(Path(__file__).parent), str(Path(__file__).parent.parent)])
-    ahead = workers(store, queue=f"{prefix}-ahead", ttl_seconds=30,
-                    env={"PYTHONPATH": path, "CHAOS_CLOCK_SHIFT_SECONDS": "45"})  # fmt: skip
+    ahead = workers(
+        store, queue=f"{prefix}-ahead", ttl_seconds=30, env={"PYTHONPATH": path, "CHAOS_CLOCK_SHIFT_SECONDS": "45"}
+    )
     logged = re.search(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)", ahead.output(), re.M)
     assert logged and datetime.fromisoformat(logged[1]).timestamp() > time.time() + 30, "the clock is not ahead"
     work, key = app.tasks["chaos.work"], f"k-{uuid.uuid4().hex}"

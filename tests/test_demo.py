@@ -30,11 +30,18 @@ def test_the_demo_shows_every_guarantee(wiring: str, tmp_path) -> None:
         require_server("postgresql")
     run = subprocess.run(
         [sys.executable, "-m", "celery_idem", "demo", "--workdir", str(tmp_path), *WIRINGS[wiring]],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "every guarantee held" in run.stdout
-    for scenario in ("storm of duplicate calls", "payload mismatch refused", "final failure replayed",
-                     "retryable failure retried", "worker killed mid-task"):  # fmt: skip
+    for scenario in (
+        "storm of duplicate calls",
+        "payload mismatch refused",
+        "final failure replayed",
+        "retryable failure retried",
+        "worker killed mid-task",
+    ):
         assert f"{scenario}" in run.stdout
     assert "200 calls from 8 threads: 1 execution, 1 task id, 1 distinct answer" in run.stdout

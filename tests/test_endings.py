@@ -70,17 +70,31 @@ class Run:
         self.queues = {name: f"{self.prefix}-{name}" for name in [*WORKERS, "idle"]}  # idle: no worker
         quorum = broker == "rabbitmq"
         queues = list(self.queues.values())
-        self.app = make_app(broker=BROKER_URLS[broker], backend=BACKEND, store=REDIS_URL, prefix=self.prefix,
-                            queues=queues, quorum=quorum, inspect_timeout_seconds=INSPECT)  # fmt: skip
+        self.app = make_app(
+            broker=BROKER_URLS[broker],
+            backend=BACKEND,
+            store=REDIS_URL,
+            prefix=self.prefix,
+            queues=queues,
+            quorum=quorum,
+            inspect_timeout_seconds=INSPECT,
+        )
         self.idem = Idempotency.of(self.app)
         self.counter = redis.Redis.from_url(COUNTER_URL)
         env = {"ENDINGS_QUEUES": json.dumps(queues), "ENDINGS_QUORUM": "1" if quorum else ""}
         self.workers: dict[str, Worker] = {}
 
         def start(name: str) -> None:
-            self.workers[name] = Worker(tmp, BROKER_URLS[broker], REDIS_URL, self.prefix, app="endings_app",
-                                        queue=self.queues[name], concurrency=WORKERS[name],
-                                        env={**env, "ENDINGS_SPAWN": "1" if name == "spawn" else ""})  # fmt: skip
+            self.workers[name] = Worker(
+                tmp,
+                BROKER_URLS[broker],
+                REDIS_URL,
+                self.prefix,
+                app="endings_app",
+                queue=self.queues[name],
+                concurrency=WORKERS[name],
+                env={**env, "ENDINGS_SPAWN": "1" if name == "spawn" else ""},
+            )
 
         with ThreadPoolExecutor(len(WORKERS)) as pool:
             list(pool.map(start, WORKERS))
@@ -181,8 +195,11 @@ def _end(run: Run, cell: Cell) -> None:
     backend = AsyncResult(cell.result.id, app=run.app)
     if backend.state == states.SUCCESS:
         # A body (or a replacement) that returned settles the record: a moment after the backend has it.
-        until(lambda: getattr(run.idem.get(cell.task, cell.key), "state", None) is not State.IN_PROGRESS,
-                 "the record to settle after SUCCESS", GET)  # fmt: skip
+        until(
+            lambda: getattr(run.idem.get(cell.task, cell.key), "state", None) is not State.IN_PROGRESS,
+            "the record to settle after SUCCESS",
+            GET,
+        )
     hard = type(backend.result).__name__ in ("WorkerLostError", "TimeLimitExceeded")
     if backend.state == states.REVOKED or (backend.state == states.FAILURE and hard):
         # The record as the parent's hook left it, once the child that ran the body is gone.
@@ -202,8 +219,7 @@ def _end(run: Run, cell: Cell) -> None:
 
 def phase_duplicate(run: Run, cell: Cell) -> tuple[str, str]:
     """apply_async with the same key and arguments (to the shared worker: any other may be gone)."""
-    again = run.app.tasks[cell.task].apply_async(cell.ending.args, idempotency_key=cell.key,
-                                                 queue=run.queues["shared"])  # fmt: skip
+    again = run.app.tasks[cell.task].apply_async(cell.ending.args, idempotency_key=cell.key, queue=run.queues["shared"])
     try:
         value = again.get(timeout=GET)
         outcome = "the stored value" if value == "done" else repr(value)
@@ -259,9 +275,15 @@ def test_the_docs_table_is_what_the_matrix_saw() -> None:
     """docs/concepts.md shows the matrix as the runs above saw it; with CELERY_IDEM_WRITE_ENDINGS=1
     this rewrites the table instead (after the runs: ``python -m pytest tests/test_endings.py``)."""
     ARTEFACT.parent.mkdir(exist_ok=True)
-    ARTEFACT.write_text(json.dumps([{"ending": label, "broker": broker, "acks_late": variant == "late",
-                                     **seen._asdict()} for (label, broker, variant), seen in OBSERVED.items()],
-                                   indent=1))  # fmt: skip
+    ARTEFACT.write_text(
+        json.dumps(
+            [
+                {"ending": label, "broker": broker, "acks_late": variant == "late", **seen._asdict()}
+                for (label, broker, variant), seen in OBSERVED.items()
+            ],
+            indent=1,
+        )
+    )
     missing = [(e.label, b, v) for e in ENDINGS for b in BROKERS for v in VARIANTS if (e.label, b, v) not in OBSERVED]
     if missing:
         pytest.skip(f"the matrix did not run on every broker here ({len(missing)} cells missing)")

@@ -65,8 +65,9 @@ class Process:
         env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         command = [sys.executable, "-m", "celery", "-A", module, role, "-l", "INFO", *extra]
         with self.log.open("wb") as out:
-            self.process = subprocess.Popen(command, cwd=tmp, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                            start_new_session=True)  # fmt: skip
+            self.process = subprocess.Popen(
+                command, cwd=tmp, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
         ready = "ready." if role == "worker" else "beat: Starting..."
         wait_for(lambda: ready in self.output() or self.process.poll() is not None, f"{role} start", 60)
         assert self.process.poll() is None, f"{role} exited:\n{self.output()}"
@@ -85,8 +86,21 @@ class Process:
 
 
 def worker(tmp: Path, module: str, env: dict[str, str], name: str) -> Process:
-    return Process(tmp, module, "worker", env, "-P", "prefork", "-c", "2", "-n", f"{name}@%h",
-                   "--without-gossip", "--without-mingle", "--without-heartbeat")  # fmt: skip
+    return Process(
+        tmp,
+        module,
+        "worker",
+        env,
+        "-P",
+        "prefork",
+        "-c",
+        "2",
+        "-n",
+        f"{name}@%h",
+        "--without-gossip",
+        "--without-mingle",
+        "--without-heartbeat",
+    )
 
 
 # ---- payments -----------------------------------------------------------------------------------------
@@ -227,8 +241,14 @@ def test_the_ledger_keeps_one_payment_when_the_store_forgot_the_key(payments: Pa
 def test_beat_runs_the_reconciler_on_the_worker(payments: Payments, tmp_path: Path) -> None:
     schedule = payments.app.conf.beat_schedule["celery-idem-reconcile"]
     assert (schedule["task"], schedule["schedule"]) == ("celery_idem.reconcile", 1.0)
-    beat = Process(tmp_path, "examples.payments.celery_app", "beat", payments.config.to_env(),
-                   "-s", str(tmp_path / "beat-schedule"))  # fmt: skip
+    beat = Process(
+        tmp_path,
+        "examples.payments.celery_app",
+        "beat",
+        payments.config.to_env(),
+        "-s",
+        str(tmp_path / "beat-schedule"),
+    )
     try:
         wait_for(
             lambda: re.search(r"Task celery_idem\.reconcile\[[^]]+\] succeeded", payments.worker.output()),
@@ -365,6 +385,7 @@ def test_docker_compose_accepts_the_file() -> None:
     client = _compose_client()
     if client is None:
         pytest.skip("no docker compose client (docker compose plugin or docker-compose) on this machine")
-    checked = subprocess.run([*client, "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True,
-                             cwd=ROOT, timeout=60)  # fmt: skip
+    checked = subprocess.run(
+        [*client, "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
     assert checked.returncode == 0, checked.stderr

@@ -150,8 +150,13 @@ def _register_tasks(app: Any, prefix: str, counter: redis.Redis) -> None:
         effect(self)
         raise PermanentError(f"card declined for order {order_id}")
 
-    @task(name="faults.retried", idempotency=policy, autoretry_for=(ConnectionError,), max_retries=2,
-          default_retry_delay=0)  # fmt: skip
+    @task(
+        name="faults.retried",
+        idempotency=policy,
+        autoretry_for=(ConnectionError,),
+        max_retries=2,
+        default_retry_delay=0,
+    )
     def retried(self: Any, order_id: int) -> dict[str, Any]:
         if self.request.retries == 0:
             raise ConnectionError("payment provider unreachable")  # before the effect: a Celery retry
@@ -183,8 +188,16 @@ def _redis_world(mode: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     later = RedisStore(store.client, key_prefix=prefix, clock=lambda: time.time() + skew + LATER)
     injector = Injector(store)
     ledger_url = f"sqlite:///{tmp_path_factory.mktemp('ledger')}/ledger.db"
-    app = make_app(broker=BROKER, backend=BACKEND, store=store, prefix=prefix, queue=prefix, ledger_url=ledger_url,
-                   on_store_error=mode, inspect_timeout_seconds=0.5)  # fmt: skip
+    app = make_app(
+        broker=BROKER,
+        backend=BACKEND,
+        store=store,
+        prefix=prefix,
+        queue=prefix,
+        ledger_url=ledger_url,
+        on_store_error=mode,
+        inspect_timeout_seconds=0.5,
+    )
     ledger = Idempotency.of(app).settings.ledger
     ledger.create_schema()
     payments = payments_table(prefix)
@@ -341,9 +354,11 @@ OPERATIONS = ("claim", "acquire", "renew", "complete", "fail", "release", "get")
 
 
 def _stores() -> list[Any]:
-    return [pytest.param(kind, fault, id=f"{kind}-{fault.value}")
-            for kind, faults in (("redis", REDIS_FAULTS), ("sqlite", SQL_FAULTS), ("postgresql", SQL_FAULTS))
-            for fault in faults]  # fmt: skip
+    return [
+        pytest.param(kind, fault, id=f"{kind}-{fault.value}")
+        for kind, faults in (("redis", REDIS_FAULTS), ("sqlite", SQL_FAULTS), ("postgresql", SQL_FAULTS))
+        for fault in faults
+    ]
 
 
 @pytest.mark.parametrize(("kind", "fault"), _stores())
@@ -366,16 +381,18 @@ def test_every_fault_at_every_store_operation_is_store_unavailable(
             assert taken.record is not None
             owner = taken.record.owner
             call = {
-                "claim": lambda i=identity: store.claim(Identity("", i.task_name, i.key + "c"), "fp", "t2",
-                                                        pending_seconds=30, ttl_seconds=60),
-                "acquire": lambda i=identity: store.acquire(Identity("", i.task_name, i.key + "a"), "fp", "t3",
-                                                            lease_seconds=30, ttl_seconds=60),
+                "claim": lambda i=identity: store.claim(
+                    Identity("", i.task_name, i.key + "c"), "fp", "t2", pending_seconds=30, ttl_seconds=60
+                ),
+                "acquire": lambda i=identity: store.acquire(
+                    Identity("", i.task_name, i.key + "a"), "fp", "t3", lease_seconds=30, ttl_seconds=60
+                ),
                 "renew": lambda i=identity, o=owner: store.renew(i, o, lease_seconds=30),
                 "complete": lambda i=identity, o=owner: store.complete(i, o, b"1"),
                 "fail": lambda i=identity, o=owner: store.fail(i, o, ErrorInfo.from_exception(ValueError("x"))),
                 "release": lambda i=identity, o=owner: store.release(i, o),
                 "get": lambda i=identity: store.get(i),
-            }[operation]  # fmt: skip
+            }[operation]
             plan = faults.arm(Plan(operation, fault))
             with pytest.raises(Unavailable) as caught:
                 call()
@@ -584,11 +601,13 @@ def test_a_message_back_from_any_number_of_outage_trips_goes_back_again_and_neve
         # When messages arrive whose trip headers say they went back that often (or say nonsense)
         sent = {
             name: producer.send_task(
-                "shop.charge", (1, 10), queue=prefix,
+                "shop.charge",
+                (1, 10),
+                queue=prefix,
                 headers={"idempotency_key": f"{prefix}-{name}", OUTAGE_HEADER: value, SURPRISES_HEADER: value},
             )
             for name, (value, _) in _TRIP_HEADERS.items()
-        }  # fmt: skip
+        }
 
         def trips_of(task_id: str) -> list[str]:
             return [line for line in worker.output().splitlines() if task_id in line and "back to the broker" in line]

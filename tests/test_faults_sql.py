@@ -43,8 +43,9 @@ def sql_world() -> Iterator[World]:
     skew = store.now() - time.time()  # leases are the database's time: "later" is later than it
     later = SQLStore.from_url(POSTGRES_URL, key_prefix=prefix, clock=lambda: time.time() + skew + LATER)
     injector = Injector(store)
-    app = make_app(broker=BROKER, backend=BACKEND, store=store, prefix=prefix, queue=prefix,
-                   inspect_timeout_seconds=0.5)  # fmt: skip
+    app = make_app(
+        broker=BROKER, backend=BACKEND, store=store, prefix=prefix, queue=prefix, inspect_timeout_seconds=0.5
+    )
     try:
         yield from _world(app, store, later, prefix, injector)
     finally:

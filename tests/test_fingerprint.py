@@ -599,8 +599,11 @@ def _reversed_sets(dumped: dict[str, Any]) -> dict[str, Any]:
     flipped["pair"] = [list(reversed(dumped["pair"][0])), dumped["pair"][1]]
     parcel = dumped["parcel"]
     inner = parcel["contents"][0]
-    flipped["parcel"] = {**parcel, "labels": list(reversed(parcel["labels"])),
-                         "contents": [{**inner, "labels": list(reversed(inner["labels"]))}]}  # fmt: skip
+    flipped["parcel"] = {
+        **parcel,
+        "labels": list(reversed(parcel["labels"])),
+        "contents": [{**inner, "labels": list(reversed(inner["labels"]))}],
+    }
     return flipped
 
 

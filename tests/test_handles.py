@@ -48,8 +48,13 @@ def handles_app(*, broker: str, backend: str, store: Any, prefix: str) -> Celery
     Idempotency(app, store=store, key_prefix=prefix)
     counter = redis.Redis.from_url(COUNTER_URL)
 
-    @app.task(shared=False, base=IdempotentTask, bind=True, name="handles.run",
-              idempotency={"key_args": ["order_id"], "ttl_seconds": TTL})  # fmt: skip
+    @app.task(
+        shared=False,
+        base=IdempotentTask,
+        bind=True,
+        name="handles.run",
+        idempotency={"key_args": ["order_id"], "ttl_seconds": TTL},
+    )
     def run(self: Any, order_id: int, hold: float = 0) -> dict[str, int]:
         n = int(counter.incr(effects_key(prefix, self.name, self.request.idempotency_key)))
         time.sleep(hold)

@@ -79,8 +79,9 @@ def test_ledger_marks_from_headers_do_not_make_run_once_refuse(tmp_path: Path) -
     # The ledger's per-attempt marks were request attributes: a forged nonce ("committed") made
     # run_once refuse a first call as its second, and a forged ledger was asked for the outcome.
     app, idem, ledger, runs = ledger_app("h-nonce", tmp_path)
-    execute_as_worker(app, "h.pay", "t-1", idempotency_key="k", idempotency_ledger_nonce="committed",
-                      idempotency_ledger="forged")  # fmt: skip
+    execute_as_worker(
+        app, "h.pay", "t-1", idempotency_key="k", idempotency_ledger_nonce="committed", idempotency_ledger="forged"
+    )
     assert runs == [1]
     record = idem.get("h.pay", "k")
     assert record is not None and record.state is State.COMPLETED
@@ -92,8 +93,15 @@ def test_a_bypassed_call_cannot_name_the_identity_its_ledger_row_is_written_unde
     # request, which the headers set: a forged pair wrote a ledger row that every later call of that
     # key would have been answered with, without running.
     app, idem, ledger, runs = ledger_app("h-bypass", tmp_path)
-    execute_as_worker(app, "h.pay", "t-1", idempotency=False, idempotency_key="k", idempotency_scope="",
-                      idempotency_fingerprint="0" * 64)  # fmt: skip
+    execute_as_worker(
+        app,
+        "h.pay",
+        "t-1",
+        idempotency=False,
+        idempotency_key="k",
+        idempotency_scope="",
+        idempotency_fingerprint="0" * 64,
+    )
     assert runs == [1] and ledger_rows(ledger) == [] and idem.get("h.pay", "k") is None
     # and the real call of the key runs
     execute_as_worker(app, "h.pay", "t-2", args=(2,), idempotency_key="k")
@@ -117,8 +125,15 @@ def test_an_owner_from_a_header_is_not_the_attempts_owner_on_a_bypassed_replace(
     app.finalize()
     original = replacement.apply_async
     replacement.apply_async = lambda *a, **options: sent.append(options) or original(*a, **options)
-    execute_as_worker(app, "h.replaced", "t-1", idempotency=False, idempotency_key="victim", idempotency_scope="",
-                      idempotency_owner="forged-owner")  # fmt: skip
+    execute_as_worker(
+        app,
+        "h.replaced",
+        "t-1",
+        idempotency=False,
+        idempotency_key="victim",
+        idempotency_scope="",
+        idempotency_owner="forged-owner",
+    )
     assert sent, "the replacement was not sent"
     links = [link["task"] for options in sent for link in (options.get("link") or [])]
     assert "celery_idem.replaced" not in links

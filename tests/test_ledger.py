@@ -262,8 +262,9 @@ def test_eight_threads_racing_past_the_store_make_one_effect_and_all_get_the_com
     assert entry is not None and entry.task_id == winner and entry.value() == answers[0]
 
 
-def _race_process(url: str, ledger_name: str, payments_name: str, key: str, threads: int, ready: Any, go: Any,
-                  out: Any) -> None:  # fmt: skip
+def _race_process(
+    url: str, ledger_name: str, payments_name: str, key: str, threads: int, ready: Any, go: Any, out: Any
+) -> None:
     engine = sa.create_engine(url)
     try:
         ledger = Ledger(engine, table_name=ledger_name)
@@ -607,9 +608,19 @@ def test_the_reconciler_never_completes_a_record_from_a_ledger_row_without_an_ou
     # Given a stale attempt, and a ledger row its fn committed early (no outcome stored with it)
     idem.store.acquire(identity, "fp-1", "task-1", lease_seconds=30, ttl_seconds=3600)
     with db.engine.begin() as connection:
-        connection.execute(db.ledger.table.insert().values(
-            namespace=db.ledger.namespace, scope="", task_name=TASK, key=key, task_id="task-1", fingerprint="fp-1",
-            nonce="n-1", outcome="IN_PROGRESS", committed_at=0.0))  # fmt: skip
+        connection.execute(
+            db.ledger.table.insert().values(
+                namespace=db.ledger.namespace,
+                scope="",
+                task_name=TASK,
+                key=key,
+                task_id="task-1",
+                fingerprint="fp-1",
+                nonce="n-1",
+                outcome="IN_PROGRESS",
+                committed_at=0.0,
+            )
+        )
     now[0] += 31
     # When the reconciler runs, Then it does not complete the record with a made-up null result
     report = idem.reconcile()
@@ -718,10 +729,20 @@ def test_a_ledger_table_made_before_namespaces_keeps_working(db: Db, key: str) -
         app = shop_app(Ledger(db.engine, table_name=name), db.payments, calls)
         fingerprint = app.tasks[TASK].idempotency_handler.fingerprint((19, 190), {})
         with db.engine.begin() as connection:
-            connection.execute(legacy.insert().values(
-                scope="", task_name=TASK, key=key, task_id="old-task", fingerprint=fingerprint, outcome="COMPLETED",
-                result=b'"paid long ago"', content_type="application/json", content_encoding="utf-8",
-                committed_at=0.0))  # fmt: skip
+            connection.execute(
+                legacy.insert().values(
+                    scope="",
+                    task_name=TASK,
+                    key=key,
+                    task_id="old-task",
+                    fingerprint=fingerprint,
+                    outcome="COMPLETED",
+                    result=b'"paid long ago"',
+                    content_type="application/json",
+                    content_encoding="utf-8",
+                    committed_at=0.0,
+                )
+            )
         # When this version's ledger runs on the table, without create_schema (first use adds the columns)
         _, value = pay(app, 19, 190, key)
         # Then the old row is this ledger's: its outcome comes back, fn does not run
@@ -914,8 +935,13 @@ def test_a_failure_before_run_once_while_the_ledger_is_down_is_stored(
 def test_a_result_whose_task_raised_after_the_ledger_committed_reports_success_in_every_read(db: Db, key: str) -> None:
     calls: list[str] = []
     app = committing_then_declining_app(db, calls, store=MemoryStore(), ledger=db.ledger)
-    app.conf.update(task_always_eager=False, task_eager_propagates=False, task_store_eager_result=True,
-                    broker_url="memory://", result_backend="cache+memory://")  # fmt: skip
+    app.conf.update(
+        task_always_eager=False,
+        task_eager_propagates=False,
+        task_store_eager_result=True,
+        broker_url="memory://",
+        result_backend="cache+memory://",
+    )
     task = app.tasks[TASK]
     original = task.apply_async((3, 300), idempotency_key=key)
     duplicate = task.apply_async((3, 300), idempotency_key=key)  # taken while the call is PENDING

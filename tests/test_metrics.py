@@ -19,8 +19,18 @@ from celery_idem import ConfigurationError, Idempotency, IdempotentTask, Payload
 from celery_idem.metrics import register_prometheus
 
 # The counters DESIGN §6 promises at least.
-PROMISED = {"claims", "duplicates", "replays", "mismatches", "busy_waits", "lost_locks", "store_errors",
-            "reconciled_completed", "reconciled_failed", "reconciled_released"}  # fmt: skip
+PROMISED = {
+    "claims",
+    "duplicates",
+    "replays",
+    "mismatches",
+    "busy_waits",
+    "lost_locks",
+    "store_errors",
+    "reconciled_completed",
+    "reconciled_failed",
+    "reconciled_released",
+}
 
 
 def shop(name: str) -> tuple[Celery, Idempotency]:

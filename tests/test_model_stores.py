@@ -120,14 +120,43 @@ class StoreMatchesModel(RuleBasedStateMachine):
     def claim(self, i: Identity, fp: str, task_id: str, pending: float, ttl: float, owner: str, call: Any) -> None:
         self.step(op("claim", i, fp, task_id, pending_seconds=pending, ttl_seconds=ttl, owner=owner, call=call))
 
-    @rule(i=identities, fp=fingerprints, task_id=task_ids, lease=leases, ttl=ttls, owner=owners, call=calls,
-          look=st.sampled_from(NEXT_LOOKS), retry=st.booleans())  # fmt: skip
+    @rule(
+        i=identities,
+        fp=fingerprints,
+        task_id=task_ids,
+        lease=leases,
+        ttl=ttls,
+        owner=owners,
+        call=calls,
+        look=st.sampled_from(NEXT_LOOKS),
+        retry=st.booleans(),
+    )
     def acquire(
-        self, i: Identity, fp: str, task_id: str, lease: float, ttl: float, owner: str, call: Any, look: float,
+        self,
+        i: Identity,
+        fp: str,
+        task_id: str,
+        lease: float,
+        ttl: float,
+        owner: str,
+        call: Any,
+        look: float,
         retry: bool,
-    ) -> None:  # fmt: skip
-        self.step(op("acquire", i, fp, task_id, lease_seconds=lease, ttl_seconds=ttl, owner=owner, call=call,
-                     next_look_seconds=look, retry=retry))  # fmt: skip
+    ) -> None:
+        self.step(
+            op(
+                "acquire",
+                i,
+                fp,
+                task_id,
+                lease_seconds=lease,
+                ttl_seconds=ttl,
+                owner=owner,
+                call=call,
+                next_look_seconds=look,
+                retry=retry,
+            )
+        )
 
     # The attempt that holds a record writes under its token: these mostly land (OK).
 
@@ -200,10 +229,15 @@ def test_every_store_answers_as_the_model_does(harness: Harness) -> None:
     run = get_state_machine_test(
         machine,
         settings=settings(
-            max_examples=EXAMPLES * SCALE, stateful_step_count=STEPS_PER_EXAMPLE, deadline=None, database=None,
-            suppress_health_check=list(HealthCheck), print_blob=False, phases=phases,
+            max_examples=EXAMPLES * SCALE,
+            stateful_step_count=STEPS_PER_EXAMPLE,
+            deadline=None,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+            print_blob=False,
+            phases=phases,
         ),
-    )  # fmt: skip
+    )
     seed(SEED)(run)
     run()
 
@@ -267,8 +301,9 @@ def assert_linearizable(harness: Harness, model: Model, timeline: Timeline, hist
         return not problems(call, expected, actual, timeline, harness.purge)
 
     if linearize(history, model, perform, agree) is None:  # type: ignore[arg-type]
-        pytest.fail(f"{harness.kind}: no sequential order explains this history\n"
-                    f"after {setup}\n{render(history, short)}")  # fmt: skip
+        pytest.fail(
+            f"{harness.kind}: no sequential order explains this history\nafter {setup}\n{render(history, short)}"
+        )
 
 
 def test_concurrent_histories_are_linearizable(harness: Harness) -> None:
@@ -311,8 +346,9 @@ def test_concurrent_histories_from_processes_are_linearizable(
                 check(harness, store, model, timeline, call)
                 shift += call.args[0] if call.name == "advance_clock_for_tests" else 0.0
             # When separate processes, each with its own store object, run random calls at once
-            plans = [[random_op(rng, identities, with_time=False) for _ in range(OPS_PER_THREAD)]
-                     for _ in range(PROCESSES)]  # fmt: skip
+            plans = [
+                [random_op(rng, identities, with_time=False) for _ in range(OPS_PER_THREAD)] for _ in range(PROCESSES)
+            ]
             history, errors = processes.run(store_url(kind, tmp_path), prefix, shift, plans)
             assert not errors, f"a store call raised: {errors}\n{render(history, short)}"
             # Then one sequential order explains every answer, and what each identity holds after them
@@ -328,8 +364,16 @@ def test_concurrent_histories_from_processes_are_linearizable(
 class CheckThenSetClaims(MemoryStore):
     """A broken store: claim reads, sleeps, then writes (two racers both see "absent")."""
 
-    def _claim(self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float,
-               call: bytes | None) -> Any:  # fmt: skip
+    def _claim(
+        self,
+        identity: Identity,
+        fingerprint: str,
+        task_id: str,
+        owner: str,
+        lease: float,
+        ttl: float,
+        call: bytes | None,
+    ) -> Any:
         if self.get(identity) is None:
             time.sleep(0.05)
             with self._lock:
@@ -362,8 +406,10 @@ def test_the_checker_accepts_the_atomic_claim() -> None:
 
 
 def racing_claims(identity: Identity) -> list[list[Op]]:
-    return [[op("claim", identity, "fp-a", TASK_IDS[n], pending_seconds=LEASES[0], ttl_seconds=TTLS[0],
-                owner=OWNERS[n])] for n in range(THREADS)]  # fmt: skip
+    return [
+        [op("claim", identity, "fp-a", TASK_IDS[n], pending_seconds=LEASES[0], ttl_seconds=TTLS[0], owner=OWNERS[n])]
+        for n in range(THREADS)
+    ]
 
 
 def test_the_checker_keeps_real_time_order() -> None:
@@ -372,9 +418,16 @@ def test_the_checker_keeps_real_time_order() -> None:
     timeline = Timeline(0.0, frozenset(OWNERS))
     claimed = Model()
     answer = claimed.claim(identity, "fp-a", "task-1", pending_seconds=LEASES[0], ttl_seconds=TTLS[0], owner="owner-1")
-    history = [Call(0, op("claim", identity, "fp-a", "task-1", pending_seconds=LEASES[0], ttl_seconds=TTLS[0],
-                          owner="owner-1"), 0.0, 1.0, answer),
-               Call(1, op("get", identity), 2.0, 3.0, None)]  # fmt: skip
+    history = [
+        Call(
+            0,
+            op("claim", identity, "fp-a", "task-1", pending_seconds=LEASES[0], ttl_seconds=TTLS[0], owner="owner-1"),
+            0.0,
+            1.0,
+            answer,
+        ),
+        Call(1, op("get", identity), 2.0, 3.0, None),
+    ]
 
     def agree(call: Op, expected: Any, actual: Any) -> bool:
         return not problems(call, expected, actual, timeline, "exact")

@@ -244,8 +244,9 @@ def test_store_down_at_the_worker_keeps_the_message_until_the_store_answers(work
         port = s.getsockname()[1]
     comes_back = _StoreComesBack(port)
     app = _producer(BROKERS["redis"], prefix)
-    worker = workers(BROKERS["redis"], f"redis://127.0.0.1:{port}/{REDIS_URL.rsplit('/', 1)[1]}", prefix,
-                     store_timeout_seconds=0.5)  # fmt: skip
+    worker = workers(
+        BROKERS["redis"], f"redis://127.0.0.1:{port}/{REDIS_URL.rsplit('/', 1)[1]}", prefix, store_timeout_seconds=0.5
+    )
     wait_for(lambda: "store does not answer at worker start" in worker.output(), "the start-up store check")
     key = f"k-{uuid.uuid4().hex}"
     try:
@@ -281,8 +282,9 @@ def test_store_down_at_publish_raises_within_the_timeout_or_proceeds(workers, pr
         down.tasks["shop.charge"].apply_async((2, 20), idempotency_key=key)
     assert time.monotonic() - started < 5
     # With on_store_error="proceed" the call is published unprotected, and a worker runs it.
-    lenient = _producer(BROKERS["redis"], prefix, store=closed_store, store_timeout_seconds=0.5,
-                        on_store_error="proceed")  # fmt: skip
+    lenient = _producer(
+        BROKERS["redis"], prefix, store=closed_store, store_timeout_seconds=0.5, on_store_error="proceed"
+    )
     workers(BROKERS["redis"], REDIS_URL, prefix)
     result = lenient.tasks["shop.charge"].apply_async((2, 20), idempotency_key=key)
     assert result.get(timeout=GET)["charged"] == 20

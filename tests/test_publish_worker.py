@@ -71,8 +71,13 @@ def test_a_failed_publish_gives_back_only_its_own_pending_claim_never_a_running_
 def test_a_claim_never_outlives_the_expiry_of_the_message_it_waits_for(shop: Shop, key: str) -> None:
     # A producer on the worker's store whose clock the test moves (the broker's TTL is real time)
     clock = FakeClock()
-    producer = make_app(broker=BROKERS[shop.broker], backend=BACKEND, prefix=shop.prefix, queue=shop.prefix,
-                        store=RedisStore.from_url(REDIS_URL, key_prefix=shop.prefix, clock=clock))  # fmt: skip
+    producer = make_app(
+        broker=BROKERS[shop.broker],
+        backend=BACKEND,
+        prefix=shop.prefix,
+        queue=shop.prefix,
+        store=RedisStore.from_url(REDIS_URL, key_prefix=shop.prefix, clock=clock),
+    )
     charge = producer.tasks["shop.charge"]
     nobody = f"{shop.prefix}-nobody"
     connection = producer.connection_for_write()
@@ -103,8 +108,9 @@ def test_a_retry_never_keeps_the_claim_past_the_expiry_its_message_inherits(shop
     later = shop.app.tasks["shop.later"]
     started = time.time()
     later.apply_async((1,), idempotency_key=key, expires=30)
-    record = _until(lambda: (r := shop.idem.get("shop.later", key)) is not None and r.attempt and
-                    r.state is State.PENDING and r)  # fmt: skip
+    record = _until(
+        lambda: (r := shop.idem.get("shop.later", key)) is not None and r.attempt and r.state is State.PENDING and r
+    )
     # Then the claim held for the retry lapses with the message, not an hour and more later
     assert record.lease_expires_at is not None
     assert record.lease_expires_at <= started + 30 + EXPIRY_GRACE_SECONDS + 5

@@ -85,15 +85,20 @@ class Env:
                 raise self.retry(countdown=0)
             return {"order": order_id, "runs": n}
 
-        @app.task(name="a2.replacer", shared=False, base=IdempotentTask, bind=True,
-                  idempotency={"lease_seconds": 3})  # fmt: skip
+        @app.task(name="a2.replacer", shared=False, base=IdempotentTask, bind=True, idempotency={"lease_seconds": 3})
         def replacer(self: Any, order_id: int) -> Any:
             effect("a2.replacer", self.request.idempotency_key)
             time.sleep(1.2)  # the heartbeat's first renewal (due at lease/3 = 1 s) is in flight now
             raise self.replace(plain.si(order_id).set(countdown=9))
 
-        @app.task(name="a2.ship", shared=False, base=IdempotentTask, bind=True, acks_late=True,
-                  idempotency={"lease_seconds": 2, "busy_wait_seconds": 0.5})  # fmt: skip
+        @app.task(
+            name="a2.ship",
+            shared=False,
+            base=IdempotentTask,
+            bind=True,
+            acks_late=True,
+            idempotency={"lease_seconds": 2, "busy_wait_seconds": 0.5},
+        )
         def ship(self: Any, order_id: int) -> dict[str, Any]:
             return {"order": order_id, "runs": effect("a2.ship", self.request.idempotency_key)}
 

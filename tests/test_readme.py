@@ -31,8 +31,9 @@ def test_the_readme_has_exactly_two_commands() -> None:
 
 def test_the_readme_commands_work_in_a_fresh_copy(tmp_path: Path) -> None:
     # Given a clean copy of the repository (what git would check out), and no venv
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
-                           text=True, check=True).stdout.split()  # fmt: skip
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
     copy = tmp_path / "celery-idem"
     for name in files:
         source = REPO / name

@@ -68,8 +68,15 @@ def counter() -> redis.Redis:
 def bank(prefix: str) -> Iterator[tuple[Any, sa.Engine]]:
     """A producer app whose tasks record payments with the ledger, and the business database."""
     require_server("postgresql")
-    app = make_app(broker=BROKER, backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix,
-                   ledger_url=POSTGRES_URL, inspect_timeout_seconds=1.0)  # fmt: skip
+    app = make_app(
+        broker=BROKER,
+        backend=BACKEND,
+        store=REDIS_URL,
+        prefix=prefix,
+        queue=prefix,
+        ledger_url=POSTGRES_URL,
+        inspect_timeout_seconds=1.0,
+    )
     engine = sa.create_engine(POSTGRES_URL, poolclass=sa.pool.NullPool)
     Idempotency.of(app).settings.ledger.create_schema()
     payments_table(prefix).metadata.create_all(engine)
@@ -167,12 +174,20 @@ def test_killed_before_commit_is_released_or_requeued_and_then_runs_exactly_once
 
 @pytest.fixture
 def shop_app(prefix: str) -> Celery:
-    return make_app(broker=BROKER, backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix,
-                    inspect_timeout_seconds=1.0)  # fmt: skip
+    return make_app(
+        broker=BROKER, backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix, inspect_timeout_seconds=1.0
+    )
 
 
-def _kill_and_reconcile(app: Celery, doomed: Worker, workers: Callable[..., Worker], key: str,
-                        counter: redis.Redis, prefix: str, queue: str | None = None) -> ReconcileReport:  # fmt: skip
+def _kill_and_reconcile(
+    app: Celery,
+    doomed: Worker,
+    workers: Callable[..., Worker],
+    key: str,
+    counter: redis.Redis,
+    prefix: str,
+    queue: str | None = None,
+) -> ReconcileReport:
     """SIGKILL ``doomed`` while it holds shop.requeued under ``key``, restart it under its node name
     (so it answers without the task: provably dead), and reconcile once the lease has run out."""
     wait_for(lambda: counter.get(effects_key(prefix, "shop.requeued.started", key)), "the stuck attempt")
@@ -270,8 +285,15 @@ def test_a_requeued_retry_carries_the_arguments_and_retries_count_the_attempt_ra
 
 @pytest.mark.slow
 def test_a_claim_whose_message_was_lost_is_requeued_with_its_publish_options(prefix, workers, counter) -> None:
-    app = make_app(broker=BROKER, backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix,
-                   inspect_timeout_seconds=1.0, pending_timeout_seconds=2)  # fmt: skip
+    app = make_app(
+        broker=BROKER,
+        backend=BACKEND,
+        store=REDIS_URL,
+        prefix=prefix,
+        queue=prefix,
+        inspect_timeout_seconds=1.0,
+        pending_timeout_seconds=2,
+    )
     special, key = f"{prefix}-special", f"k-{uuid.uuid4().hex}"
     # Given a call to a special queue, with a link, whose message is lost before any worker took it
     link = app.tasks["shop.noted"].s(key).set(queue=special)
@@ -530,8 +552,15 @@ def _holder_of(app: Celery, task: str, key: str) -> tuple[Any, str]:
 def test_a_worker_killed_for_good_is_settled_once_its_lease_is_past(workers, prefix, counter, stale_action) -> None:
     # Given a prefork worker running a call, and a second worker that answers inspect (another queue:
     # it never holds the call); the reconciler's grace period is an hour
-    app = make_app(broker=BROKER, backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix,
-                   inspect_timeout_seconds=1.0, stale_action=stale_action)  # fmt: skip
+    app = make_app(
+        broker=BROKER,
+        backend=BACKEND,
+        store=REDIS_URL,
+        prefix=prefix,
+        queue=prefix,
+        inspect_timeout_seconds=1.0,
+        stale_action=stale_action,
+    )
     doomed = workers(liveness_seconds=2)
     workers(queue=f"{prefix}-idle", liveness_seconds=2)
     key = f"k-{uuid.uuid4().hex}"
@@ -561,8 +590,9 @@ def test_a_frozen_holder_past_its_lease_is_settled_and_its_writes_are_fenced_whe
     workers, prefix, counter
 ) -> None:
     # Given a worker running a call (nobody else answers inspect)
-    app = make_app(broker=BROKER, backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix,
-                   inspect_timeout_seconds=0.5)  # fmt: skip
+    app = make_app(
+        broker=BROKER, backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix, inspect_timeout_seconds=0.5
+    )
     frozen = workers(liveness_seconds=2)
     key = f"k-{uuid.uuid4().hex}"
     result = app.tasks["shop.slow"].apply_async((4,), idempotency_key=key)

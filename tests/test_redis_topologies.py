@@ -274,9 +274,27 @@ def test_a_full_redis_is_store_unavailable_not_a_raw_error(tmp_path: Path, prefi
     # Given a Redis with no memory left and no eviction
     binary = need_redis_server()
     port = free_port()
-    node = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--maxmemory", "2mb", "--maxmemory-policy", "noeviction", "--dir", str(tmp_path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    node = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--maxmemory",
+            "2mb",
+            "--maxmemory-policy",
+            "noeviction",
+            "--dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         import redis
 

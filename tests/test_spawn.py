@@ -54,13 +54,30 @@ def spawn_worker(tmp_path: Path, prefix: str, store_instance: bool) -> Iterator[
         "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")]),
     }
     command = [
-        sys.executable, "-m", "celery", "-A", "spawn_shop", "worker", "-P", "prefork", "-c", "1",
-        "-Q", prefix, "-n", f"{prefix}@%h", "-l", "INFO",
-        "--without-gossip", "--without-mingle", "--without-heartbeat",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "spawn_shop",
+        "worker",
+        "-P",
+        "prefork",
+        "-c",
+        "1",
+        "-Q",
+        prefix,
+        "-n",
+        f"{prefix}@%h",
+        "-l",
+        "INFO",
+        "--without-gossip",
+        "--without-mingle",
+        "--without-heartbeat",
+    ]
     with log.open("wb") as out:
-        process = subprocess.Popen(command, cwd=TESTS, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                   start_new_session=True)  # fmt: skip
+        process = subprocess.Popen(
+            command, cwd=TESTS, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
         wait_for(lambda: "ready." in log.read_text(errors="replace") or process.poll() is not None, "worker start", 90)
         assert process.poll() is None, f"worker exited:\n{log.read_text(errors='replace')}"

@@ -149,16 +149,26 @@ def test_a_unix_socket_url_keeps_its_path_and_database() -> None:
 def test_a_sentinel_without_a_port_is_on_26379() -> None:
     store = store_from_url("redis+sentinel://127.0.0.1,sentinel-2:26400/mymaster/3")
     manager = store.client.connection_pool.sentinel_manager
-    assert [(s.connection_pool.connection_kwargs["host"], s.connection_pool.connection_kwargs["port"])
-            for s in manager.sentinels] == [("127.0.0.1", 26379), ("sentinel-2", 26400)]  # fmt: skip
+    assert [
+        (s.connection_pool.connection_kwargs["host"], s.connection_pool.connection_kwargs["port"])
+        for s in manager.sentinels
+    ] == [("127.0.0.1", 26379), ("sentinel-2", 26400)]
     assert store.client.connection_pool.connection_kwargs["db"] == 3
     store.close()
 
 
 # ---- every limit a setting accepts works on every store -------------------------------------------
 
-DURATIONS = ["ttl_seconds", "lease_seconds", "pending_timeout_seconds", "busy_wait_seconds", "stale_grace_seconds",
-             "reconcile_interval_seconds", "store_timeout_seconds", "inspect_timeout_seconds"]  # fmt: skip
+DURATIONS = [
+    "ttl_seconds",
+    "lease_seconds",
+    "pending_timeout_seconds",
+    "busy_wait_seconds",
+    "stale_grace_seconds",
+    "reconcile_interval_seconds",
+    "store_timeout_seconds",
+    "inspect_timeout_seconds",
+]
 
 
 @pytest.mark.parametrize("name", DURATIONS)

@@ -64,8 +64,22 @@ pytestmark = [pytest.mark.slow]
 
 VERBOSE = os.environ.get("CELERY_IDEM_MODEL_VERBOSE", "") not in ("", "0")  # print every history's steps
 EXAMPLES, STEPS = 2, 10  # per store, in CI; times CELERY_IDEM_MODEL_SCALE
-HOWS = ("apply_async", "send_task", "group", "chain", "link", "producer", "tagged", "ignore_result", "countdown",
-        "idle_queue", "mismatch", "moving", "ledger", "eager")  # fmt: skip
+HOWS = (
+    "apply_async",
+    "send_task",
+    "group",
+    "chain",
+    "link",
+    "producer",
+    "tagged",
+    "ignore_result",
+    "countdown",
+    "idle_queue",
+    "mismatch",
+    "moving",
+    "ledger",
+    "eager",
+)
 KEYS, HOLDS = st.integers(0, 2), st.sampled_from([0.0, 0.3, 1.5])
 TASK_OF = {"moving": "tm.moving", "ledger": "tm.ledger_pay", "tagged": "tm.tagged"}
 TAGS = ["gift", "fragile", "express", "oversize", "priority", "wrap", "insured"]
@@ -101,8 +115,9 @@ class TaskLevel(RuleBasedStateMachine):
 
     def handle(self, how: str, task: str, key: str | None, amount: int, result: Any, at: float, **extra: Any) -> None:
         label = f"h{len(self.handles) + 1}"
-        made = Handle(label, how, task, key, amount, result.id, at, bool(getattr(result, "deduplicated", False)),
-                      result, **extra)  # fmt: skip
+        made = Handle(
+            label, how, task, key, amount, result.id, at, bool(getattr(result, "deduplicated", False)), result, **extra
+        )
         self.handles.append(made)
         self.note(f"  -> {made}")
 
@@ -152,9 +167,16 @@ class TaskLevel(RuleBasedStateMachine):
                 answer = world.producer.send(task.name, list(args), kwargs, options)
                 if "error" in answer:
                     raise _Reported(answer["error"], answer["message"])
-                result = IdempotentResult(answer["id"], backend=task.backend, app=self.app, task_name=task.name,
-                                          identity=Identity("", task.name, key), idempotency=Idempotency.of(self.app),
-                                          deduplicated=answer["deduplicated"], idempotency_key=key)  # fmt: skip
+                result = IdempotentResult(
+                    answer["id"],
+                    backend=task.backend,
+                    app=self.app,
+                    task_name=task.name,
+                    identity=Identity("", task.name, key),
+                    idempotency=Idempotency.of(self.app),
+                    deduplicated=answer["deduplicated"],
+                    idempotency_key=key,
+                )
             elif how == "tagged":
                 self.tagged(n, at)
                 return
@@ -188,10 +210,16 @@ class TaskLevel(RuleBasedStateMachine):
                     if "error" in answer:
                         raise _Reported(answer["error"], answer["message"])
                     key = answer["key"]
-                    result = IdempotentResult(answer["id"], backend=task.backend, app=self.app, task_name=task.name,
-                                              identity=Identity("", task.name, key),
-                                              idempotency=Idempotency.of(self.app),
-                                              deduplicated=answer["deduplicated"], idempotency_key=key)  # fmt: skip
+                    result = IdempotentResult(
+                        answer["id"],
+                        backend=task.backend,
+                        app=self.app,
+                        task_name=task.name,
+                        identity=Identity("", task.name, key),
+                        idempotency=Idempotency.of(self.app),
+                        deduplicated=answer["deduplicated"],
+                        idempotency_key=key,
+                    )
             except Exception as exc:  # noqa: BLE001 - judged by class
                 self.call_failed("tagged", exc)
                 continue
@@ -215,8 +243,9 @@ class TaskLevel(RuleBasedStateMachine):
         handle = next(h for h in self.handles if h.id == task_id)
         self.note(f"redeliver {handle.label} ({task_id[:8]})")
         link = self.copier.signature("tm.then", args=(tag,)) if tag and handle.how == "link" else None
-        self.copier.send_task(name, args, kwargs, task_id=task_id, queue=queue, link=link,
-                              headers={"idempotency_key": handle.key})  # fmt: skip
+        self.copier.send_task(
+            name, args, kwargs, task_id=task_id, queue=queue, link=link, headers={"idempotency_key": handle.key}
+        )
 
     # ---- the infrastructure
 
@@ -346,8 +375,10 @@ class TaskLevel(RuleBasedStateMachine):
         for task, key in {(h.task, h.key) for h in self.handles if h.key}:
             record = idem.get(task, key)
             if record is not None and record.state in (State.PENDING, State.IN_PROGRESS):
-                found.append(f"{task} key {key}: left {record.state.value} (task {record.task_id}, owner "
-                             f"{record.owner}) after its lease, its holder's liveness and one reconcile")  # fmt: skip
+                found.append(
+                    f"{task} key {key}: left {record.state.value} (task {record.task_id}, owner "
+                    f"{record.owner}) after its lease, its holder's liveness and one reconcile"
+                )
         found += problems_of_executions(world.executions(), world.kills)
         found += ledger_problems(world.payments())
         if VERBOSE:
@@ -380,9 +411,16 @@ def test_histories_of_calls_and_failures_keep_the_promises(world: World) -> None
     phases = list(Phase) if SHRINK else [Phase.explicit, Phase.generate]
     run = get_state_machine_test(
         machine,
-        settings=settings(max_examples=EXAMPLES * SCALE, stateful_step_count=STEPS, deadline=None, database=None,
-                          suppress_health_check=list(HealthCheck), print_blob=False, phases=phases),
-    )  # fmt: skip
+        settings=settings(
+            max_examples=EXAMPLES * SCALE,
+            stateful_step_count=STEPS,
+            deadline=None,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+            print_blob=False,
+            phases=phases,
+        ),
+    )
     print(f"task-level model on {world.kind}: seed {SEED}, scale {SCALE}; {SETTINGS_SUMMARY}")
     seed(SEED)(run)
     run()
@@ -462,8 +500,10 @@ def test_a_history_the_model_found(world: World, name: str) -> None:
 
 
 def test_the_execution_log_pairs_each_end_with_its_start() -> None:
-    lines = [b'{"key": "k", "task_id": "t", "pid": 5, "start": 1.0, "task": "tm.pay"}',
-             b'{"key": "k", "task_id": "t", "pid": 5, "end": 2.0, "run": 1, "task": "tm.pay"}',
-             b'{"key": "k", "task_id": "u", "pid": 6, "start": 3.0, "task": "tm.pay"}']  # fmt: skip
+    lines = [
+        b'{"key": "k", "task_id": "t", "pid": 5, "start": 1.0, "task": "tm.pay"}',
+        b'{"key": "k", "task_id": "t", "pid": 5, "end": 2.0, "run": 1, "task": "tm.pay"}',
+        b'{"key": "k", "task_id": "u", "pid": 6, "start": 3.0, "task": "tm.pay"}',
+    ]
     parsed = parse_executions(lines)
     assert [(e.task_id, e.end, e.run) for e in parsed] == [("t", 2.0, 1), ("u", None, None)]

@@ -862,8 +862,9 @@ def test_a_copy_of_a_message_that_replaced_itself_does_not_run_while_the_replace
         _until(lambda: (first.id, "IGNORED") in ended)
         # When copies of its message arrive meanwhile (a broker redelivery; one forges a handover)
         for headers in ({}, {"idempotency_handover": "forged"}):
-            shop.app.send_task("shop.moving", (order, "later"), task_id=first.id,
-                               headers={"idempotency_key": key, **headers})  # fmt: skip
+            shop.app.send_task(
+                "shop.moving", (order, "later"), task_id=first.id, headers={"idempotency_key": key, **headers}
+            )
         # Then the replacement answers, and the copies end quietly without running the body (a copy
         # that meets the record handed to the queued replacement waits through the broker: each of
         # its trips ends quietly too, and the last replays nothing but ends quietly as well)
@@ -1081,8 +1082,14 @@ def test_a_copy_of_a_settled_task_id_ends_quietly_and_its_link_runs_once(shop: S
     done = shop.app.backend.get_task_meta(first.id)["date_done"]
     # When a copy of that message comes (the broker again, or a caller re-sending the same task id)
     if how == "redelivered":
-        shop.app.send_task("shop.charge", (order, 70), task_id=first.id, headers={"idempotency_key": key},
-                           link=add.s(1), queue=shop.prefix)  # fmt: skip
+        shop.app.send_task(
+            "shop.charge",
+            (order, 70),
+            task_id=first.id,
+            headers={"idempotency_key": key},
+            link=add.s(1),
+            queue=shop.prefix,
+        )
     else:
         again = charge.apply_async((order, 70), idempotency_key=key, task_id=first.id, link=add.s(1))
         assert again.deduplicated and again.id == first.id and again.get(timeout=GET) == first.get()

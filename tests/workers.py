@@ -75,13 +75,30 @@ class Worker:
             **(env or {}),
         }
         command = [
-            sys.executable, "-m", "celery", "-A", app, "worker", "-P", pool, "-c", str(concurrency),
-            "-Q", queue or prefix, "-n", self.name, "-l", "INFO",
-            "--without-gossip", "--without-mingle", "--without-heartbeat",
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            app,
+            "worker",
+            "-P",
+            pool,
+            "-c",
+            str(concurrency),
+            "-Q",
+            queue or prefix,
+            "-n",
+            self.name,
+            "-l",
+            "INFO",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+        ]
         with self.log.open("wb") as out:
-            self.process = subprocess.Popen(command, cwd=TESTS, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                            start_new_session=True)  # fmt: skip
+            self.process = subprocess.Popen(
+                command, cwd=TESTS, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
         wait_for(lambda: "ready." in self.output() or self.process.poll() is not None, "worker start", 60)
         assert self.process.poll() is None, f"worker exited:\n{self.output()}"
 

@@ -67,8 +67,13 @@ def make_app(*, workdir: Path, broker: str | None, backend: str | None, store: s
         decorate: Callable[[Callable[..., Any]], Any] = app.task(**options)  # Celery ships no annotations
         return decorate
 
-    @task(base=IdempotentTask, bind=True, shared=False, name="demo.charge",
-          idempotency={"key_args": ["order_id", "amount"]})  # fmt: skip
+    @task(
+        base=IdempotentTask,
+        bind=True,
+        shared=False,
+        name="demo.charge",
+        idempotency={"key_args": ["order_id", "amount"]},
+    )
     def charge(self: Any, order_id: int, amount: int) -> dict[str, Any]:
         """Charge a card: the side effect that must happen once."""
         effect(self)
@@ -81,8 +86,15 @@ def make_app(*, workdir: Path, broker: str | None, backend: str | None, store: s
         effect(self)
         raise PermanentError(f"card declined for order {order_id}")
 
-    @task(base=IdempotentTask, bind=True, shared=False, name="demo.flaky", autoretry_for=(ConnectionError,),
-          max_retries=3, default_retry_delay=0)  # fmt: skip
+    @task(
+        base=IdempotentTask,
+        bind=True,
+        shared=False,
+        name="demo.flaky",
+        autoretry_for=(ConnectionError,),
+        max_retries=3,
+        default_retry_delay=0,
+    )
     def flaky(self: Any, order_id: int) -> dict[str, Any]:
         """A provider that times out once: retried under the same task id, then stored."""
         effect(self)
@@ -90,8 +102,14 @@ def make_app(*, workdir: Path, broker: str | None, backend: str | None, store: s
             raise ConnectionError("payment provider timed out")
         return {"order_id": order_id, "attempts": self.request.retries + 1}
 
-    @task(base=IdempotentTask, bind=True, shared=False, name="demo.provision", acks_late=True,
-          idempotency={"key_args": ["server"]})  # fmt: skip
+    @task(
+        base=IdempotentTask,
+        bind=True,
+        shared=False,
+        name="demo.provision",
+        acks_late=True,
+        idempotency={"key_args": ["server"]},
+    )
     def provision(self: Any, server: str, seconds: float) -> str:
         """A long job whose worker the demo kills: only its first attempt is slow."""
         if effect(self) == 1:

@@ -55,9 +55,27 @@ class Demo:
         log = self.workdir / f"worker-{len(self.workers)}.log"
         env = {**os.environ, "CELERY_IDEM_DEMO_WORKDIR": str(self.workdir), "CELERY_IDEM_DEMO_PREFIX": self.prefix}
         env.update({f"CELERY_IDEM_DEMO_{k.upper()}": v for k, v in self.wiring.items() if v})
-        command = [sys.executable, "-m", "celery", "-A", "celery_idem.demo.app", "worker", "-P", "prefork",
-                   "-c", "2", "-l", "INFO", "-n", f"{self.prefix}-{len(self.workers)}@%h", "-Q", f"{self.prefix}-q",
-                   "--without-gossip", "--without-mingle", "--without-heartbeat"]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "celery_idem.demo.app",
+            "worker",
+            "-P",
+            "prefork",
+            "-c",
+            "2",
+            "-l",
+            "INFO",
+            "-n",
+            f"{self.prefix}-{len(self.workers)}@%h",
+            "-Q",
+            f"{self.prefix}-q",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+        ]
         with log.open("wb") as sink:
             worker = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
         self.workers.append(worker)
@@ -186,9 +204,13 @@ class Demo:
 
 
 def run_demo(
-    *, broker: str | None = None, backend: str | None = None, store: str | None = None,
-    workdir: str | None = None, out: TextIO = sys.stdout,
-) -> int:  # fmt: skip
+    *,
+    broker: str | None = None,
+    backend: str | None = None,
+    store: str | None = None,
+    workdir: str | None = None,
+    out: TextIO = sys.stdout,
+) -> int:
     """Run every scenario; 0 when every guarantee held, 1 otherwise."""
     directory = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="celery-idem-demo-"))
     directory.mkdir(parents=True, exist_ok=True)

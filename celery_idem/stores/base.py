@@ -233,9 +233,16 @@ class Store(ABC):
             raise ValueError(f"next_look_seconds must be a finite number of seconds >= 0; got {next_look_seconds!r}")
         with self._guard("acquire", identity):
             return self._acquire(
-                identity, fingerprint, task_id, owner or new_token(), lease, ttl, call, float(next_look_seconds),
+                identity,
+                fingerprint,
+                task_id,
+                owner or new_token(),
+                lease,
+                ttl,
+                call,
+                float(next_look_seconds),
                 bool(retry),
-            )  # fmt: skip
+            )
 
     def complete(
         self,
@@ -431,15 +438,29 @@ class Store(ABC):
 
     @abstractmethod
     def _claim(
-        self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float,
+        self,
+        identity: Identity,
+        fingerprint: str,
+        task_id: str,
+        owner: str,
+        lease: float,
+        ttl: float,
         call: bytes | None,
-    ) -> Transition: ...  # fmt: skip
+    ) -> Transition: ...
 
     @abstractmethod
     def _acquire(
-        self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float,
-        call: bytes | None, next_look: float, retry: bool,
-    ) -> Transition: ...  # fmt: skip
+        self,
+        identity: Identity,
+        fingerprint: str,
+        task_id: str,
+        owner: str,
+        lease: float,
+        ttl: float,
+        call: bytes | None,
+        next_look: float,
+        retry: bool,
+    ) -> Transition: ...
 
     @abstractmethod
     def _settle(self, identity: Identity, token: str, outcome: Settlement) -> Transition: ...

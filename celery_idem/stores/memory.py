@@ -73,9 +73,15 @@ class MemoryStore(Store):
         return record
 
     def _claim(
-        self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float,
+        self,
+        identity: Identity,
+        fingerprint: str,
+        task_id: str,
+        owner: str,
+        lease: float,
+        ttl: float,
         call: bytes | None,
-    ) -> Transition:  # fmt: skip
+    ) -> Transition:
         with self._lock:
             now = self._clock_now()
             record = self._live(identity, now)
@@ -104,9 +110,17 @@ class MemoryStore(Store):
             return Transition(Decision.NEW, new)
 
     def _acquire(
-        self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float,
-        call: bytes | None, next_look: float, retry: bool,
-    ) -> Transition:  # fmt: skip
+        self,
+        identity: Identity,
+        fingerprint: str,
+        task_id: str,
+        owner: str,
+        lease: float,
+        ttl: float,
+        call: bytes | None,
+        next_look: float,
+        retry: bool,
+    ) -> Transition:
         with self._lock:
             now = self._clock_now()
             record = self._live(identity, now)
@@ -205,8 +219,14 @@ class MemoryStore(Store):
             record = self._owned(identity, "owner", token, now)
             if record is None or record.state is not State.IN_PROGRESS:
                 return LOST
-            self._put(identity, now, record, owner=new_owner, lease_expires_at=now + lease,
-                      expires_at=now + lease + record.ttl_seconds)  # fmt: skip
+            self._put(
+                identity,
+                now,
+                record,
+                owner=new_owner,
+                lease_expires_at=now + lease,
+                expires_at=now + lease + record.ttl_seconds,
+            )
             return OK
 
     def _get(self, identity: Identity) -> IdempotencyRecord | None:
@@ -244,9 +264,10 @@ class MemoryStore(Store):
         with self._lock:
             now = self._clock_now()
             found = [
-                r for r in self._by_identity.values()
+                r
+                for r in self._by_identity.values()
                 if r.expires_at > now and state in (None, r.state) and task_name in (None, r.task_name)
-            ]  # fmt: skip
+            ]
             return sorted(found, key=lambda r: r.updated_at, reverse=True)[:limit]
 
     def _count_by_state(self) -> dict[State, int]:

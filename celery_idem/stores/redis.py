@@ -294,11 +294,28 @@ class RedisStore(Store):
     # ---- primitives ----------------------------------------------------------------------------
 
     def _take(
-        self, script: str, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float,
-        call: bytes | None, *more: str,
-    ) -> Transition:  # fmt: skip
-        args: list[Any] = [self._now(), fingerprint, task_id, owner, repr(lease), repr(ttl), *identity, call or b"",
-                           *more]  # fmt: skip
+        self,
+        script: str,
+        identity: Identity,
+        fingerprint: str,
+        task_id: str,
+        owner: str,
+        lease: float,
+        ttl: float,
+        call: bytes | None,
+        *more: str,
+    ) -> Transition:
+        args: list[Any] = [
+            self._now(),
+            fingerprint,
+            task_id,
+            owner,
+            repr(lease),
+            repr(ttl),
+            *identity,
+            call or b"",
+            *more,
+        ]
         answer = self._scripts[script](keys=self.keys_for(identity), args=args)
         decision = Decision(answer[0].decode("ascii"))
         if decision is not Decision.NEW and decision is not Decision.RUN:
@@ -307,29 +324,55 @@ class RedisStore(Store):
         now = float(answer[1])
         claimed = decision is Decision.NEW
         record = IdempotencyRecord.model_construct(
-            scope=identity.scope, task_name=identity.task_name, key=identity.key,
+            scope=identity.scope,
+            task_name=identity.task_name,
+            key=identity.key,
             fingerprint=fingerprint if claimed else answer[2].decode("ascii"),
-            state=State.PENDING if claimed else State.IN_PROGRESS, task_id=task_id, owner=owner,
-            attempt=0 if claimed else int(answer[3]), lease_expires_at=now + lease,
-            created_at=now if claimed else float(answer[4]), updated_at=now, expires_at=now + lease + ttl,
-            ttl_seconds=ttl, result=None, content_type=None, content_encoding=None, error=None,
+            state=State.PENDING if claimed else State.IN_PROGRESS,
+            task_id=task_id,
+            owner=owner,
+            attempt=0 if claimed else int(answer[3]),
+            lease_expires_at=now + lease,
+            created_at=now if claimed else float(answer[4]),
+            updated_at=now,
+            expires_at=now + lease + ttl,
+            ttl_seconds=ttl,
+            result=None,
+            content_type=None,
+            content_encoding=None,
+            error=None,
             call=call if claimed else answer[5] or None,  # a run without a call keeps the claim's
             previous_task_id=_text(answer[2 if claimed else 6] or None),
-        )  # fmt: skip
+        )
         return Transition(decision, record)
 
     def _claim(
-        self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float,
+        self,
+        identity: Identity,
+        fingerprint: str,
+        task_id: str,
+        owner: str,
+        lease: float,
+        ttl: float,
         call: bytes | None,
-    ) -> Transition:  # fmt: skip
+    ) -> Transition:
         return self._take("claim", identity, fingerprint, task_id, owner, lease, ttl, call)
 
     def _acquire(
-        self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float,
-        call: bytes | None, next_look: float, retry: bool,
-    ) -> Transition:  # fmt: skip
-        return self._take("acquire", identity, fingerprint, task_id, owner, lease, ttl, call, repr(next_look),
-                          "1" if retry else "")  # fmt: skip
+        self,
+        identity: Identity,
+        fingerprint: str,
+        task_id: str,
+        owner: str,
+        lease: float,
+        ttl: float,
+        call: bytes | None,
+        next_look: float,
+        retry: bool,
+    ) -> Transition:
+        return self._take(
+            "acquire", identity, fingerprint, task_id, owner, lease, ttl, call, repr(next_look), "1" if retry else ""
+        )
 
     def _fenced(self, script: str, identity: Identity, *argv: object) -> Transition:
         args: list[Any] = [self._now(), *argv]

@@ -50,8 +50,20 @@ _UNSETTLED = [s.value for s in UNSETTLED]
 # Both dialects' insert() has on_conflict_do_update and .excluded; the generic Insert has neither.
 _INSERTS: dict[str, Callable[[sa.Table], Any]] = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
 _TAKE_TRIES = 5  # a held record that frees itself between our upsert and our read is taken on a retry
-_DATA = ("fingerprint", "state", "task_id", "owner", "attempt", "ttl_seconds", "result", "content_type",
-         "content_encoding", "error", "call", "previous_task_id")  # fmt: skip
+_DATA = (
+    "fingerprint",
+    "state",
+    "task_id",
+    "owner",
+    "attempt",
+    "ttl_seconds",
+    "result",
+    "content_type",
+    "content_encoding",
+    "error",
+    "call",
+    "previous_task_id",
+)
 _TIMES = ("lease_expires_at", "created_at", "updated_at", "expires_at")
 
 
@@ -287,15 +299,24 @@ class SQLStore(Store):
         absent = c.expires_at <= now
 
         def upsert(take: sa.ColumnElement[bool], special: dict[str, Any]) -> sa.Executable:
-            times = {"lease_expires_at": now + p("lease"), "created_at": now, "updated_at": now,
-                     "expires_at": now + p("lease") + p("ttl_seconds")}  # fmt: skip
+            times = {
+                "lease_expires_at": now + p("lease"),
+                "created_at": now,
+                "updated_at": now,
+                "expires_at": now + p("lease") + p("ttl_seconds"),
+            }
             ins = insert(t).values(
-                namespace=p("ns"), scope=p("scope"), task_name=p("task_name"), key=p("key"),
-                **{name: p(name) for name in _DATA}, **times,
-            )  # fmt: skip
+                namespace=p("ns"),
+                scope=p("scope"),
+                task_name=p("task_name"),
+                key=p("key"),
+                **{name: p(name) for name in _DATA},
+                **times,
+            )
             # A takeover keeps the task id of the attempt it takes (stores/base.py: taken_over).
-            previous = sa.case((absent, None), (c.state == State.IN_PROGRESS.value, c.task_id),
-                               else_=c.previous_task_id)  # fmt: skip
+            previous = sa.case(
+                (absent, None), (c.state == State.IN_PROGRESS.value, c.task_id), else_=c.previous_task_id
+            )
             changes = {name: ins.excluded[name] for name in (*_DATA, *_TIMES)} | {"previous_task_id": previous}
             # A live record keeps a BUSY waiter's mark whoever takes it over; an absent one has none.
             changes["linger_until"] = sa.case((absent, sa.null()), else_=c.linger_until)
@@ -305,13 +326,15 @@ class SQLStore(Store):
             return statement
 
         # claim takes an absent record, or one whose lease ran out under the same fingerprint.
-        self._claim_sql = upsert(sa.or_(absent, sa.and_(c.fingerprint == p("fingerprint"), unsettled,
-                                                        c.lease_expires_at <= now)), {})  # fmt: skip
+        self._claim_sql = upsert(
+            sa.or_(absent, sa.and_(c.fingerprint == p("fingerprint"), unsettled, c.lease_expires_at <= now)), {}
+        )
         # acquire takes an absent record, a PENDING one, or an IN_PROGRESS one whose lease ran out,
         # if it is the same call or the same attempt chain (a Celery retry under the record's task
         # id); the chain keeps the caller's fingerprint and counts its attempts.
-        runnable = sa.or_(c.state == State.PENDING.value, sa.and_(c.state == State.IN_PROGRESS.value,
-                                                                  c.lease_expires_at <= now))  # fmt: skip
+        runnable = sa.or_(
+            c.state == State.PENDING.value, sa.and_(c.state == State.IN_PROGRESS.value, c.lease_expires_at <= now)
+        )
         retry = sa.bindparam("p_retry", type_=sa.Integer)
         chain = sa.and_(retry == 1, c.task_id == p("task_id"), c.attempt > 0)  # no retry before an attempt ran
         same = sa.or_(c.fingerprint == p("fingerprint"), chain)
@@ -347,21 +370,37 @@ class SQLStore(Store):
                 return sa.and_(held, sa.or_(c.state == State.PENDING.value, expired_lease))
             return held
 
-        self._settle_sql = sa.update(t).where(owned("owner")).values(
-            state=p("state"), result=p("result"), content_type=p("content_type"),
-            content_encoding=p("content_encoding"), error=p("error"), lease_expires_at=None, updated_at=now,
-            expires_at=sa.case((sa.func.coalesce(c.linger_until, 0.0) > now + c.ttl_seconds, c.linger_until),
-                               else_=now + c.ttl_seconds),  # never before a BUSY waiter's next look
-        )  # fmt: skip
+        self._settle_sql = (
+            sa.update(t)
+            .where(owned("owner"))
+            .values(
+                state=p("state"),
+                result=p("result"),
+                content_type=p("content_type"),
+                content_encoding=p("content_encoding"),
+                error=p("error"),
+                lease_expires_at=None,
+                updated_at=now,
+                expires_at=sa.case(
+                    (sa.func.coalesce(c.linger_until, 0.0) > now + c.ttl_seconds, c.linger_until),
+                    else_=now + c.ttl_seconds,
+                ),  # never before a BUSY waiter's next look
+            )
+        )
         only_expired = sa.or_(sa.not_(p("expired_only")), expired_lease)
         self._delete_sql = {fence: sa.delete(t).where(owned(fence), only_expired) for fence in ("owner", "task_id")}
         self._pending_sql = {
-            fence: sa.update(t).where(owned(fence), only_expired).values(
-                state=State.PENDING.value, owner=p("new_owner"), lease_expires_at=now + p("lease"),
-                updated_at=now, expires_at=now + p("lease") + c.ttl_seconds,
+            fence: sa.update(t)
+            .where(owned(fence), only_expired)
+            .values(
+                state=State.PENDING.value,
+                owner=p("new_owner"),
+                lease_expires_at=now + p("lease"),
+                updated_at=now,
+                expires_at=now + p("lease") + c.ttl_seconds,
             )
             for fence in ("owner", "task_id")
-        }  # fmt: skip
+        }
         # A renewal extends the lease, never shortens it (a late beat must not undo a longer lease).
         renewed = sa.case((c.lease_expires_at > now + p("lease"), c.lease_expires_at), else_=now + p("lease"))
         self._renew_sql = (
@@ -372,9 +411,13 @@ class SQLStore(Store):
         self._hand_over_sql = (
             sa.update(t)
             .where(owned("owner"), c.state == State.IN_PROGRESS.value)
-            .values(owner=p("new_owner"), lease_expires_at=now + p("lease"), updated_at=now,
-                    expires_at=now + p("lease") + c.ttl_seconds)
-        )  # fmt: skip
+            .values(
+                owner=p("new_owner"),
+                lease_expires_at=now + p("lease"),
+                updated_at=now,
+                expires_at=now + p("lease") + c.ttl_seconds,
+            )
+        )
         self._forget_sql = sa.delete(t).where(pk).returning((c.expires_at > now).label("live"))
         self._due_sql = (
             sa.select(t)
@@ -401,9 +444,11 @@ class SQLStore(Store):
             sa.update(t).where(mine, c.token == sa.bindparam("p_token"), live).values(expires_at=longer)
         )
         ins = insert(t).values(
-            namespace=sa.bindparam("p_ns"), process=sa.bindparam("p_process"), token=sa.bindparam("p_token"),
+            namespace=sa.bindparam("p_ns"),
+            process=sa.bindparam("p_process"),
+            token=sa.bindparam("p_token"),
             expires_at=until,
-        )  # fmt: skip
+        )
         # Created when absent or expired; a live record is taken only under its own token (a retry).
         self._create_liveness_sql = ins.on_conflict_do_update(
             index_elements=[c.namespace, c.process],
@@ -497,15 +542,33 @@ class SQLStore(Store):
     # ---- take-or-read: claim and acquire ------------------------------------------------------
 
     def _take(
-        self, statement: sa.Executable, claiming: bool, identity: Identity, fingerprint: str, task_id: str,
-        owner: str, lease: float, ttl: float, call: bytes | None, next_look: float = 0.0, retry: bool = False,
-    ) -> Transition:  # fmt: skip
+        self,
+        statement: sa.Executable,
+        claiming: bool,
+        identity: Identity,
+        fingerprint: str,
+        task_id: str,
+        owner: str,
+        lease: float,
+        ttl: float,
+        call: bytes | None,
+        next_look: float = 0.0,
+        retry: bool = False,
+    ) -> Transition:
         values = {
-            "fingerprint": fingerprint, "state": (State.PENDING if claiming else State.IN_PROGRESS).value,
-            "task_id": task_id, "owner": owner, "attempt": 0 if claiming else 1, "ttl_seconds": ttl,
-            "result": None, "content_type": None, "content_encoding": None, "error": None, "call": call,
+            "fingerprint": fingerprint,
+            "state": (State.PENDING if claiming else State.IN_PROGRESS).value,
+            "task_id": task_id,
+            "owner": owner,
+            "attempt": 0 if claiming else 1,
+            "ttl_seconds": ttl,
+            "result": None,
+            "content_type": None,
+            "content_encoding": None,
+            "error": None,
+            "call": call,
             "previous_task_id": None,
-        }  # fmt: skip
+        }
         params = self._params(identity, lease=lease, **values) | ({} if claiming else {"p_retry": int(retry)})
         for _ in range(_TAKE_TRIES):
             taken = self._run(statement, params, _one_or_none)
@@ -514,9 +577,11 @@ class SQLStore(Store):
                 # and (a run without a call) the claim's call.
                 written = taken._asdict() | {"call": None if taken.call is None else bytes(taken.call)}
                 record = IdempotencyRecord(
-                    scope=identity.scope, task_name=identity.task_name, key=identity.key,
+                    scope=identity.scope,
+                    task_name=identity.task_name,
+                    key=identity.key,
                     **(values | {"state": State(values["state"])} | written),
-                )  # fmt: skip
+                )
                 return Transition(Decision.NEW if claiming else Decision.RUN, record)
             if not claiming:
                 busy = self._run(self._busy_sql, params | {"p_next_look": next_look}, _one_or_none)
@@ -535,26 +600,46 @@ class SQLStore(Store):
         raise sa_exc.TimeoutError(f"{identity} changed hands {_TAKE_TRIES} times in a row")
 
     def _claim(
-        self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float,
+        self,
+        identity: Identity,
+        fingerprint: str,
+        task_id: str,
+        owner: str,
+        lease: float,
+        ttl: float,
         call: bytes | None,
-    ) -> Transition:  # fmt: skip
+    ) -> Transition:
         return self._take(self._claim_sql, True, identity, fingerprint, task_id, owner, lease, ttl, call)
 
     def _acquire(
-        self, identity: Identity, fingerprint: str, task_id: str, owner: str, lease: float, ttl: float,
-        call: bytes | None, next_look: float, retry: bool,
-    ) -> Transition:  # fmt: skip
-        return self._take(self._acquire_sql, False, identity, fingerprint, task_id, owner, lease, ttl, call, next_look,
-                          retry)  # fmt: skip
+        self,
+        identity: Identity,
+        fingerprint: str,
+        task_id: str,
+        owner: str,
+        lease: float,
+        ttl: float,
+        call: bytes | None,
+        next_look: float,
+        retry: bool,
+    ) -> Transition:
+        return self._take(
+            self._acquire_sql, False, identity, fingerprint, task_id, owner, lease, ttl, call, next_look, retry
+        )
 
     # ---- fenced writes --------------------------------------------------------------------------
 
     def _settle(self, identity: Identity, token: str, outcome: Settlement) -> Transition:
         state, result, content_type, content_encoding, error = outcome
         params = self._params(
-            identity, token=token, state=state.value, result=result, content_type=content_type,
-            content_encoding=content_encoding, error=error.model_dump_json() if error else None,
-        )  # fmt: skip
+            identity,
+            token=token,
+            state=state.value,
+            result=result,
+            content_type=content_type,
+            content_encoding=content_encoding,
+            error=error.model_dump_json() if error else None,
+        )
         return OK if self._run(self._settle_sql, params, _rowcount) == 1 else LOST
 
     def _release(

@@ -62,8 +62,10 @@ def run(version: str, baseline: bool, slow: bool, processes: int, pytest_args: l
     print(f"\n== celery {version} integration, {mode}: {' '.join(command[1:])}", flush=True)
     code = subprocess.run(command, cwd=tests, env=env).returncode
     done = time.monotonic()
-    print(f"== celery {version} integration: pytest exit {code}, {done - prepared:.1f}s tests, "
-          f"{prepared - started:.1f}s setup")  # fmt: skip
+    print(
+        f"== celery {version} integration: pytest exit {code}, {done - prepared:.1f}s tests, "
+        f"{prepared - started:.1f}s setup"
+    )
     return code, done - started
 
 
@@ -76,8 +78,10 @@ def main() -> int:
     args = parser.parse_args()
     code, _ = run(installed_celery(), args.baseline, args.slow, args.processes, args.pytest_args)
     if code:
-        print(f"celery-idem integration compatibility FAILED: see {HERE.relative_to(REPO)}/README.md "
-              "for how to read and update integration_expected_failures.txt")  # fmt: skip
+        print(
+            f"celery-idem integration compatibility FAILED: see {HERE.relative_to(REPO)}/README.md "
+            "for how to read and update integration_expected_failures.txt"
+        )
         return 1
     return 0
 

@@ -159,8 +159,10 @@ def main() -> int:
         if code:
             failed.append(version)
     if failed:
-        print(f"celery-idem compatibility FAILED on celery {', '.join(failed)}: see "
-              f"{HERE.relative_to(REPO)}/README.md for how to read and update the list")  # fmt: skip
+        print(
+            f"celery-idem compatibility FAILED on celery {', '.join(failed)}: see "
+            f"{HERE.relative_to(REPO)}/README.md for how to read and update the list"
+        )
         return 1
     return 0
 
