@@ -15,7 +15,8 @@ from . import attempts
 from .calls import encode_call, published_options
 from .config import IdempotencyPolicy
 from .errors import ConfigurationError, InvalidKeyError, PayloadMismatchError
-from .fingerprint import check_key_args, fingerprint, validate_key, validate_scope
+from .fingerprint import check_key_args, fingerprint, keyed_identity, validate_scope
+from .outcome import serializer_of
 from .pydantic_sets import parameter_shapes
 from .records import Decision, IdempotencyRecord, Identity
 
@@ -35,7 +36,7 @@ class TaskCalls:
     def __init__(self, task: Any, policy: IdempotencyPolicy, *, accept_pickle: bool) -> None:
         self.task = task
         self.policy = policy
-        self.serializer: str = task.serializer or task.app.conf.task_serializer or "json"
+        self.serializer = serializer_of(task, task.app.conf)
         if self.serializer == "pickle" and not accept_pickle:
             raise ConfigurationError(
                 f"task {task.name!r} uses the pickle serializer, which celery-idem refuses by default: "
@@ -62,16 +63,16 @@ class TaskCalls:
 
     def identify(self, key: Any, scope: Any, fp: str) -> Identity:
         """Validate the caller's key and scope; a call without a key is keyed by its fingerprint."""
+        if key is not None:
+            return keyed_identity(self.task.name, key, scope)
         scope_value = validate_scope(scope)
-        if key is None:
-            if self.policy.require_key:
-                raise InvalidKeyError(
-                    f"task {self.task.name!r} requires an idempotency key (require_key=True); "
-                    "call it with apply_async(..., idempotency_key='...')",
-                    task_name=self.task.name,
-                )
-            return Identity(scope_value, self.task.name, fp)
-        return Identity(scope_value, self.task.name, validate_key(key))
+        if self.policy.require_key:
+            raise InvalidKeyError(
+                f"task {self.task.name!r} requires an idempotency key (require_key=True); "
+                "call it with apply_async(..., idempotency_key='...')",
+                task_name=self.task.name,
+            )
+        return Identity(scope_value, self.task.name, fp)
 
     def as_sent(
         self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, options: Mapping[str, Any]

@@ -31,12 +31,21 @@ from pydantic import BaseModel
 
 from .errors import ConfigurationError, InvalidKeyError, SerializationError
 from .pydantic_sets import Shape, Unordered, model_shape, unordered
+from .records import Identity
 
 # kombu ships no annotations: name the two calls used here with their real shapes.
 kombu_dumps: Callable[..., tuple[str, str, Any]] = serialization.dumps
 kombu_loads: Callable[..., Any] = serialization.loads
 
-__all__ = ["bind_arguments", "canonical_json", "check_key_args", "fingerprint", "validate_key", "validate_scope"]
+__all__ = [
+    "bind_arguments",
+    "canonical_json",
+    "check_key_args",
+    "fingerprint",
+    "keyed_identity",
+    "validate_key",
+    "validate_scope",
+]
 
 MAX_KEY_LENGTH = 255
 _RULE = f"1-{MAX_KEY_LENGTH} printable characters without whitespace"
@@ -72,6 +81,12 @@ def validate_key(value: object, *, what: str = "idempotency key") -> str:
 def validate_scope(value: object) -> str:
     """Validate an ``idempotency_scope``; ``None`` means unscoped and is stored as ``""``."""
     return "" if value is None else validate_key(value, what="idempotency scope")
+
+
+def keyed_identity(task_name: str, key: object, scope: object) -> Identity:
+    """The identity of a call given a key: the one way a caller's key and scope become an Identity
+    (a call without a key is keyed by its fingerprint: :meth:`celery_idem.calling.TaskCalls.identify`)."""
+    return Identity(validate_scope(scope), task_name, validate_key(key))
 
 
 @functools.lru_cache(maxsize=2048)

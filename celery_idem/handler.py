@@ -29,7 +29,7 @@ from .errors import LockLostError, StoreUnavailableError
 from .owners import worker_token
 from .protocol import BYPASS_HEADER, HANDOVER_HEADER, KEY_HEADER, SCOPE_HEADER, request_header
 from .records import Decision, IdempotencyRecord
-from .settle import Settlement
+from .settle import Settler
 
 if TYPE_CHECKING:
     from .heartbeat import Lease
@@ -53,7 +53,7 @@ class Handler(TaskCalls):
     def __init__(self, idem: Runtime, task: Any) -> None:
         super().__init__(task, idem.policy_for(task), accept_pickle=idem.settings.accept_pickle)
         self.idem = idem
-        self.settle = Settlement(idem, self)
+        self.settle = Settler(idem, self)
 
     def publish(
         self,

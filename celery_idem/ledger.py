@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 from . import attempts
 from .errors import ConfigurationError, LedgerUnavailableError, PayloadMismatchError
-from .outcome import JSON_ONLY, decode_result, encode_result
+from .outcome import JSON_ONLY, decode_result, encode_result, serializer_of
 from .protocol import BYPASS_HEADER, request_header
 from .records import IdempotencyRecord, Identity, State
 from .stores.deadline import Watchdog, socket_of
@@ -324,7 +324,7 @@ class Ledger:
         self._check_columns()
         identity, fingerprint = attempt.identity, attempt.fingerprint
         self._refuse_second_call(attempt.ledger_nonce, identity, session)
-        serializer = task.serializer or task.app.conf.task_serializer or "json"
+        serializer = serializer_of(task, task.app.conf)
         row = {
             "namespace": self.namespace,
             "scope": identity.scope,

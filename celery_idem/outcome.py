@@ -21,6 +21,7 @@ from .errors import ReplayedFailureError, SerializationError
 from .records import ErrorInfo, IdempotencyRecord
 
 __all__ = [
+    "serializer_of",
     "JSON_ONLY",
     "PICKLE_CONTENT_TYPE",
     "accepted_content_types",
@@ -38,6 +39,12 @@ _prepare_accept: Callable[[Iterable[str]], set[str]] = serialization.prepare_acc
 
 PICKLE_CONTENT_TYPE = "application/x-python-serialize"
 JSON_ONLY: frozenset[str] = frozenset({"application/json"})
+
+
+def serializer_of(task: Any | None, conf: Any) -> str:
+    """The serializer a task's outcomes are stored in: the task's own, else the app's
+    ``task_serializer``, else json (as Celery picks the one its messages use)."""
+    return (task.serializer if task is not None else None) or conf.task_serializer or "json"
 
 
 def accepted_content_types(conf: Any, *, accept_pickle: bool) -> frozenset[str]:

@@ -21,7 +21,7 @@ from .errors import DuplicateTaskError, StoreUnavailableError
 from .protocol import BYPASS_HEADER, HANDOVER_HEADER, KEY_HEADER, SCOPE_HEADER
 from .records import Decision, Identity
 from .result import bind_handle
-from .settle import Settlement
+from .settle import Settler
 from .stores.base import new_token
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ _CONTINUATIONS = ("link", "link_error", "chain", "chord", "group_id")
 def publish(
     calls: TaskCalls,
     idem: Runtime,
-    settle: Settlement,
+    settle: Settler,
     args: Sequence[Any] | None,
     kwargs: Mapping[str, Any] | None,
     options: dict[str, Any],

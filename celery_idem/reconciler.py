@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict
 from .calls import CallRefused, decode_call
 from .errors import ConfigurationError, LedgerUnavailableError, ResultTooLargeError, StoreUnavailableError
 from .failures import BODY_MAY_HAVE_RUN, classify_failure
-from .outcome import encode_result
+from .outcome import encode_result, serializer_of
 from .owners import holder_node, holder_process, node_tag
 from .protocol import KEY_HEADER, SCOPE_HEADER
 from .records import Decision, ErrorInfo, IdempotencyRecord, State
@@ -168,7 +168,7 @@ class Reconciler:
         status = meta.get("status")
         if status == states.SUCCESS:
             task = self._task(record.task_name)
-            serializer = (task.serializer if task is not None else None) or self.app.conf.task_serializer or "json"
+            serializer = serializer_of(task, self.app.conf)
             payload, content_type, encoding = encode_result(meta.get("result"), serializer)
             self._complete(record, payload, content_type, encoding, "result backend")
             return True

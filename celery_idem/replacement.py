@@ -51,7 +51,7 @@ from .protocol import (
     request_header,
 )
 from .records import Decision, Identity, Transition
-from .settle import Settlement
+from .settle import Settler
 
 if TYPE_CHECKING:
     from .config import IdempotencyPolicy
@@ -65,12 +65,12 @@ logger = logging.getLogger("celery_idem.replacement")
 class Handler(Protocol):
     """What this module is given of the replaced task's handler (:class:`celery_idem.handler.Handler`,
     which calls it): the task, its runtime and policy, how its calls are identified, its writes
-    (:class:`~celery_idem.settle.Settlement`) and how its message goes back to the broker."""
+    (:class:`~celery_idem.settle.Settler`) and how its message goes back to the broker."""
 
     idem: Runtime
     task: Any
     policy: IdempotencyPolicy
-    settle: Settlement
+    settle: Settler
 
     def fingerprint(self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None) -> str: ...
 

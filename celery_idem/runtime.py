@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from .config import IdempotencyPolicy, IdempotencySettings
 from .errors import ConfigurationError
-from .fingerprint import validate_key, validate_scope
+from .fingerprint import keyed_identity
 from .heartbeat import Heartbeat
 from .outcome import accepted_content_types, replay
 from .records import IdempotencyRecord, Identity, State
@@ -197,8 +197,7 @@ class Runtime:
     # ---- records -------------------------------------------------------------------------------
 
     def _identity(self, task: Any, key: str, scope: str | None) -> Identity:
-        name = task if isinstance(task, str) else task.name
-        return Identity(validate_scope(scope), name, validate_key(key))
+        return keyed_identity(task if isinstance(task, str) else task.name, key, scope)
 
     def get(self, task: Any, key: str, scope: str | None = None) -> IdempotencyRecord | None:
         """The record of ``(scope, task, key)``; ``task`` is the task or its name."""

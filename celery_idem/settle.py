@@ -28,14 +28,14 @@ from .stores.base import Fence
 if TYPE_CHECKING:
     from .runtime import Runtime
 
-__all__ = ["Settlement"]
+__all__ = ["Settler"]
 
 logger = logging.getLogger("celery_idem.handler")
 
 Write = Callable[[], Transition]
 
 
-class Settlement:
+class Settler:
     """The writes that settle one task's records, on its runtime's store."""
 
     def __init__(self, idem: Runtime, calls: TaskCalls) -> None:
