@@ -25,6 +25,8 @@ REDIS_URL = os.environ.get("CELERY_IDEM_TEST_REDIS_URL", "redis://127.0.0.1:6379
 POSTGRES_URL = os.environ.get("CELERY_IDEM_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
+RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
+
 STORE_KINDS = ("memory", "sqlite", "redis", "postgresql")
 
 
@@ -72,6 +74,20 @@ def require_server(kind: str) -> None:
         pytest.skip(message)
     finally:
         probe.close()
+
+
+def require_rabbitmq() -> None:
+    """Skip (locally) or fail (CI) when RabbitMQ does not answer."""
+    from kombu import Connection
+
+    try:
+        with Connection(RABBITMQ_URL, connect_timeout=3) as connection:
+            connection.connect()
+    except Exception as exc:  # noqa: BLE001
+        message = f"RabbitMQ is not reachable at {RABBITMQ_URL}: {exc}"
+        if IN_CI:
+            pytest.fail(f"{message} (CI=true: servers are required)")
+        pytest.skip(message)
 
 
 def store_url(kind: str, tmp_path: Any) -> str:

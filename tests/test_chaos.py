@@ -28,11 +28,10 @@ import redis
 import sqlalchemy as sa
 from celery.result import AsyncResult
 from chaos_shop import make_chaos_app
-from conftest import POSTGRES_URL, REDIS_URL, require_server
+from conftest import POSTGRES_URL, RABBITMQ_URL, REDIS_URL, require_rabbitmq, require_server
 from proxy import Proxy
 from services import PostgresServer, RedisServer
 from shop import COUNTER_URL, effects_key, payments_table
-from test_worker import RABBITMQ_URL, require_rabbitmq
 from workers import BACKEND, Worker, wait_for
 
 from celery_idem import Idempotency, LockLostError, State, StoreUnavailableError

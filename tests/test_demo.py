@@ -7,8 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import POSTGRES_URL, REDIS_URL, require_server
-from test_worker import RABBITMQ_URL, require_rabbitmq
+from conftest import POSTGRES_URL, RABBITMQ_URL, REDIS_URL, require_rabbitmq, require_server
 
 pytestmark = pytest.mark.slow
 

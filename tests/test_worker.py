@@ -23,7 +23,7 @@ from celery import Celery, chain, group, signals
 from celery.contrib.testing.worker import start_worker
 from celery.exceptions import Ignore, Reject
 from celery.result import AsyncResult
-from conftest import IN_CI, REDIS_URL, plant_pickle, require_server
+from conftest import RABBITMQ_URL, REDIS_URL, plant_pickle, require_rabbitmq, require_server
 from shop import COUNTER_URL, Order, effects_key, make_app
 from workers import Worker
 
@@ -42,23 +42,9 @@ from celery_idem import (
 from celery_idem.records import Identity
 from celery_idem.signals import options_to_headers
 
-RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
 BROKERS = {"redis": "redis://127.0.0.1:6379/14", "rabbitmq": RABBITMQ_URL}
 BACKEND = "redis://127.0.0.1:6379/13"
 GET = 20  # seconds a test waits for a result
-
-
-def require_rabbitmq() -> None:
-    from kombu import Connection
-
-    try:
-        with Connection(RABBITMQ_URL, connect_timeout=3) as connection:
-            connection.connect()
-    except Exception as exc:  # noqa: BLE001
-        message = f"RabbitMQ is not reachable at {RABBITMQ_URL}: {exc}"
-        if IN_CI:
-            pytest.fail(f"{message} (CI=true: servers are required)")
-        pytest.skip(message)
 
 
 @dataclass
