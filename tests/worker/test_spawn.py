@@ -22,7 +22,7 @@ from workers import BACKEND, wait_for
 from celery_idem import ConfigurationError, Idempotency, MemoryStore
 
 pytestmark = pytest.mark.slow
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1]  # tests/: the spawn_shop app
 GET = 60
 BROKER = "redis://127.0.0.1:6379/14"
 

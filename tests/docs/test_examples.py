@@ -27,7 +27,7 @@ import yaml
 from conftest import IN_CI, POSTGRES_URL, REDIS_URL, require_server, wipe
 from workers import BACKEND, wait_for
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # the examples live beside the package, not inside it
     sys.path.insert(0, str(ROOT))
 

@@ -27,7 +27,7 @@ from celery_idem import ReconcileReport
 from celery_idem.records import ErrorInfo, Identity, State
 from celery_idem.stores import Store, store_from_url
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]  # tests/: the shop app the CLI loads
 BROKER = "redis://127.0.0.1:6379/14"
 BACKEND = "redis://127.0.0.1:6379/13"
 FP = "f" * 64

@@ -44,7 +44,7 @@ GET = 30
 INSPECT = 3  # seconds the reconciler waits for workers busy with this matrix to answer inspect
 WORKERS = {"shared": 8, "warm": 2, "spawn": 2}  # concurrency of each worker of a broker's run
 OBSERVED: dict[tuple[str, str, str], Seen] = {}
-ARTEFACT = Path(__file__).resolve().parent.parent / "build" / "endings.json"  # what the last run saw
+ARTEFACT = Path(__file__).resolve().parents[2] / "build" / "endings.json"  # what the last run saw
 
 
 @dataclass

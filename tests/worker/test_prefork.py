@@ -31,7 +31,7 @@ from workers import Worker, wait_for
 from celery_idem import Idempotency, State, StoreUnavailableError
 
 pytestmark = pytest.mark.slow
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1]
 GET = 30
 SECONDS = 5  # a body killed mid-run, short enough to run again in full after its lease
 

@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 from celery_idem.errors import SerializationError
 from celery_idem.fingerprint import fingerprint
 
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: tagged_orders.py, run as a producer
+
 # The canonical JSON of charge(42, 100): sorted keys, no whitespace, default applied.
 CHARGE_42_100_CANONICAL = b'{"amount":100,"currency":"EUR","order_id":42}'
 CHARGE_42_100_FINGERPRINT = "190e6618c812c7fe98a036bdd1ff93bc46207b5e12f7db8e9892aae3c35a95f1"
@@ -568,7 +570,7 @@ def test_a_pydantic_call_with_sets_has_one_fingerprint_in_processes_with_other_h
     fingerprints = [
         subprocess.run(
             [sys.executable, "tagged_orders.py", "fingerprint", serializer],
-            cwd=os.path.dirname(__file__),
+            cwd=TESTS,
             env={**os.environ, "PYTHONHASHSEED": seed},
             capture_output=True,
             text=True,
@@ -706,7 +708,7 @@ def test_the_same_pydantic_call_from_producers_with_other_hash_seeds_runs_once_o
         """A web process with its own hash seed sends Order 7 (its sets in that process's order)."""
         sent = subprocess.run(
             [sys.executable, "tagged_orders.py", "send", broker, backend, REDIS_URL, prefix, *key],
-            cwd=os.path.dirname(__file__),
+            cwd=TESTS,
             env={**os.environ, "PYTHONHASHSEED": seed},
             capture_output=True,
             text=True,

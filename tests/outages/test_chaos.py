@@ -609,7 +609,8 @@ def test_a_claim_whose_reply_is_lost_does_not_hand_later_calls_an_unpublished_ta
 
 # ---- 6. a worker whose clock runs 45 s ahead --------------------------------------------------------
 
-SKEWED_CLOCK = Path(__file__).parent / "skewed_clock"  # its sitecustomize shifts time.time()
+TESTS = Path(__file__).resolve().parents[1]  # tests/: the apps workers import, and skewed_clock/
+SKEWED_CLOCK = TESTS / "skewed_clock"  # its sitecustomize shifts time.time()
 
 
 @pytest.mark.parametrize("kind", ["redis", "postgresql"])
@@ -621,7 +622,7 @@ def test_a_worker_45s_ahead_neither_takes_over_a_live_lease_nor_expires_a_record
     store = {"redis": REDIS_URL, "postgresql": POSTGRES_URL}[kind]
     app = producer(store, prefix, ttl_seconds=30)
     workers(store, ttl_seconds=30)
-    path = os.pathsep.join([str(SKEWED_CLOCK), str(Path(__file__).parent), str(Path(__file__).parent.parent)])
+    path = os.pathsep.join([str(SKEWED_CLOCK), str(TESTS), str(TESTS.parent)])
     ahead = workers(
         store, queue=f"{prefix}-ahead", ttl_seconds=30, env={"PYTHONPATH": path, "CHAOS_CLOCK_SHIFT_SECONDS": "45"}
     )
