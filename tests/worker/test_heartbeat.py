@@ -1,12 +1,18 @@
-"""The heartbeat keeps every running attempt's lease, on every store, whatever one renewal raises.
+"""The heartbeat keeps every running attempt's lease, on every store, whatever one renewal raises;
+outcomes deferred through an outage never starve those renewals; a forked process never runs its
+parent's leases or deferred writes.
 
 The heartbeat beats in real time (lease/3); the store judges leases by the injected fake clock, which
 each beat moves on by lease/3, as real time would. So "the lease outlived its length" is read off the
-store's own clock, never slept for. Through a worker: tests/test_worker.py.
+store's own clock, never slept for. Through a worker: tests/worker/test_worker.py.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import uuid
@@ -15,10 +21,13 @@ import pytest
 import redis
 from conftest import FakeClock
 
+import celery_idem.heartbeat as heartbeat_module
+from celery_idem.errors import StoreUnavailableError
 from celery_idem.heartbeat import Heartbeat
 from celery_idem.records import Identity, State
 from celery_idem.stores import Store
 from celery_idem.stores.base import Transition
+from celery_idem.stores.memory import MemoryStore
 
 LEASE = 0.3  # seconds: a beat every 0.1 s
 FP = "f" * 64
@@ -213,3 +222,109 @@ def test_a_deferred_outcome_refused_by_the_owner_token_is_dropped_and_one_past_i
     record = store.get(identity)
     assert record is not None and record.state is State.IN_PROGRESS  # neither write changed it
     heartbeat.stop()
+
+
+# ---- deferred outcomes never starve the renewals of live leases --------------------------------------
+
+# Found by an attacker: deferred outcome writes starve the renewals of live leases (same thread, serial calls).
+#
+# Heartbeat._run renews the leases due, then tries every settlement due, one after the other, with
+# no renewal in between; each try of a settlement whose store does not answer costs up to the store's
+# timeout (2 s by default: a black-holed node, the connect timeout). Settlements are due again
+# SETTLE_RETRY_SECONDS (1 s) after each try, so as soon as the timeout is longer than the retry period
+# the settlements bunch up into one batch per pass, and a pass lasts about K * timeout: a live lease
+# is renewed at most once per pass. When the node that does not answer is not the one a live lease is
+# on (redis+cluster with one master down and the other shards up, which is exactly when outcomes are
+# deferred while other attempts keep running), a live attempt's lease runs out while its body still
+# runs: a redelivered copy or a new message with its key is told RUN and the side effect happens twice.
+# It lasts as long as the partial outage (a settlement is retried for the record's whole TTL).
+#
+# Scaled 4x down, same ratios: store timeout 0.5 s (2 s), retry period 0.25 s (1 s), lease 1.5 s
+# (a beat every 0.5 s; 6 s real), 8 deferred outcomes. At real scale, lease 30 s: ~15 deferred
+# outcomes in one process (a threads/gevent pool) are enough.
+LIVE_LEASE = 1.5  # the live attempt's lease here (LEASE above is the fake-clock tests')
+STORE_TIMEOUT = 0.5
+
+
+def test_deferred_writes_do_not_starve_live_renewals(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(heartbeat_module, "SETTLE_RETRY_SECONDS", 0.25)
+    store = MemoryStore()  # the healthy shard the live attempt's record is on
+    heartbeat = Heartbeat()
+
+    def dead_shard() -> Transition:  # outcomes of attempts whose records are on the dead shard
+        time.sleep(STORE_TIMEOUT)
+        raise StoreUnavailableError("node down: timed out")
+
+    for _ in range(8):
+        heartbeat.defer(Identity("", "t", f"dead-{uuid.uuid4().hex}"), dead_shard, lambda: False, seconds=600)
+        time.sleep(0.01)
+    live = Identity("", "t", "live")
+    taken = store.acquire(live, FP, "task-1", lease_seconds=LIVE_LEASE, ttl_seconds=600)
+    assert taken.decision.value == "RUN" and taken.record is not None
+    lease = heartbeat.add(store, live, taken.record.owner, LIVE_LEASE)
+    try:
+        deadline = time.monotonic() + 4.5  # the body runs on, 3 leases long; the heartbeat should hold it
+        while time.monotonic() < deadline:
+            other = store.acquire(live, FP, f"copy-{uuid.uuid4().hex}", lease_seconds=LIVE_LEASE, ttl_seconds=600)
+            assert other.decision.value == "BUSY", (
+                "a live attempt's lease ran out while its heartbeat was busy retrying deferred outcomes: "
+                f"another attempt was told {other.decision.value}"
+            )
+            time.sleep(0.05)
+    finally:
+        heartbeat.remove(lease)
+
+
+# ---- a forked process runs none of its parent's leases or deferred writes --------------------------
+
+# Found by an attacker: a forked process inherits the heartbeat's leases and deferred settlements, and runs
+# them from its own thread as soon as it adds a lease or defers a write of its own.
+#
+# Heartbeat keeps _leases/_settlements across fork (no os.register_at_fork reset, no pid check on the
+# sets); _start() in the child starts a new thread over the parent's sets. The child then renews the
+# parent's leases (a parent that dies keeps its record IN_PROGRESS for as long as the child lives)
+# and repeats the parent's outcome writes. Celery's prefork parent runs no attempts, so a plain prefork
+# worker is not hit; a body that forks (multiprocessing 'fork' context) and whose child runs an
+# idempotent task eagerly is. Run in a fresh interpreter (a fork inside pytest's threads can deadlock
+# on an unrelated lock, which is the other half of the same hazard).
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time, uuid
+    from celery_idem.errors import StoreUnavailableError
+    from celery_idem.heartbeat import Heartbeat
+    from celery_idem.records import Identity
+    from celery_idem.stores.base import OK
+    from celery_idem.stores.memory import MemoryStore
+
+    marker = sys.argv[1]
+    parent = os.getpid()
+    heartbeat = Heartbeat()
+
+    def parents_outcome():
+        if os.getpid() == parent:
+            raise StoreUnavailableError("still down in the parent")
+        with open(marker, "w") as f:
+            f.write(str(os.getpid()))  # the child wrote the parent's outcome
+        return OK
+
+    heartbeat.defer(Identity("", "t", "parent-outcome"), parents_outcome, lambda: False, seconds=600)
+    pid = os.fork()
+    if pid == 0:  # the child runs an idempotent attempt of its own
+        try:
+            store = MemoryStore()
+            mine = Identity("", "t", "child-" + uuid.uuid4().hex)
+            taken = store.acquire(mine, "f" * 64, "c", lease_seconds=30, ttl_seconds=60)
+            heartbeat.add(store, mine, taken.record.owner, 30)
+            time.sleep(2.5)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    """
+)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork only")
+def test_child_does_not_run_the_parents_deferred_write(tmp_path) -> None:
+    marker = tmp_path / "child-wrote"
+    subprocess.run([sys.executable, "-c", SCRIPT, str(marker)], check=True, timeout=30)
+    assert not marker.exists(), f"child {marker.read_text()} wrote the parent's deferred outcome"
