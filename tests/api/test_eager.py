@@ -1094,38 +1094,3 @@ def test_an_eager_body_that_calls_its_own_task_as_a_function_runs_it_as_a_plain_
     # Before, the inner call was taken for a copy of the running message: it waited on its own lease
     assert countdown.apply_async((2,), idempotency_key="k").get() == "done"
     assert levels == [2, 1, 0]
-
-
-def test_a_soft_time_limit_while_the_value_is_stored_never_frees_the_key_for_a_second_run() -> None:
-    from celery.exceptions import SoftTimeLimitExceeded
-
-    now = [1_700_000_000.0]
-    store = MemoryStore(clock=lambda: now[0])
-    app = Celery("soft-limit-at-complete", set_as_current=False, broker="memory://", backend="cache+memory://")
-    app.conf.task_store_eager_result = True
-    idem = Idempotency(app, store=store)
-    effects: list[int] = []
-
-    @app.task(base=IdempotentTask, shared=False, idempotency={"lease_seconds": 30})
-    def pay(order: int) -> str:
-        effects.append(order)
-        return "paid"
-
-    real_settle, fired = store._settle, []
-
-    def interrupted(*args: Any, **kwargs: Any) -> Any:
-        if not fired:
-            fired.append(1)
-            raise SoftTimeLimitExceeded()  # the soft limit lands during the complete round trip
-        return real_settle(*args, **kwargs)
-
-    store._settle = interrupted  # type: ignore[method-assign]
-    # Given the body returned and the soft limit struck while its value was being stored
-    first = pay.apply((7,), task_id="t-1", headers={"idempotency_key": "order-7"})
-    # Then the task still succeeds (the value is left in the result backend as evidence)...
-    assert first.state == "SUCCESS" and app.backend.get_task_meta("t-1")["status"] == "SUCCESS"
-    now[0] += 7200
-    idem.reconcile()
-    # ...and neither the reconciler nor a later call frees the key for a second run
-    again = pay.apply((7,), task_id="t-2", headers={"idempotency_key": "order-7"})
-    assert again.get() == "paid" and effects == [7]
