@@ -11,6 +11,10 @@ A Redis outage reported as:
   this and replaces the ConnectionError), and "All slots are not covered" during a failover.
 - ``SlotNotCoveredError`` (a RedisClusterException, not a ConnectionError): a failover in progress.
 - ``ClusterError("TTL exhausted.")``: redirections during resharding / failover exhausted.
+
+And the other way round: a ``RedisClusterException`` that reports a mistake (keys in two slots, a node
+not in cluster mode, a db other than 0) is a surprise, not an outage, so a worker fails the message
+after the surprise limit instead of sending it back forever.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import redis
 from celery import Celery
 from celery import Task as CeleryTask
 from celery.exceptions import TimeoutError as CeleryTimeoutError
+from redis.exceptions import RedisClusterException
 from workers import execute_as_worker
 
 from celery_idem import Idempotency, IdempotentTask, MemoryStore
@@ -177,3 +182,25 @@ def test_eager_acquire_outage_frees_the_claim(monkeypatch: pytest.MonkeyPatch) -
             f"{second.id} (the failed call's id) and waits forever"
         )
     assert value == 1 and runs == [1]
+
+
+# ---- mistakes reported as RedisClusterException are not outages ----
+
+# Found by an attacker: redis-py raises RedisClusterException for mistakes too (keys in two slots, a
+# node not in cluster mode, a db other than 0). Those are not outages: a worker fails the message after
+# the 8-surprise limit instead of sending it back forever; only "every node down" is an outage.
+PERMANENT = [
+    "EVALSHA - all keys must map to the same key slot",
+    "Cluster mode is not enabled on this node",
+    "Argument 'db' is not possible to use in cluster mode",
+    "Invalid args in command: ('EVALSHA',)",
+]
+
+
+@pytest.mark.parametrize("text", PERMANENT)
+def test_permanent_cluster_errors_are_outages(text: str) -> None:
+    store = RedisStore(redis.Redis(), key_prefix="a4")
+    with pytest.raises(StoreUnavailableError) as info:
+        with store._guard("acquire", Identity("", "t", "k")):
+            raise RedisClusterException(text)
+    assert info.value.unexpected, f"{text!r} is treated as a real outage: the message loops forever"
