@@ -1,6 +1,6 @@
 """Plain Celery behaviour that IdempotentTask must keep (issue 11: Celery's own t/unit/tasks suite
 run with IdempotentTask as the default task class). Eager mode and units; the worker side of the
-same cases is in tests/test_worker.py.
+same cases is in tests/worker/test_worker.py.
 
 Each task counts its executions in a list the body appends to: a side effect outside the library.
 """
@@ -15,9 +15,9 @@ import pytest
 from celery import Celery, Task, group
 from celery.app.trace import build_tracer
 from celery.backends.base import BaseBackend
-from celery.result import AsyncResult, result_from_tuple
+from celery.result import AsyncResult, allow_join_result, result_from_tuple
 
-from celery_idem import ConfigurationError, Idempotency, IdempotentTask, State
+from celery_idem import ConfigurationError, Idempotency, IdempotentTask, MemoryStore, State
 from celery_idem.outcome import prepare_value
 
 
@@ -260,3 +260,43 @@ def test_a_keyed_message_without_a_task_id_is_refused_never_run_unprotected(eage
     with pytest.raises(ConfigurationError, match="carries an idempotency_key but no task id"):
         tracer(None, (2,), {}, {"headers": {"idempotency_key": "k"}})
     assert runs == []
+
+
+# ---- eager self-replacement -------------------------------------------------------------------------
+
+# Eager self-replacement (``return self.replace(self.s(n - 1))``) runs as in plain Celery: the
+# in-body recursion mark (same task name and id) must not take the inline replacement for a direct
+# call of the task from its body.
+
+
+def _app(idem: bool) -> tuple[Any, list[Any]]:
+    app = Celery("a4-replace", set_as_current=False, broker="memory://", backend="cache+memory://")
+    app.conf.task_always_eager = True
+    if idem:
+        Idempotency(app, store=MemoryStore())
+    seen: list[Any] = []
+
+    @app.task(bind=True, base=IdempotentTask if idem else Task, shared=False)
+    def countdown(self: Any, n: int) -> str:
+        seen.append((n, self.request.id, self.request.is_eager))
+        if n == 0:
+            return "done"
+        with allow_join_result():  # Celery's own eager replace calls .get() inside the task
+            return self.replace(self.s(n - 1))
+
+    app.finalize()
+    return countdown, seen
+
+
+def test_plain_celery_reference() -> None:
+    countdown, seen = _app(idem=False)
+    assert countdown.delay(2).get() == "done"
+    assert all(eager for _, _, eager in seen) and len({i for _, i, _ in seen}) == 1
+
+
+def test_idempotent_eager_self_replace() -> None:
+    countdown, seen = _app(idem=True)
+    result = countdown.delay(2)
+    print(seen)
+    assert all(eager for _, _, eager in seen), f"an inner replacement body saw a non-eager/blank request: {seen}"
+    assert result.get() == "done"
