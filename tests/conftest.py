@@ -159,7 +159,7 @@ def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]
         yield url
 
 
-# The celery_app / celery_worker fixtures users test their own tasks with (tests/test_contrib_pytest.py).
+# The celery_app / celery_worker fixtures users test their own tasks with (tests/worker/test_contrib_pytest.py).
 pytest_plugins = ("celery.contrib.pytest",)
 
 

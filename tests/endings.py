@@ -1,9 +1,9 @@
 """The endings matrix: every way a task can end, what each must leave behind, and the docs table.
 
-tests/test_endings.py runs each :class:`Ending` through real workers, on every broker, with
+tests/worker/test_endings.py runs each :class:`Ending` through real workers, on every broker, with
 ``acks_late`` on and off, and asserts that what it saw is :meth:`Ending.expect`. The table in
 docs/concepts.md (between the markers below) is rendered from those cells, so the docs say what
-the matrix saw; ``CELERY_IDEM_WRITE_ENDINGS=1 python -m pytest tests/test_endings.py`` rewrites it.
+the matrix saw; ``CELERY_IDEM_WRITE_ENDINGS=1 python -m pytest tests/worker/test_endings.py`` rewrites it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The tasks of the endings matrix (tests/test_endings.py): one per way a task body can end.
+"""The tasks of the endings matrix (tests/worker/test_endings.py): one per way a task body can end.
 
 Each task is registered twice, ``end.<kind>.late`` (``acks_late=True``) and ``end.<kind>.early``
 (``acks_late=False``), so one worker runs both halves of the matrix. Every execution of a body is an

@@ -2,8 +2,8 @@
 
 An :class:`Op` is one store call, by the store's own method name and arguments; :func:`perform`
 runs it on a real store or on the model (whose methods share those names), and :func:`problems`
-says how a store's answer differs from the model's. The state machine (test_model_stores.py) and
-the linearizability test (test_model_linearizable.py) both speak this vocabulary, so a new operation
+says how a store's answer differs from the model's. The state machine and
+the linearizability tests (both in tests/models/test_model_stores.py) speak this vocabulary, so a new operation
 is added once, here (tests/README.md says how).
 """
 

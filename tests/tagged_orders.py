@@ -1,5 +1,5 @@
 """A ``pydantic=True`` task whose model holds sets, for the tests that fingerprint it in processes
-with different hash seeds (tests/test_fingerprint.py). Module level: Celery's pydantic support and
+with different hash seeds (tests/api/test_fingerprint.py). Module level: Celery's pydantic support and
 the producer subprocesses resolve the models by name.
 
 ``python tagged_orders.py fingerprint [SERIALIZER]`` prints the fingerprint of :data:`CALL` as the producer

@@ -1,4 +1,4 @@
-"""The world the task-level model (tests/test_task_model.py) acts on, and the invariants it checks.
+"""The world the task-level model (tests/models/test_task_model.py) acts on, and the invariants it checks.
 
 A :class:`World` is real infrastructure: two ``celery worker`` subprocesses (prefork; one recycles
 its children every 2 tasks), a Redis broker and result backend, a store (Redis or PostgreSQL)
@@ -10,7 +10,7 @@ reconcile runs, ``get()`` on any handle.
 The invariants are judged from outside the library: the bodies log every execution on the counter
 Redis (tests/task_model_app.py), the continuation counts its runs per call, the ledger task's
 business table holds one row per payment. :func:`problems_of_executions`, :func:`answer_problem`
-and friends are pure functions over those facts, so tests/test_task_model.py proves they bite on
+and friends are pure functions over those facts, so tests/models/test_task_model.py proves they bite on
 made-up histories that break each rule.
 """
 

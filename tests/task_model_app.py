@@ -1,4 +1,4 @@
-"""The app of the task-level model (tests/test_task_model.py): worker subprocesses, the producer
+"""The app of the task-level model (tests/models/test_task_model.py): worker subprocesses, the producer
 subprocess and the test process all build it from the same settings.
 
 Every execution of a body is logged outside the library, on the counter Redis, before and after the

@@ -396,7 +396,7 @@ def test_construction_does_no_network_io_and_first_use_fails_closed(monkeypatch:
         charge.apply_async((42, 100), idempotency_key="order-42")
     assert connects, "the first use should have tried the store"
     # Two store calls failed: the claim, and the give-back of a claim that may have run with its
-    # reply lost (tests/test_faults.py)
+    # reply lost (tests/outages/test_faults.py)
     assert idem.metrics()["store_errors"] == 2
 
 

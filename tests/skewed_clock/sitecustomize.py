@@ -1,6 +1,6 @@
 """Test-only: shift this process's wall clock (time.time, time.time_ns) by CHAOS_CLOCK_SHIFT_SECONDS.
 
-tests/test_chaos.py puts this directory first on a worker subprocess's PYTHONPATH, so the worker runs
+tests/outages/test_chaos.py puts this directory first on a worker subprocess's PYTHONPATH, so the worker runs
 with a clock ahead of everyone else's (libfaketime breaks time.sleep under this CPython). Monotonic
 clocks and sleeps are untouched, as on a machine whose NTP is off.
 """

@@ -629,7 +629,7 @@ def test_a_kept_call_survives_acquire_and_is_dropped_by_nothing_but_a_new_call(s
 
 
 def test_acquire_answers_the_record_as_stored_including_the_claims_kept_call(store: Store) -> None:
-    # Found by the model test (tests/test_model_stores.py): Redis and SQL answered a run with the
+    # Found by the model test (tests/models/test_model_stores.py): Redis and SQL answered a run with the
     # call they were sent (None), while the record they stored kept the claim's call.
     call = b'{"args":[42,100],"kwargs":{}}'
     store.claim(ID, FP, "task-1", pending_seconds=PENDING_S, ttl_seconds=TTL_S, call=call)

@@ -273,7 +273,7 @@ def test_every_ending_through_real_workers(run: Run, caplog: pytest.LogCaptureFi
 
 def test_the_docs_table_is_what_the_matrix_saw() -> None:
     """docs/concepts.md shows the matrix as the runs above saw it; with CELERY_IDEM_WRITE_ENDINGS=1
-    this rewrites the table instead (after the runs: ``python -m pytest tests/test_endings.py``)."""
+    this rewrites the table instead (after the runs: ``python -m pytest tests/worker/test_endings.py``)."""
     ARTEFACT.parent.mkdir(exist_ok=True)
     ARTEFACT.write_text(
         json.dumps(
@@ -292,5 +292,5 @@ def test_the_docs_table_is_what_the_matrix_saw() -> None:
         write_docs_block(table)
     assert docs_block() == table, (
         "docs/concepts.md's endings table is not what the matrix saw; rewrite it with "
-        "CELERY_IDEM_WRITE_ENDINGS=1 python -m pytest tests/test_endings.py"
+        "CELERY_IDEM_WRITE_ENDINGS=1 python -m pytest tests/worker/test_endings.py"
     )

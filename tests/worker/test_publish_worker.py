@@ -21,7 +21,7 @@ from celery_idem import State
 from celery_idem.stores import RedisStore
 from celery_idem.timing import EXPIRY_GRACE_SECONDS
 
-# The same in-process worker over each broker as tests/test_worker.py (one per module).
+# The same in-process worker over each broker as tests/worker/test_worker.py (one per module).
 shop = test_worker.shop
 key = test_worker.key
 
