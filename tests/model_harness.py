@@ -2,9 +2,9 @@
 
 An :class:`Op` is one store call, by the store's own method name and arguments; :func:`perform`
 runs it on a real store or on the model (whose methods share those names), and :func:`problems`
-says how a store's answer differs from the model's. The state machine and
-the linearizability tests (both in tests/models/test_model_stores.py) speak this vocabulary, so a new operation
-is added once, here (tests/README.md says how).
+says how a store's answer differs from the model's. The state machine and the linearizability tests
+(both in tests/models/test_model_stores.py) speak this vocabulary, so a new operation is added once,
+here (tests/README.md says how).
 """
 
 from __future__ import annotations
