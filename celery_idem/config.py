@@ -20,7 +20,7 @@ FailureClass = Literal["retryable", "permanent"]
 
 # "Forever" is not a duration: every store needs a finite expiry (Redis PEXPIRE refuses inf, and a
 # lease, a wait or a beat interval of inf breaks the arithmetic). 100 years is the longest any
-# duration setting takes, and every store holds it (tests/test_store_configuration.py).
+# duration setting takes, and every store holds it (tests/outages/test_store_configuration.py).
 MAX_SECONDS = 100 * 365 * 86400
 # A store call waits at most an hour (PostgreSQL's statement_timeout tops out at 24.8 days) and at
 # least a millisecond (the unit of statement_timeout and busy_timeout, where 0 means "no timeout").

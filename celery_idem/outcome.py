@@ -61,7 +61,7 @@ def prepare_value(value: Any, serializer: str) -> Any:
     a result object (``return child.delay(x)``) as its ``(id, parent)`` tuple form, unless the
     serializer is pickle. So the record holds what the backend holds, and a duplicate gets what the
     original's ``AsyncResult.get()`` gets: the ``[[id, parent], children]`` lists (rebuild a result
-    object from them with ``celery.result.result_from_tuple``). tests/test_eager.py holds this copy
+    object from them with ``celery.result.result_from_tuple``). tests/api/test_celery_compat_breaks.py holds this copy
     of Celery's rule against the backend's own.
     """
     if serializer != "pickle" and isinstance(value, ResultBase):
