@@ -470,14 +470,18 @@ class SQLStore(Store):
     def create_schema(self) -> None:
         """Create the table and its indexes if they are missing, and add the nullable columns a
         newer celery-idem brought to an older table (safe to call from many processes)."""
+        # Another process may create a table or an index between our check and our CREATE ("already
+        # exists": IntegrityError on PostgreSQL, OperationalError on SQLite). Each such failure means
+        # one more object exists, so checking again makes progress; a real failure fails every try.
+        objects = len(self.metadata.tables) + sum(len(table.indexes) for table in self.metadata.tables.values())
         with self._guard("create_schema"):
-            try:
-                self.metadata.create_all(self.engine, checkfirst=True)
-            except sa_exc.DBAPIError:
-                # Another process created it between our check and our CREATE ("already exists":
-                # IntegrityError on PostgreSQL, OperationalError on SQLite). Check again; a real
-                # failure fails the second time too.
-                self.metadata.create_all(self.engine, checkfirst=True)
+            for tries_left in range(objects, -1, -1):
+                try:
+                    self.metadata.create_all(self.engine, checkfirst=True)
+                    break
+                except sa_exc.DBAPIError:
+                    if not tries_left:
+                        raise
             self._add_missing_columns()
         self._schema_ready = True
 

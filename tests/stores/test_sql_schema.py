@@ -44,3 +44,33 @@ def test_a_table_made_by_an_older_version_gets_the_new_columns(engine: sa.Engine
     finally:
         with engine.begin() as connection:
             connection.exec_driver_sql(f"DROP TABLE {name}")
+
+
+def test_a_schema_another_process_creates_object_by_object_meanwhile_is_created_once(engine: sa.Engine) -> None:
+    # Given a fresh database where another process (its own connection) wins every CREATE race: it
+    # creates each table and index just before this store's CREATE of it runs
+    name = f"idem_race_{uuid.uuid4().hex[:8]}"
+    store = SQLStore(engine, table_name=name, liveness_table_name=f"{name}_live")
+    other = sa.create_engine(engine.url)
+    won: list[str] = []
+
+    @sa.event.listens_for(store.engine, "before_cursor_execute")
+    def another_process_first(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        if statement.lstrip().upper().startswith("CREATE"):
+            with other.begin() as connection:
+                connection.exec_driver_sql(statement)
+            won.append(statement.split("(")[0].strip())
+
+    try:
+        # When the store is first used
+        t = store.claim(Identity("", "shop.charge", "k"), "f" * 64, "t1", pending_seconds=60, ttl_seconds=60)
+        # Then it created nothing twice and works: every object the other process made is used (each
+        # lost race is one object more in place; before, a second lost race failed the first use)
+        assert t.decision is Decision.NEW
+        assert len(won) >= 2, won
+    finally:
+        sa.event.remove(store.engine, "before_cursor_execute", another_process_first)
+        with engine.begin() as connection:
+            for table in (name, f"{name}_live"):
+                connection.exec_driver_sql(f"DROP TABLE IF EXISTS {table}")
+        other.dispose()
