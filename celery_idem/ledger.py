@@ -35,6 +35,7 @@ from .outcome import JSON_ONLY, decode_result, encode_result, serializer_of
 from .protocol import BYPASS_HEADER, request_header
 from .records import IdempotencyRecord, Identity, State
 from .stores.deadline import Watchdog, socket_of
+from .stores.sql import create_all
 
 try:
     import sqlalchemy as sa
@@ -171,10 +172,7 @@ class Ledger:
 
     def create_schema(self) -> None:
         """Create the ledger table if it is missing; add the columns a table from an older version lacks."""
-        try:
-            self.metadata.create_all(self.engine, checkfirst=True)
-        except sa_exc.DBAPIError:
-            self.metadata.create_all(self.engine, checkfirst=True)  # a concurrent creator won
+        create_all(self.metadata, self.engine)  # many processes may create it at once
         self._add_missing_columns()
 
     def _check_columns(self) -> None:

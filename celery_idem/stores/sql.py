@@ -40,7 +40,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ConfigurationError("SQLStore needs SQLAlchemy: pip install 'celery-idem[sql]'") from exc
 
-__all__ = ["SQLStore", "liveness_table", "records_table"]
+__all__ = ["SQLStore", "create_all", "liveness_table", "records_table"]
 
 T = TypeVar("T")
 # One watchdog per process cuts off a PostgreSQL call whose server went silent (see stores.deadline).
@@ -176,6 +176,23 @@ def _engine_from_url(url: str, timeout: float) -> sa.Engine:
         cursor.close()
 
     return engine
+
+
+def create_all(metadata: sa.MetaData, engine: sa.Engine) -> None:
+    """Create what ``metadata`` holds that the database lacks, safely from many processes at once.
+
+    Another process may create a table or an index between our check and our CREATE ("already
+    exists": IntegrityError on PostgreSQL, OperationalError on SQLite). Each such failure means one
+    more object exists, so checking again makes progress; a real failure fails every try.
+    """
+    objects = len(metadata.tables) + sum(len(table.indexes) for table in metadata.tables.values())
+    for tries_left in range(objects, -1, -1):
+        try:
+            metadata.create_all(engine, checkfirst=True)
+            return
+        except sa_exc.DBAPIError:
+            if not tries_left:
+                raise
 
 
 def _one(result: sa.CursorResult[Any]) -> Any:
@@ -470,18 +487,8 @@ class SQLStore(Store):
     def create_schema(self) -> None:
         """Create the table and its indexes if they are missing, and add the nullable columns a
         newer celery-idem brought to an older table (safe to call from many processes)."""
-        # Another process may create a table or an index between our check and our CREATE ("already
-        # exists": IntegrityError on PostgreSQL, OperationalError on SQLite). Each such failure means
-        # one more object exists, so checking again makes progress; a real failure fails every try.
-        objects = len(self.metadata.tables) + sum(len(table.indexes) for table in self.metadata.tables.values())
         with self._guard("create_schema"):
-            for tries_left in range(objects, -1, -1):
-                try:
-                    self.metadata.create_all(self.engine, checkfirst=True)
-                    break
-                except sa_exc.DBAPIError:
-                    if not tries_left:
-                        raise
+            create_all(self.metadata, self.engine)
             self._add_missing_columns()
         self._schema_ready = True
 

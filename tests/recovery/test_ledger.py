@@ -309,6 +309,36 @@ def test_two_processes_of_four_threads_racing_make_one_effect_and_all_get_the_co
     assert len(db.ledger_rows()) == 1
 
 
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_a_ledger_schema_another_process_creates_meanwhile_is_created_once(kind: str, tmp_path: Any) -> None:
+    # Given a fresh database where another process (its own connection) wins every CREATE race
+    if kind == "postgresql":
+        require_server("postgresql")
+    engine = sa.create_engine(POSTGRES_URL if kind == "postgresql" else f"sqlite:///{tmp_path}/fresh.db")
+    other = sa.create_engine(engine.url)
+    ledger = Ledger(engine, table_name=f"ledger_race_{uuid.uuid4().hex[:8]}")
+    won: list[str] = []
+
+    @sa.event.listens_for(engine, "before_cursor_execute")
+    def another_process_first(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        if statement.lstrip().upper().startswith("CREATE"):
+            with other.begin() as connection:
+                connection.exec_driver_sql(statement)
+            won.append(statement.split("(")[0].strip())
+
+    try:
+        # When this process creates the ledger's schema
+        ledger.create_schema()
+        # Then every object the other process made is used, however many races it won
+        assert won, "the other process won no race"
+        assert ledger.table.name in sa.inspect(other).get_table_names()
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", another_process_first)
+        ledger.table.drop(other, checkfirst=True)
+        other.dispose()
+        engine.dispose()
+
+
 # ---- failure, mismatch --------------------------------------------------------------------------
 
 
