@@ -3,22 +3,66 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
+
+import celery_idem
+import celery_idem.stores
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
 
-def test_mkdocs_build_is_strict_clean(tmp_path: Path) -> None:
+class Build(NamedTuple):
+    run: subprocess.CompletedProcess[str]
+    site: Path
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory: pytest.TempPathFactory) -> Build:
+    site = tmp_path_factory.mktemp("site")
     run = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
         cwd=REPO, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    assert run.returncode == 0, run.stdout + run.stderr
+    return Build(run, site)
+
+
+def test_mkdocs_build_is_strict_clean(build: Build) -> None:
+    assert build.run.returncode == 0, build.run.stdout + build.run.stderr
+
+
+# ---- the API reference is the public API -------------------------------------------------------
+
+
+def _reference(build: Build) -> str:
+    if build.run.returncode != 0:
+        pytest.fail("the site did not build (test_mkdocs_build_is_strict_clean says why)")
+    return (build.site / "reference" / "index.html").read_text("utf-8")
+
+
+def test_the_api_reference_documents_every_public_name_under_its_public_path(build: Build) -> None:
+    # mkdocstrings gives each object it renders an anchor named by the path the page asked for, so
+    # `id="celery_idem.Store"` means it is documented as `celery_idem.Store`, not as a module's.
+    documented = set(re.findall(r'id="(celery_idem\.[\w.]+)"', _reference(build)))
+    wanted = {f"celery_idem.{name}" for name in celery_idem.__all__}
+    for name in celery_idem.stores.__all__:  # the stores' own: from celery_idem if it is there too
+        wanted.add(f"celery_idem.{name}" if name in celery_idem.__all__ else f"celery_idem.stores.{name}")
+    missing = sorted(wanted - documented)
+    assert not missing, f"public names the API reference (docs/reference.md) does not document: {missing}"
+
+
+def test_the_api_reference_shows_no_sphinx_role_as_text(build: Build) -> None:
+    # docs/griffe_roles.py turns :class:`X` in a docstring into a cross-reference; left alone,
+    # Markdown would print ":class:" before the name.
+    page = _reference(build)
+    leaked = sorted(set(re.findall(r":(?:class|meth|func|mod|attr|exc|data|obj):<code>[^<]*</code>", page)))
+    assert not leaked, f"Sphinx roles shown as text on the API reference: {leaked}"
 
 
 def test_every_runnable_block_in_the_docs_runs() -> None:
