@@ -14,7 +14,7 @@ import pytest
 import celery_idem
 import celery_idem.stores
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
@@ -28,8 +28,12 @@ def build(tmp_path_factory: pytest.TempPathFactory) -> Build:
     site = tmp_path_factory.mktemp("site")
     run = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-        cwd=REPO, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=REPO,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return Build(run, site)
 
 
@@ -66,19 +70,20 @@ def test_the_api_reference_shows_no_sphinx_role_as_text(build: Build) -> None:
 
 
 def test_every_runnable_block_in_the_docs_runs() -> None:
-    run = subprocess.run([sys.executable, "docs/run_snippets.py"], cwd=REPO, capture_output=True, text=True,
-                         timeout=600)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "docs/run_snippets.py"], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
 
 
 def test_the_endings_table_in_the_docs_is_the_matrix() -> None:
     # The table between the endings-table markers in docs/concepts.md is rendered from the cells the
-    # endings matrix asserts (tests/endings.py); tests/test_endings.py checks it against what it saw.
+    # endings matrix asserts (tests/endings.py); tests/worker/test_endings.py checks it against what it saw.
     from endings import docs_block, expected, render
 
     assert docs_block() == render(expected()), (
         "docs/concepts.md's endings table differs from tests/endings.py; rewrite it with "
-        "CELERY_IDEM_WRITE_ENDINGS=1 python -m pytest tests/test_endings.py"
+        "CELERY_IDEM_WRITE_ENDINGS=1 python -m pytest tests/worker/test_endings.py"
     )
 
 
