@@ -16,14 +16,32 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigurationError, IdempotencyError, StoreUnavailableError
-from .base import Store
+from ..records import Decision, ErrorInfo, IdempotencyRecord, Identity, State, Transition
+from .base import Clock, Fence, Settlement, Store
 from .memory import MemoryStore
 
 if TYPE_CHECKING:
     from .redis import RedisStore
     from .sql import SQLStore
 
-__all__ = ["MemoryStore", "RedisStore", "SQLStore", "Store", "store_from_url"]
+# The store SPI: what a store of one's own (DynamoDB, MongoDB, the Django ORM) subclasses, takes and
+# returns, under one import path (docs/reference.md, "Writing a store").
+__all__ = [
+    "Clock",
+    "Decision",
+    "ErrorInfo",
+    "Fence",
+    "IdempotencyRecord",
+    "Identity",
+    "MemoryStore",
+    "RedisStore",
+    "SQLStore",
+    "Settlement",
+    "State",
+    "Store",
+    "Transition",
+    "store_from_url",
+]
 
 _REDIS = ("redis", "rediss", "redis+sentinel", "redis+cluster", "unix")
 _SQL = ("postgresql", "postgresql+psycopg", "postgres", "sqlite", "sqlite+pysqlite")

@@ -62,7 +62,9 @@ from ..records import Decision, ErrorInfo, IdempotencyRecord, Identity, State, T
 __all__ = ["Clock", "Fence", "Settlement", "Store", "new_token"]
 
 Clock = Callable[[], float]
+"""An injected clock, in seconds (tests); a store otherwise reads its server's time."""
 Fence = Literal["owner", "task_id"]
+"""What a write is fenced by: the owner token the writer holds, or the task id (a hook that holds no token)."""
 UNSETTLED = (State.PENDING, State.IN_PROGRESS)
 
 
