@@ -35,7 +35,7 @@ from .outcome import JSON_ONLY, decode_result, encode_result, serializer_of
 from .protocol import BYPASS_HEADER, request_header
 from .records import IdempotencyRecord, Identity, State
 from .stores.deadline import Watchdog, socket_of
-from .stores.sql import create_all
+from .stores.sql.schema import add_columns, create_all
 
 try:
     import sqlalchemy as sa
@@ -190,19 +190,12 @@ class Ledger:
             present = {column["name"] for column in sa.inspect(self.engine).get_columns(self.table.name)}
         except sa_exc.NoSuchTableError:
             return  # not created yet: statements fail on it as they would without this check
-        quote = self.engine.dialect.identifier_preparer.quote
-        literal = sa.literal(self.namespace).compile(
-            dialect=self.engine.dialect, compile_kwargs={"literal_binds": True}
-        )
-        missing = {"namespace": f"VARCHAR(255) NOT NULL DEFAULT {literal}", "nonce": "VARCHAR(64)"}
-        for name, kind in missing.items():
-            if name in present:
-                continue
-            try:
-                with self.engine.begin() as connection:
-                    connection.exec_driver_sql(f"ALTER TABLE {quote(self.table.name)} ADD COLUMN {quote(name)} {kind}")
-            except sa_exc.DBAPIError:
-                pass  # a concurrent upgrader added it first
+        if not {"namespace", "nonce"} <= present:
+            literal = sa.literal(self.namespace).compile(
+                dialect=self.engine.dialect, compile_kwargs={"literal_binds": True}
+            )
+            kinds = {"namespace": f"VARCHAR(255) NOT NULL DEFAULT {literal}", "nonce": "VARCHAR(64)"}
+            add_columns(self.engine, self.table.name, kinds)
         self._columns_checked = True
 
     # ---- reading -----------------------------------------------------------------------------------

@@ -22,16 +22,17 @@ sessions on that engine are untouched.
 
 from __future__ import annotations
 
-import math
 import re
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from ..errors import ConfigurationError
-from ..records import Decision, ErrorInfo, IdempotencyRecord, Identity, State, Transition
-from .base import LOST, OK, UNSETTLED, Clock, Fence, Settlement, Store, classify
-from .deadline import Watchdog, socket_of
+from ...errors import ConfigurationError
+from ...records import Decision, ErrorInfo, IdempotencyRecord, Identity, State, Transition
+from ..base import LOST, OK, UNSETTLED, Clock, Fence, Settlement, Store, classify
+from ..deadline import Watchdog, socket_of
+from .engine import engine_from_url, private_engine, server_clock
+from .schema import DATA, TIMES, add_columns, create_all, liveness_table, records_table
 
 try:
     import sqlalchemy as sa
@@ -40,159 +41,16 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ConfigurationError("SQLStore needs SQLAlchemy: pip install 'celery-idem[sql]'") from exc
 
-__all__ = ["SQLStore", "create_all", "liveness_table", "records_table"]
+__all__ = ["SQLStore"]
 
 T = TypeVar("T")
-# One watchdog per process cuts off a PostgreSQL call whose server went silent (see stores.deadline).
+
 _WATCHDOG = Watchdog()
 _DEADLINE_MARGIN_SECONDS = 1.0  # past the server's own statement/lock timeout, which answers first
 _UNSETTLED = [s.value for s in UNSETTLED]
 # Both dialects' insert() has on_conflict_do_update and .excluded; the generic Insert has neither.
 _INSERTS: dict[str, Callable[[sa.Table], Any]] = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
 _TAKE_TRIES = 5  # a held record that frees itself between our upsert and our read is taken on a retry
-_DATA = (
-    "fingerprint",
-    "state",
-    "task_id",
-    "owner",
-    "attempt",
-    "ttl_seconds",
-    "result",
-    "content_type",
-    "content_encoding",
-    "error",
-    "call",
-    "previous_task_id",
-)
-_TIMES = ("lease_expires_at", "created_at", "updated_at", "expires_at")
-
-
-def _server_clock(dialect: str) -> sa.ColumnElement[float]:
-    """The database's own time as POSIX seconds (fixed for one statement on both dialects)."""
-    if dialect == "postgresql":
-        return sa.cast(sa.extract("epoch", sa.func.now()), sa.Double)
-    # SQLite: julianday('now') is one value per statement; 2440587.5 is the Julian day of the epoch.
-    return sa.cast((sa.func.julianday("now") - 2440587.5) * 86400.0, sa.Double)
-
-
-def _session_settings(dialect: str, timeout: float) -> list[str]:
-    milliseconds = max(1, math.ceil(timeout * 1000))  # 0 would mean "no timeout" to both
-    if dialect == "postgresql":
-        return [f"SET statement_timeout = {milliseconds}", f"SET lock_timeout = {milliseconds}"]
-    return [f"PRAGMA busy_timeout = {milliseconds}"]
-
-
-def _private_engine(engine: sa.Engine, timeout: float) -> sa.Engine:
-    """An engine of the store's own on the same database, every connection of it under ``timeout``.
-
-    Session settings on the caller's pool would leak into the caller's own sessions, so the store
-    opens its own connections: ``Pool.recreate()`` keeps the creator (driver, connect arguments) and
-    the pool's listeners, and a ``connect`` listener sets the timeouts once per connection.
-    An in-memory SQLite database lives in its one pool, so that engine is shared as it is.
-    """
-    if engine.dialect.name == "sqlite" and engine.url.database in (None, "", ":memory:"):
-        return engine
-    own = sa.create_engine(engine.url, pool=engine.pool.recreate())
-    settings = _session_settings(engine.dialect.name, timeout)
-
-    @sa.event.listens_for(own.pool, "connect")
-    def _timeouts(dbapi_connection: Any, _: Any) -> None:
-        cursor = dbapi_connection.cursor()
-        for statement in settings:
-            cursor.execute(statement)
-        cursor.close()
-        if engine.dialect.name == "postgresql":
-            dbapi_connection.commit()  # SET in psycopg's implicit transaction lasts once committed
-
-    # Disposing the caller's engine closes the store's connections too.
-    sa.event.listen(engine, "engine_disposed", lambda _: own.dispose())
-    return own
-
-
-def records_table(metadata: sa.MetaData, name: str = "celery_idem_records") -> sa.Table:
-    """The records table. ``namespace`` is the store's key_prefix, so apps can share one table."""
-    return sa.Table(
-        name,
-        metadata,
-        sa.Column("namespace", sa.String(64), primary_key=True),
-        sa.Column("scope", sa.String(255), primary_key=True),
-        sa.Column("task_name", sa.String(255), primary_key=True),
-        sa.Column("key", sa.String(255), primary_key=True),
-        sa.Column("fingerprint", sa.String(64), nullable=False),
-        sa.Column("state", sa.String(16), nullable=False),
-        sa.Column("task_id", sa.String(255), nullable=False),
-        sa.Column("owner", sa.String(64), nullable=False),
-        sa.Column("attempt", sa.Integer, nullable=False),
-        sa.Column("lease_expires_at", sa.Double, nullable=True),
-        sa.Column("created_at", sa.Double, nullable=False),
-        sa.Column("updated_at", sa.Double, nullable=False),
-        sa.Column("expires_at", sa.Double, nullable=False),
-        sa.Column("ttl_seconds", sa.Double, nullable=False),
-        sa.Column("result", sa.LargeBinary, nullable=True),
-        sa.Column("content_type", sa.String(128), nullable=True),
-        sa.Column("content_encoding", sa.String(64), nullable=True),
-        sa.Column("error", sa.Text, nullable=True),
-        sa.Column("call", sa.LargeBinary, nullable=True),  # kept only for stale_action="requeue"
-        # Hidden (never read into a record): when a BUSY waiter will have looked again by; an
-        # outcome is kept at least until then (stores/base.py, "A waiting duplicate gets its answer").
-        sa.Column("linger_until", sa.Double, nullable=True),
-        sa.Column("previous_task_id", sa.String(255), nullable=True),  # an attempt taken over past its lease
-        # The reconciler's index: unsettled records by lease expiry (settled rows hold NULL).
-        sa.Index(f"ix_{name}_lease", "namespace", "lease_expires_at"),
-        sa.Index(f"ix_{name}_expires", "expires_at"),
-    )
-
-
-def liveness_table(metadata: sa.MetaData, name: str = "celery_idem_liveness") -> sa.Table:
-    """Worker processes' liveness records (DESIGN "Death is a fact"): one row per process id."""
-    return sa.Table(
-        name,
-        metadata,
-        sa.Column("namespace", sa.String(64), primary_key=True),
-        sa.Column("process", sa.String(64), primary_key=True),
-        sa.Column("token", sa.String(64), nullable=False),
-        sa.Column("expires_at", sa.Double, nullable=False),
-    )
-
-
-def _engine_from_url(url: str, timeout: float) -> sa.Engine:
-    scheme, _, rest = url.partition("://")
-    if scheme in ("postgresql", "postgres"):
-        url = f"postgresql+psycopg://{rest}"  # psycopg 3 is the driver the `sql` extra installs
-    if url.startswith("postgresql"):
-        return sa.create_engine(
-            url,
-            pool_size=10,
-            max_overflow=20,
-            pool_timeout=timeout,
-            connect_args={"connect_timeout": max(2, math.ceil(timeout))},  # libpq's minimum is 2 seconds
-        )
-    engine = sa.create_engine(url, pool_timeout=timeout, connect_args={"timeout": timeout})
-
-    @sa.event.listens_for(engine, "connect")
-    def _sqlite_wal(dbapi_connection: Any, _: Any) -> None:
-        cursor = dbapi_connection.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")  # readers do not block the writer
-        cursor.close()
-
-    return engine
-
-
-def create_all(metadata: sa.MetaData, engine: sa.Engine) -> None:
-    """Create what ``metadata`` holds that the database lacks, safely from many processes at once.
-
-    Another process may create a table or an index between our check and our CREATE ("already
-    exists": IntegrityError on PostgreSQL, OperationalError on SQLite). Each such failure means one
-    more object exists, so checking again makes progress; a real failure fails every try.
-    """
-    objects = len(metadata.tables) + sum(len(table.indexes) for table in metadata.tables.values())
-    for tries_left in range(objects, -1, -1):
-        try:
-            metadata.create_all(engine, checkfirst=True)
-            return
-        except sa_exc.DBAPIError:
-            if not tries_left:
-                raise
 
 
 def _one(result: sa.CursorResult[Any]) -> Any:
@@ -282,7 +140,7 @@ class SQLStore(Store):
             raise ConfigurationError(f"SQLStore runs on PostgreSQL and SQLite; got the {engine.dialect.name!r} dialect")
         if len(key_prefix) > 64:
             raise ConfigurationError(f"key_prefix must be at most 64 characters for SQLStore; got {len(key_prefix)}")
-        self.engine = _private_engine(engine, self.timeout_seconds)
+        self.engine = private_engine(engine, self.timeout_seconds)
         self._deadline = self.timeout_seconds + _DEADLINE_MARGIN_SECONDS
         self._autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
         self.metadata = sa.MetaData()
@@ -291,14 +149,14 @@ class SQLStore(Store):
         self._schema_ready = False
         self._schema_lock = threading.Lock()
         # The injected clock when there is one, else the database's clock, in every statement.
-        self._now = sa.func.coalesce(sa.bindparam("p_now", type_=sa.Double), _server_clock(engine.dialect.name))
+        self._now = sa.func.coalesce(sa.bindparam("p_now", type_=sa.Double), server_clock(engine.dialect.name))
         self._shifting = False  # tests only: whether the statements add :p_shift to the server clock
         self._build_statements(_INSERTS[engine.dialect.name])
 
     def advance_clock_for_tests(self, seconds: float) -> None:
         if not self._shifting and not self._injected_clock:
             # Production statements never carry the shift: it is built in on a test's first call.
-            server = _server_clock(self.engine.dialect.name) + sa.bindparam("p_shift", type_=sa.Double)
+            server = server_clock(self.engine.dialect.name) + sa.bindparam("p_shift", type_=sa.Double)
             self._now = sa.func.coalesce(sa.bindparam("p_now", type_=sa.Double), server)
             self._build_statements(_INSERTS[self.engine.dialect.name])
             self._shifting = True
@@ -327,19 +185,19 @@ class SQLStore(Store):
                 scope=p("scope"),
                 task_name=p("task_name"),
                 key=p("key"),
-                **{name: p(name) for name in _DATA},
+                **{name: p(name) for name in DATA},
                 **times,
             )
             # A takeover keeps the task id of the attempt it takes (stores/base.py: taken_over).
             previous = sa.case(
                 (absent, None), (c.state == State.IN_PROGRESS.value, c.task_id), else_=c.previous_task_id
             )
-            changes = {name: ins.excluded[name] for name in (*_DATA, *_TIMES)} | {"previous_task_id": previous}
+            changes = {name: ins.excluded[name] for name in (*DATA, *TIMES)} | {"previous_task_id": previous}
             # A live record keeps a BUSY waiter's mark whoever takes it over; an absent one has none.
             changes["linger_until"] = sa.case((absent, sa.null()), else_=c.linger_until)
             statement: sa.Executable = ins.on_conflict_do_update(
                 index_elements=[c.namespace, c.scope, c.task_name, c.key], set_=changes | special, where=take
-            ).returning(c.fingerprint, c.attempt, c.call, c.previous_task_id, *(c[name] for name in _TIMES))
+            ).returning(c.fingerprint, c.attempt, c.call, c.previous_task_id, *(c[name] for name in TIMES))
             return statement
 
         # claim takes an absent record, or one whose lease ran out under the same fingerprint.
@@ -481,7 +339,7 @@ class SQLStore(Store):
     @classmethod
     def from_url(cls, url: str, **options: Any) -> SQLStore:
         """``postgresql+psycopg://...`` (``postgresql://`` too) or ``sqlite:///path``."""
-        engine = _engine_from_url(url, float(options.get("timeout_seconds", 2.0)))
+        engine = engine_from_url(url, float(options.get("timeout_seconds", 2.0)))
         return cls(engine, **options)
 
     def create_schema(self) -> None:
@@ -493,18 +351,11 @@ class SQLStore(Store):
         self._schema_ready = True
 
     def _add_missing_columns(self) -> None:
-        present = {column["name"] for column in sa.inspect(self.engine).get_columns(self.table.name)}
-        for column in self.table.columns:
-            if column.name in present or not column.nullable:
-                continue
-            kind = column.type.compile(dialect=self.engine.dialect)
-            name = self.engine.dialect.identifier_preparer.quote(column.name)
-            table = self.engine.dialect.identifier_preparer.quote(self.table.name)
-            try:
-                with self.engine.begin() as connection:
-                    connection.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
-            except sa_exc.DBAPIError:
-                pass  # a concurrent upgrader added it first
+        dialect = self.engine.dialect
+        nullable = {
+            column.name: column.type.compile(dialect=dialect) for column in self.table.columns if column.nullable
+        }
+        add_columns(self.engine, self.table.name, nullable)
 
     def _run(self, statement: sa.Executable, params: dict[str, Any], fetch: Callable[[sa.CursorResult[Any]], T]) -> T:
         """Run one prebuilt statement (autocommit: one transaction, one round trip) and read its answer."""

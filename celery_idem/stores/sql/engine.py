@@ -1,0 +1,80 @@
+"""The SQL store's connections: its own pool under its timeouts, and the database's clock."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ...errors import ConfigurationError
+
+try:
+    import sqlalchemy as sa
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ConfigurationError("SQLStore needs SQLAlchemy: pip install 'celery-idem[sql]'") from exc
+
+__all__ = ["engine_from_url", "private_engine", "server_clock"]
+
+
+def server_clock(dialect: str) -> sa.ColumnElement[float]:
+    """The database's own time as POSIX seconds (fixed for one statement on both dialects)."""
+    if dialect == "postgresql":
+        return sa.cast(sa.extract("epoch", sa.func.now()), sa.Double)
+    # SQLite: julianday('now') is one value per statement; 2440587.5 is the Julian day of the epoch.
+    return sa.cast((sa.func.julianday("now") - 2440587.5) * 86400.0, sa.Double)
+
+
+def _session_settings(dialect: str, timeout: float) -> list[str]:
+    milliseconds = max(1, math.ceil(timeout * 1000))  # 0 would mean "no timeout" to both
+    if dialect == "postgresql":
+        return [f"SET statement_timeout = {milliseconds}", f"SET lock_timeout = {milliseconds}"]
+    return [f"PRAGMA busy_timeout = {milliseconds}"]
+
+
+def private_engine(engine: sa.Engine, timeout: float) -> sa.Engine:
+    """An engine of the store's own on the same database, every connection of it under ``timeout``.
+
+    Session settings on the caller's pool would leak into the caller's own sessions, so the store
+    opens its own connections: ``Pool.recreate()`` keeps the creator (driver, connect arguments) and
+    the pool's listeners, and a ``connect`` listener sets the timeouts once per connection.
+    An in-memory SQLite database lives in its one pool, so that engine is shared as it is.
+    """
+    if engine.dialect.name == "sqlite" and engine.url.database in (None, "", ":memory:"):
+        return engine
+    own = sa.create_engine(engine.url, pool=engine.pool.recreate())
+    settings = _session_settings(engine.dialect.name, timeout)
+
+    @sa.event.listens_for(own.pool, "connect")
+    def _timeouts(dbapi_connection: Any, _: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        for statement in settings:
+            cursor.execute(statement)
+        cursor.close()
+        if engine.dialect.name == "postgresql":
+            dbapi_connection.commit()  # SET in psycopg's implicit transaction lasts once committed
+
+    # Disposing the caller's engine closes the store's connections too.
+    sa.event.listen(engine, "engine_disposed", lambda _: own.dispose())
+    return own
+
+
+def engine_from_url(url: str, timeout: float) -> sa.Engine:
+    scheme, _, rest = url.partition("://")
+    if scheme in ("postgresql", "postgres"):
+        url = f"postgresql+psycopg://{rest}"  # psycopg 3 is the driver the `sql` extra installs
+    if url.startswith("postgresql"):
+        return sa.create_engine(
+            url,
+            pool_size=10,
+            max_overflow=20,
+            pool_timeout=timeout,
+            connect_args={"connect_timeout": max(2, math.ceil(timeout))},  # libpq's minimum is 2 seconds
+        )
+    engine = sa.create_engine(url, pool_timeout=timeout, connect_args={"timeout": timeout})
+
+    @sa.event.listens_for(engine, "connect")
+    def _sqlite_wal(dbapi_connection: Any, _: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")  # readers do not block the writer
+        cursor.close()
+
+    return engine

@@ -1,0 +1,113 @@
+"""The SQL store's schema: its tables, and creating and upgrading them from many processes at once
+(the ledger uses the same helpers)."""
+
+from __future__ import annotations
+
+from ...errors import ConfigurationError
+
+try:
+    import sqlalchemy as sa
+    from sqlalchemy import exc as sa_exc
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ConfigurationError("SQLStore needs SQLAlchemy: pip install 'celery-idem[sql]'") from exc
+
+__all__ = ["DATA", "TIMES", "add_columns", "create_all", "liveness_table", "records_table"]
+
+DATA = (
+    "fingerprint",
+    "state",
+    "task_id",
+    "owner",
+    "attempt",
+    "ttl_seconds",
+    "result",
+    "content_type",
+    "content_encoding",
+    "error",
+    "call",
+    "previous_task_id",
+)
+TIMES = ("lease_expires_at", "created_at", "updated_at", "expires_at")
+
+
+def records_table(metadata: sa.MetaData, name: str = "celery_idem_records") -> sa.Table:
+    """The records table. ``namespace`` is the store's key_prefix, so apps can share one table."""
+    return sa.Table(
+        name,
+        metadata,
+        sa.Column("namespace", sa.String(64), primary_key=True),
+        sa.Column("scope", sa.String(255), primary_key=True),
+        sa.Column("task_name", sa.String(255), primary_key=True),
+        sa.Column("key", sa.String(255), primary_key=True),
+        sa.Column("fingerprint", sa.String(64), nullable=False),
+        sa.Column("state", sa.String(16), nullable=False),
+        sa.Column("task_id", sa.String(255), nullable=False),
+        sa.Column("owner", sa.String(64), nullable=False),
+        sa.Column("attempt", sa.Integer, nullable=False),
+        sa.Column("lease_expires_at", sa.Double, nullable=True),
+        sa.Column("created_at", sa.Double, nullable=False),
+        sa.Column("updated_at", sa.Double, nullable=False),
+        sa.Column("expires_at", sa.Double, nullable=False),
+        sa.Column("ttl_seconds", sa.Double, nullable=False),
+        sa.Column("result", sa.LargeBinary, nullable=True),
+        sa.Column("content_type", sa.String(128), nullable=True),
+        sa.Column("content_encoding", sa.String(64), nullable=True),
+        sa.Column("error", sa.Text, nullable=True),
+        sa.Column("call", sa.LargeBinary, nullable=True),  # kept only for stale_action="requeue"
+        # Hidden (never read into a record): when a BUSY waiter will have looked again by; an
+        # outcome is kept at least until then (stores/base.py, "A waiting duplicate gets its answer").
+        sa.Column("linger_until", sa.Double, nullable=True),
+        sa.Column("previous_task_id", sa.String(255), nullable=True),  # an attempt taken over past its lease
+        # The reconciler's index: unsettled records by lease expiry (settled rows hold NULL).
+        sa.Index(f"ix_{name}_lease", "namespace", "lease_expires_at"),
+        sa.Index(f"ix_{name}_expires", "expires_at"),
+    )
+
+
+def liveness_table(metadata: sa.MetaData, name: str = "celery_idem_liveness") -> sa.Table:
+    """Worker processes' liveness records (DESIGN "Death is a fact"): one row per process id."""
+    return sa.Table(
+        name,
+        metadata,
+        sa.Column("namespace", sa.String(64), primary_key=True),
+        sa.Column("process", sa.String(64), primary_key=True),
+        sa.Column("token", sa.String(64), nullable=False),
+        sa.Column("expires_at", sa.Double, nullable=False),
+    )
+
+
+def create_all(metadata: sa.MetaData, engine: sa.Engine) -> None:
+    """Create what ``metadata`` holds that the database lacks, safely from many processes at once.
+
+    Another process may create a table or an index between our check and our CREATE: "already
+    exists" (OperationalError on SQLite, DuplicateTable or a unique violation in the catalog on
+    PostgreSQL). Each such failure means one more object exists, so checking again makes progress.
+    Any other error (a server that does not answer, a refused connection) is raised at once.
+    """
+    objects = len(metadata.tables) + sum(len(table.indexes) for table in metadata.tables.values())
+    for tries_left in range(objects, -1, -1):
+        try:
+            metadata.create_all(engine, checkfirst=True)
+            return
+        except sa_exc.DBAPIError as exc:
+            if not tries_left or not _lost_a_creation_race(exc):
+                raise
+
+
+def _lost_a_creation_race(exc: sa_exc.DBAPIError) -> bool:
+    return isinstance(exc, sa_exc.IntegrityError) or "already exists" in str(exc.orig)
+
+
+def add_columns(engine: sa.Engine, table: str, kinds: dict[str, str]) -> None:
+    """Add the columns of ``kinds`` (name: SQL type) that ``table`` lacks: a table made by an older
+    release gets what a newer one reads. A column a concurrent upgrader added first is fine."""
+    present = {column["name"] for column in sa.inspect(engine).get_columns(table)}
+    quote = engine.dialect.identifier_preparer.quote
+    for name, kind in kinds.items():
+        if name in present:
+            continue
+        try:
+            with engine.begin() as connection:
+                connection.exec_driver_sql(f"ALTER TABLE {quote(table)} ADD COLUMN {quote(name)} {kind}")
+        except sa_exc.DBAPIError:
+            pass
