@@ -30,6 +30,7 @@ settles the record from the result backend under the same id.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -39,7 +40,7 @@ from celery.canvas import Signature, _chain, chord, group
 from celery.exceptions import Ignore
 
 from . import attempts, outage, timing
-from .errors import IdempotencyError, SerializationError, StoreUnavailableError
+from .errors import IdempotencyError, LockLostError, SerializationError, StoreUnavailableError
 from .owners import worker_token
 from .protocol import (
     BYPASS_HEADER,
@@ -107,11 +108,15 @@ def on_replace(handler: Handler, sig: Any, publish: Callable[[Any], Any]) -> Any
     # as long as the replacement may take, before anything is published: the replacement (its own
     # call) takes it by that token, or the callbacks linked to it (any other) settle it under it.
     token = worker_token(getattr(task.request, "hostname", None))
+    heartbeat = handler.idem.heartbeat
     if attempt.lease is not None:
-        handler.idem.heartbeat.remove(attempt.lease)  # no beat under the old token after the handover
+        heartbeat.remove(attempt.lease)  # no beat under the old token after the handover
     same = _own_call(handler, attempt, sig)
+    # Until the replacement is sent, the token is leased as this attempt was: one lease, renewed by
+    # this process's heartbeat. Should the process die before the publish (or the store's reply be
+    # lost), nothing carries the token, and the record is free again one lease later.
     try:
-        handed = store.hand_over(identity, owner, token, lease_seconds=attempt.replacement_wait + policy.lease_seconds)
+        handed = store.hand_over(identity, owner, token, lease_seconds=policy.lease_seconds)
     except StoreUnavailableError as exc:
         # Not sent: nothing may take the record but by a token the store may not hold. The message is
         # kept: back to the broker, it runs again once the store answers (DESIGN: "Nothing lost").
@@ -119,7 +124,16 @@ def on_replace(handler: Handler, sig: Any, publish: Callable[[Any], Any]) -> Any
         request = task.request
         raise outage.keep_message(task, request.args or (), request.kwargs or {}, exc, handler.republish) from None
     if not handed.ok:
-        logger.warning("%s was taken by another attempt before its replacement was sent", identity)
+        # Another attempt took the record past this one's lease (this process froze): it runs the call
+        # and sends its own replacement. Sending this one too would run the replacement twice.
+        raise LockLostError(
+            f"task {task.name!r} ({attempt.task_id}) lost its lease on idempotency key {identity.key!r} to "
+            "another attempt; its replacement was not sent",
+            key=identity.key,
+            task_name=task.name,
+            task_id=attempt.task_id,
+        )
+    sending = heartbeat.add(store, identity, token, policy.lease_seconds)
     if same is not None:
         same.set(headers={**(same.options.get("headers") or {}), HANDOVER_HEADER: token})
     else:
@@ -137,12 +151,14 @@ def on_replace(handler: Handler, sig: Any, publish: Callable[[Any], Any]) -> Any
             last.link_error(errback)
     attempt.replaced, attempt.handed_over = True, same is not None
     try:
-        return publish(sig)
-    except Ignore:
+        sent = publish(sig)
+    except Ignore:  # Celery's on_replace raises it once the replacement is sent
+        _lease_for_the_wait(handler, identity, token, sending, attempt.replacement_wait + policy.lease_seconds)
         raise
     except BaseException as exc:
         # Not sent: the record comes back to this attempt, whose failure settles it as usual; a
         # replacement whose claim failed closed (another idempotent call) keeps this message.
+        heartbeat.remove(sending)
         attempt.replaced = attempt.handed_over = False
         with contextlib.suppress(IdempotencyError):
             store.hand_over(identity, token, owner, lease_seconds=policy.lease_seconds)
@@ -150,6 +166,22 @@ def on_replace(handler: Handler, sig: Any, publish: Callable[[Any], Any]) -> Any
             request = task.request
             raise outage.keep_message(task, request.args or (), request.kwargs or {}, exc, handler.republish) from None
         raise
+    _lease_for_the_wait(handler, identity, token, sending, attempt.replacement_wait + policy.lease_seconds)
+    return sent
+
+
+def _lease_for_the_wait(handler: Handler, identity: Identity, token: str, sending: Any, seconds: float) -> None:
+    """The replacement was sent: its token's lease now covers how long it may wait (no process renews
+    it from here on). LOST is fine: the replacement took the record already, or its callbacks settled
+    it. A store that does not answer gets the renewal from the heartbeat thread while the lease lasts."""
+    heartbeat, store = handler.idem.heartbeat, handler.idem.store
+    heartbeat.remove(sending)
+    renew = functools.partial(store.renew, identity, token, lease_seconds=seconds)
+    try:
+        renew()
+    except StoreUnavailableError:
+        handler.idem.count("store_errors")
+        heartbeat.defer(identity, renew, lambda: True, seconds=handler.policy.lease_seconds)
 
 
 def _end_of(sig: Any, task_id: str) -> Any:

@@ -25,10 +25,11 @@ from celery.exceptions import Ignore, Reject
 from celery.result import AsyncResult
 from conftest import RABBITMQ_URL, REDIS_URL, plant_pickle, require_rabbitmq, require_server
 from shop import COUNTER_URL, Order, effects_key, make_app
-from workers import Worker
+from workers import Worker, execute_as_worker
 
 from celery_idem import (
     Idempotency,
+    IdempotentTask,
     InvalidKeyError,
     LockLostError,
     PayloadMismatchError,
@@ -954,6 +955,80 @@ def test_ignore_ends_the_call_and_its_duplicates_are_ignored_without_running(sho
     time.sleep(0.2)
     assert shop.app.backend.get_task_meta(copy.id)["status"] == "PENDING"
     assert shop.effects("ignoring", key) == 1
+
+
+def _replacing_app(name: str) -> tuple[Celery, Idempotency, list[str]]:
+    """An app on the memory broker and store whose task ``move`` replaces itself with ``other``; the
+    names of the messages it publishes."""
+    app = Celery(name, set_as_current=False, broker="memory://", backend="cache+memory://")
+    idem = Idempotency(app, store="memory://", lease_seconds=5, pending_timeout_seconds=100)
+    sent: list[str] = []
+
+    @app.task(shared=False, name="other")
+    def other(x: int) -> int:
+        return x
+
+    def publishing(sender: Any = None, **_: Any) -> None:
+        sent.append(sender)
+
+    signals.before_task_publish.connect(publishing, weak=False)
+    app.__dict__["_test_publishing"] = publishing
+    return app, idem, sent
+
+
+def test_an_attempt_that_lost_its_lease_sends_no_replacement() -> None:
+    # Given an attempt whose record another attempt took while it ran (here: forgotten under it)
+    app, idem, sent = _replacing_app("lost-replace")
+
+    @app.task(base=IdempotentTask, shared=False, bind=True, name="move")
+    def move(self: Any, x: int) -> Any:
+        idem.forget("move", "k")
+        raise self.replace(app.tasks["other"].si(x))
+
+    try:
+        # When it replaces itself
+        execute_as_worker(app, "move", "t-1", args=(1,), idempotency_key="k")
+        # Then nothing is sent (the attempt that holds the record sends its own), and it ends with
+        # LockLostError (before: the replacement was sent anyway, and ran twice)
+        assert sent == []
+        assert app.AsyncResult("t-1").state == "FAILURE"
+        assert isinstance(app.AsyncResult("t-1").result, LockLostError)
+    finally:
+        signals.before_task_publish.disconnect(app.__dict__["_test_publishing"])
+        idem.disconnect()
+
+
+def test_a_replacement_not_yet_sent_holds_the_record_one_lease_then_its_wait() -> None:
+    # Given a task that replaces itself with another call, and a look at its record as the
+    # replacement is being sent
+    app, idem, sent = _replacing_app("lease-replace")
+    seen: list[float] = []
+
+    @app.task(base=IdempotentTask, shared=False, bind=True, name="move")
+    def move(self: Any, x: int) -> Any:
+        raise self.replace(app.tasks["other"].si(x))
+
+    def look(sender: Any = None, **_: Any) -> None:
+        if sender == "other":
+            record = idem.get("move", "k")
+            seen.append(record.lease_expires_at - idem.store.now())
+
+    signals.before_task_publish.connect(look, weak=False)
+    try:
+        # When it runs
+        execute_as_worker(app, "move", "t-1", args=(1,), idempotency_key="k")
+        # Then, until the replacement was sent, its token held the record for one lease (a process
+        # killed in the publish leaves it free again a lease later; before: for the whole wait of
+        # 100 s + a lease); once sent, for as long as the replacement may wait
+        assert sent == ["other"]
+        assert 0 < seen[0] <= 5.5
+        record = idem.get("move", "k")
+        assert record.state is State.IN_PROGRESS
+        assert record.lease_expires_at - idem.store.now() > 100
+    finally:
+        signals.before_task_publish.disconnect(look)
+        signals.before_task_publish.disconnect(app.__dict__["_test_publishing"])
+        idem.disconnect()
 
 
 # ---- a second message while the first attempt runs ---------------------------------------------------
