@@ -137,10 +137,13 @@ class BusyWait:
         self.copy_of_running = self.copy_of_running or record.task_id == self.task_id
         if self._deadline is None:
             self._count("busy_waits")
-            # A record handed to a replacement still in a queue: nothing runs it yet, and the worker
-            # slot this message would wait in may be the one that replacement needs.
-            waits = (self.policy.on_busy == "wait" or self.copy_of_running) and not _queued(record)
+            waits = self.policy.on_busy == "wait" or self.copy_of_running
             self._deadline = time.monotonic() + (self.policy.busy_wait_seconds if waits else 0)
+        if _queued(record):
+            # Handed to a replacement still in a queue (at this look or since the first one): nothing
+            # runs it yet, and the worker slot this message waits in may be the one that replacement
+            # needs. The next look is the last: it promises the trip back (next_look_seconds).
+            self._deadline = min(self._deadline, time.monotonic())
         if self.copy_of_running and not self._still_running():
             raise self._quiet("the running attempt settled")
         if self._last and time.monotonic() >= self._deadline:

@@ -228,6 +228,15 @@ def make_app(
             raise self.replace(again.set(queue=f"{queue}.heavy") if delay is None else again.set(countdown=delay))
         return {"order": order_id, "runs": runs, "queue": (self.request.delivery_info or {}).get("routing_key")}
 
+    @task(name="shop.moving_slowly")
+    def moving_slowly(self: Any, order_id: int) -> dict[str, Any]:
+        """Works 1.5 s, then replaces itself once with its own call (a duplicate meets it running)."""
+        runs = effect(self)
+        if runs == 1:
+            time.sleep(1.5)
+            raise self.replace(self.s(order_id))
+        return {"order": order_id, "runs": runs}
+
     task(name="shop.moving")(moving)
     task(name="shop.moving_strict", idempotency={"on_duplicate": "raise"})(moving)
     task(name="shop.moving_brief", idempotency={"lease_seconds": 1})(moving)

@@ -162,3 +162,31 @@ def test_a_duplicate_of_a_call_replaced_by_a_queued_replacement_waits_through_th
         assert time.monotonic() - started < 15, worker.output()[-4000:]
     finally:
         worker.stop()
+
+
+def test_a_duplicate_waiting_in_its_slot_leaves_it_once_the_call_it_waits_for_replaced_itself(tmp_path: Path) -> None:
+    # Given a worker of two slots, a group holding one call twice whose first member works 1.5 s and
+    # then replaces itself, and a 12 s job queued behind them (it takes the first slot when freed)
+    require_server("redis")
+    prefix = f"b{uuid.uuid4().hex[:10]}"
+    worker = Worker(tmp_path, BROKERS["redis"], REDIS_URL, prefix, concurrency=2)
+    try:
+        app = make_app(broker=BROKERS["redis"], backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix)
+        counter = redis.Redis.from_url(COUNTER_URL)
+        moving, slow = app.tasks["shop.moving_slowly"], app.tasks["shop.slow"]
+        started = time.monotonic()
+        result = group(moving.s(7), moving.s(7)).apply_async()
+        wait_for(lambda: "BUSY key=" in worker.output(), "the duplicate member to meet the running call")
+        blocker = slow.apply_async((12,), idempotency_key=f"{prefix}-blocker")
+        # When the call replaces itself while its duplicate waits in the other slot
+        # Then the duplicate leaves its slot for the replacement (the record names no running
+        # process now) instead of waiting there for its busy wait (60 s): both answer within seconds
+        # (before: after the 12 s job), and the body ran twice (the call, then its replacement)
+        answers = result.get(timeout=GET)
+        assert time.monotonic() - started < 9, worker.output()[-4000:]
+        assert answers == [{"order": 7, "runs": 2}, {"order": 7, "runs": 2}]
+        (runs,) = [k for k in counter.keys(effects_key(prefix, "shop.moving_slowly", "*")) if k.count(b":") == 3]
+        assert int(counter.get(runs) or 0) == 2
+        assert blocker.get(timeout=GET) == "slept 12"
+    finally:
+        worker.stop()
