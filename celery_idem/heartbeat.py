@@ -52,9 +52,6 @@ class Lease:
     due: float = field(default=0.0)
     lost: bool = False  # a renewal answered LOST: another attempt holds the record now
 
-    def __post_init__(self) -> None:
-        self.due = time.monotonic() + self.seconds / 3
-
 
 @dataclass(eq=False)
 class Settlement:
@@ -82,11 +79,17 @@ class Heartbeat:
         on_error: Called once per failed renewal (the extension counts it as a store error).
         liveness_seconds: The lifetime of this process's liveness record (read at its first use);
             None keeps no liveness record.
+        clock: Monotonic seconds, when each lease, outcome and beat is due (tests inject one and
+            drive :meth:`tick` themselves).
     """
 
     def __init__(
-        self, on_error: Callable[[], None] | None = None, liveness_seconds: Callable[[], float] | None = None
+        self,
+        on_error: Callable[[], None] | None = None,
+        liveness_seconds: Callable[[], float] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._clock = clock
         self._leases: set[Lease] = set()
         self._settlements: set[Settlement] = set()
         self._lock = threading.Lock()
@@ -121,7 +124,7 @@ class Heartbeat:
             return self._liveness.id
 
     def add(self, store: Store, identity: Identity, owner: str, seconds: float) -> Lease:
-        lease = Lease(store, identity, owner, seconds)
+        lease = Lease(store, identity, owner, seconds, due=self._clock() + seconds / 3)
         with self._lock:
             self._store = store
             self._leases.add(lease)
@@ -132,8 +135,8 @@ class Heartbeat:
         self, identity: Identity, write: Callable[[], Transition], landed: Callable[[], bool], *, seconds: float
     ) -> Settlement:
         """Keep trying ``write`` (an attempt's outcome) for up to ``seconds``, from this thread."""
-        settlement = Settlement(identity, write, landed, until=time.monotonic() + seconds)
-        settlement.due = time.monotonic() + SETTLE_RETRY_SECONDS
+        now = self._clock()
+        settlement = Settlement(identity, write, landed, until=now + seconds, due=now + SETTLE_RETRY_SECONDS)
         with self._lock:
             self._settlements.add(settlement)
             self._start()
@@ -209,46 +212,54 @@ class Heartbeat:
         thread = self._thread
         return thread is not None and self._pid == os.getpid() and thread.is_alive()
 
+    def tick(self) -> bool:
+        """One pass of the thread, at the clock's now: beat the liveness record and renew the leases
+        that are due, then try one deferred outcome (a try may wait out the store's timeout, and the
+        leases due meanwhile are renewed before the next one: never starved by them). False when
+        nothing was due."""
+        with self._lock:
+            now = self._clock()
+            due = [lease for lease in self._leases if lease.due <= now]
+            settle = [item for item in self._settlements if item.due <= now]
+            liveness = self._liveness if self._store is not None else None
+            beat = liveness is not None and liveness.due <= now
+        if beat and liveness is not None:
+            self._keep_alive(liveness)
+        for lease in due:
+            self._renew(lease)
+        if settle:
+            self._settle(min(settle, key=lambda item: item.due))
+        return bool(due or settle or beat)
+
     def _run(self) -> None:
         me = threading.current_thread()
         while True:
             try:
+                if self.tick():
+                    continue
                 with self._lock:
                     if self._thread is not me or self._pid != os.getpid():
                         return  # replaced, or a forked child runs its own thread
                     if self._stopping and not self._leases and not self._settlements:
                         self._thread = None  # stopped: the next add() starts a thread, quietly
                         return
-                    now = time.monotonic()
-                    due = [lease for lease in self._leases if lease.due <= now]
-                    settle = [item for item in self._settlements if item.due <= now]
-                    liveness = self._liveness if self._store is not None else None
-                    beat = liveness is not None and liveness.due <= now
-                    if not due and not settle and not beat:
-                        upcoming = [lease.due for lease in self._leases] + [item.due for item in self._settlements]
-                        upcoming += [liveness.due] if liveness is not None else []
-                        self._wake.wait(timeout=max(min(upcoming, default=now + 60) - now, 0.01))
-                        continue
-                if beat and liveness is not None:
-                    self._keep_alive(liveness)
-                for lease in due:
-                    self._renew(lease)
-                if settle:
-                    # One late outcome per pass: a try may wait out the store's timeout, and the live
-                    # leases due meanwhile are renewed before the next one (never starved by them).
-                    self._settle(min(settle, key=lambda item: item.due))
+                    # What was added since the tick is counted here: its wake-up is never missed.
+                    now = self._clock()
+                    upcoming = [lease.due for lease in self._leases] + [item.due for item in self._settlements]
+                    upcoming += [self._liveness.due] if self._liveness is not None and self._store is not None else []
+                    self._wake.wait(timeout=max(min(upcoming, default=now + 60) - now, 0.01))
             except Exception:  # noqa: BLE001 - the loop outlives any one bad iteration
                 logger.exception("heartbeat iteration failed; renewals go on")
                 time.sleep(0.1)
 
     def _settle(self, item: Settlement) -> None:
-        item.due = time.monotonic() + SETTLE_RETRY_SECONDS
+        item.due = self._clock() + SETTLE_RETRY_SECONDS
         item.tries += 1
         try:
             answer = item.write()
             ok = answer.ok or item.landed()
         except Exception as exc:  # noqa: BLE001 - the store is still down: try again at the next second
-            if time.monotonic() < item.until:
+            if self._clock() < item.until:
                 return
             logger.error(
                 "gave up settling %s: the store did not answer before its record expired (%r)", item.identity, exc
@@ -264,7 +275,7 @@ class Heartbeat:
     def _keep_alive(self, liveness: ProcessLiveness) -> None:
         assert self._store is not None
         try:
-            kept = liveness.beat(self._store)
+            kept = liveness.beat(self._store, self._clock())
         except Exception as exc:  # noqa: BLE001 - a missed beat; the record lives on until its lifetime
             logger.warning("liveness beat %s failed: %r; retrying at the next beat", liveness.id, exc)
             if self._on_error is not None:
@@ -276,7 +287,7 @@ class Heartbeat:
                     self._liveness = kept
 
     def _renew(self, lease: Lease) -> None:
-        lease.due = time.monotonic() + lease.seconds / 3
+        lease.due = self._clock() + lease.seconds / 3
         try:
             answer = lease.store.renew(lease.identity, lease.owner, lease_seconds=lease.seconds)
         except Exception as exc:  # noqa: BLE001 - any failed beat is only a missed beat

@@ -51,13 +51,14 @@ class ProcessLiveness:
     created: bool = False  # whether a first beat is known to have landed
     due: float = 0.0  # monotonic time of the next beat (0: at once)
 
-    def beat(self, store: Store) -> ProcessLiveness:
+    def beat(self, store: Store, now: float | None = None) -> ProcessLiveness:
         """Create or renew the record in ``store``; the record to keep (a new one if this was lost).
+        ``now`` is the heartbeat's monotonic clock (default: ``time.monotonic()``).
 
         Raises:
             StoreUnavailableError: the store did not answer (a missed beat, tried again at the next).
         """
-        self.due = time.monotonic() + self.seconds / 3
+        self.due = (time.monotonic() if now is None else now) + self.seconds / 3
         answer = store.keep_alive(self.id, self.token, seconds=self.seconds, create=not self.created)
         if answer.ok:
             self.created = True

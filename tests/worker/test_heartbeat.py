@@ -74,6 +74,67 @@ def assert_still_held(store: Store, identity: Identity, start: float, clock: Fak
     assert other.decision.value == "BUSY"
 
 
+class Manual(Heartbeat):
+    """A heartbeat without a thread: the test calls :meth:`Heartbeat.tick` at the times it chooses."""
+
+    def _start(self) -> None:
+        pass
+
+
+def test_a_tick_renews_exactly_the_leases_due_at_a_third_of_their_lease() -> None:
+    # Given a heartbeat on an injected clock (no thread) and two attempts of 3 s and 30 s leases
+    clock, store = FakeClock(1000.0), MemoryStore()
+    heartbeat = Manual(clock=clock)
+    renewals: list[str] = []
+    short, long_ = running(store), running(store)
+    original = store.renew
+
+    def counted(identity: Identity, owner: str, *, lease_seconds: float) -> Transition:
+        renewals.append(identity.key)
+        return original(identity, owner, lease_seconds=lease_seconds)
+
+    store.renew = counted  # type: ignore[method-assign]
+    heartbeat.add(store, short[0], short[1], 3.0)
+    heartbeat.add(store, long_[0], long_[1], 30.0)
+    # When the clock stands just before, then at, a third of the short lease, then of the long one
+    assert heartbeat.tick() is False
+    clock.advance(0.99)
+    assert heartbeat.tick() is False
+    clock.advance(0.01)
+    assert heartbeat.tick() is True
+    # Then only the lease due was renewed, and it is due again a third of its lease later
+    assert renewals == [short[0].key]
+    clock.advance(0.5)
+    assert heartbeat.tick() is False
+    clock.advance(9.0)
+    heartbeat.tick()
+    assert renewals.count(long_[0].key) == 1
+
+
+def test_a_tick_tries_a_deferred_outcome_once_a_second_until_the_store_takes_it_then_forgets_it() -> None:
+    # Given a deferred write the store refuses twice (an outage), on an injected clock
+    clock, store = FakeClock(1000.0), MemoryStore()
+    heartbeat = Manual(clock=clock)
+    identity, owner = running(store)
+    tries: list[float] = []
+
+    def write() -> Transition:
+        tries.append(clock())
+        if len(tries) <= 2:
+            raise StoreUnavailableError("down")
+        return store.complete(identity, owner, b"1", content_type="application/json", content_encoding="utf-8")
+
+    heartbeat.defer(identity, write, lambda: False, seconds=60)
+    # When the clock moves on a second at a time
+    for _ in range(5):
+        clock.advance(1.0)
+        heartbeat.tick()
+    # Then it was tried once a second until it landed, and never again after
+    assert tries == [1001.0, 1002.0, 1003.0]
+    assert heartbeat.deferred == 0
+    assert store.get(identity).state is State.COMPLETED
+
+
 @pytest.mark.parametrize(
     "error",
     [
