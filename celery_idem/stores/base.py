@@ -514,9 +514,14 @@ def _check_process(process: str) -> None:
 def classify(
     record: IdempotencyRecord, fingerprint: str, *, claiming: bool, task_id: str, retry: bool = False
 ) -> Decision:
-    """What claim (``claiming``) or acquire decides about a live record it may not take.
+    """The decision table: what claim (``claiming``) or acquire decides about a live record it may
+    not take (DESIGN §3). Other arguments are a MISMATCH (but for a Celery retry or a replacement
+    under the record's own task id once an attempt ran: the same attempt chain), a settled record is
+    a REPLAY, an unsettled one a DUPLICATE (claim) or BUSY (acquire).
 
-    Used by stores that take-or-read in one statement and then name the outcome from the row.
+    The one source of these rules: the memory store asks it before taking a record, the SQL store
+    names the outcome of an upsert that declined with it, and the Redis Lua scripts, which must
+    restate it, are held to it by the model tests (tests/models/test_model_stores.py).
     """
     same_chain = not claiming and retry and record.task_id == task_id and record.attempt > 0
     if record.fingerprint != fingerprint and not same_chain:

@@ -11,7 +11,7 @@ import bisect
 import threading
 
 from ..records import Decision, IdempotencyRecord, Identity, State, Transition
-from .base import LOST, OK, UNSETTLED, Clock, Fence, Settlement, Store, taken_over
+from .base import LOST, OK, UNSETTLED, Clock, Fence, Settlement, Store, classify, taken_over
 
 __all__ = ["MemoryStore"]
 
@@ -86,13 +86,12 @@ class MemoryStore(Store):
             now = self._clock_now()
             record = self._live(identity, now)
             if record is not None:
-                if record.fingerprint != fingerprint:
-                    return Transition(Decision.MISMATCH, record)
-                if record.state.settled:
-                    return Transition(Decision.REPLAY, record)
+                decision = classify(record, fingerprint, claiming=True, task_id=task_id)
+                if decision is not Decision.DUPLICATE:
+                    return Transition(decision, record)
                 assert record.lease_expires_at is not None
                 if record.lease_expires_at > now:
-                    return Transition(Decision.DUPLICATE, record)
+                    return Transition(decision, record)
             new = self._put(
                 identity,
                 now,
@@ -125,11 +124,9 @@ class MemoryStore(Store):
             now = self._clock_now()
             record = self._live(identity, now)
             if record is not None:
-                chain = retry and record.task_id == task_id and record.attempt > 0
-                if record.fingerprint != fingerprint and not chain:
-                    return Transition(Decision.MISMATCH, record)
-                if record.state.settled:
-                    return Transition(Decision.REPLAY, record)
+                decision = classify(record, fingerprint, claiming=False, task_id=task_id, retry=retry)
+                if decision is not Decision.BUSY:
+                    return Transition(decision, record)
                 assert record.lease_expires_at is not None
                 if record.state is State.IN_PROGRESS and record.lease_expires_at > now:
                     self._linger[identity] = max(self._linger.get(identity, now), now + next_look)
