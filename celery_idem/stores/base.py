@@ -142,8 +142,8 @@ class Store(ABC):
         """
         try:
             yield
-        except (IdempotencyError, SoftTimeLimitExceeded):
-            raise  # ours; and the soft time limit, raised into whatever the task was doing
+        except (IdempotencyError, SoftTimeLimitExceeded, NotImplementedError):
+            raise  # ours; the soft time limit, raised into whatever the task was doing; an optional query
         except Exception as exc:
             fix = self._misconfiguration(exc)
             if fix is not None:
@@ -436,7 +436,7 @@ class Store(ABC):
         """Release connections. The store reconnects if used again."""
         return None  # nothing held by default
 
-    # ---- primitives: one atomic operation each ---------------------------------------------
+    # ---- primitives: one atomic operation each; a store of one's own implements these -------------
 
     @abstractmethod
     def _claim(
@@ -484,23 +484,28 @@ class Store(ABC):
     @abstractmethod
     def _forget(self, identity: Identity) -> bool: ...
 
+    # ---- the reconciler's: stale records and worker liveness --------------------------------------
+
     @abstractmethod
     def _expired_leases(self, limit: int) -> list[IdempotencyRecord]: ...
-
-    @abstractmethod
-    def _records(self, state: State | None, task_name: str | None, limit: int) -> list[IdempotencyRecord]: ...
-
-    @abstractmethod
-    def _count_by_state(self) -> dict[State, int]: ...
-
-    @abstractmethod
-    def _ping(self) -> None: ...
 
     @abstractmethod
     def _keep_alive(self, process: str, token: str, seconds: float, create: bool) -> Transition: ...
 
     @abstractmethod
     def _alive(self, processes: list[str]) -> set[str]: ...
+
+    # ---- operator queries (the CLI's list and count, the worker's start-up check): optional -------
+
+    def _records(self, state: State | None, task_name: str | None, limit: int) -> list[IdempotencyRecord]:
+        raise NotImplementedError(f"{type(self).__name__} does not list its records (celery idem list needs it)")
+
+    def _count_by_state(self) -> dict[State, int]:
+        raise NotImplementedError(f"{type(self).__name__} does not count its records (celery idem count needs it)")
+
+    def _ping(self) -> None:
+        """A round trip: by default, a read of a record nobody writes."""
+        self._get(Identity("", "celery_idem.ping", "ping"))
 
 
 PROCESS_MAX_LENGTH = 64

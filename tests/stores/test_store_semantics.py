@@ -877,3 +877,23 @@ def test_a_fresh_record_or_a_takeover_of_a_bare_claim_names_no_earlier_attempt(s
     assert claim(store, identity=other).record.previous_task_id is None
     clock.advance(PENDING_S + 1)  # a claim whose message never ran
     assert claim(store, task_id="task-2", identity=other).record.previous_task_id is None
+
+
+def test_a_store_of_ones_own_needs_only_the_atomic_operations_and_the_reconcilers() -> None:
+    # Given a store that implements the primitives Store requires, and none of the optional
+    # operator queries (here each one is a MemoryStore's)
+    from celery_idem.stores import MemoryStore
+
+    backend = MemoryStore()
+    required = ("_claim", "_acquire", "_settle", "_release", "_renew", "_hand_over", "_get", "_forget")
+    required += ("_expired_leases", "_keep_alive", "_alive")
+    Minimal = type("Minimal", (Store,), {name: staticmethod(getattr(backend, name)) for name in required})
+    store = Minimal()
+    # When it is used
+    assert claim(store).decision is Decision.NEW
+    store.ping()  # a read of a record nobody writes, by default
+    # Then the calls work, and an operator query it lacks says so (not an outage)
+    with pytest.raises(NotImplementedError, match="Minimal does not list its records"):
+        store.records()
+    with pytest.raises(NotImplementedError, match="Minimal does not count its records"):
+        store.count_by_state()
