@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import hashlib
 import importlib.metadata
 import json
@@ -141,8 +142,6 @@ def time_each(op: Callable[[T], R], items: Iterable[T]) -> Timed:
     ``gc.collect()`` runs first; the collector stays on during the loop. The wall time is the whole
     loop's, so ops/s computed from it includes the loop's own small overhead.
     """
-    import gc
-
     gc.collect()
     clock, timed = time.perf_counter_ns, Timed(started=time.time())
     cpu, start = time.process_time_ns(), clock()
