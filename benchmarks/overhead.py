@@ -31,10 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import importlib.metadata
 import itertools
-import json
-import math
 import os
 import platform
 import re
@@ -47,17 +44,27 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import overhead_app as bench  # the app module lives beside this script, on sys.path as the script's folder
 import redis
+from _common import (
+    Latency,
+    Machine,
+    choice_list,
+    commandstats,
+    log,
+    rotated,
+    slice_of,
+    time_each,
+    versions,
+    write_json,
+)
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import overhead_app as bench  # noqa: E402 - the app module lives beside this script
 
 LABELS = {
     "plain": "plain Celery (`@app.task`)",
@@ -66,40 +73,12 @@ LABELS = {
     "once": "celery-once `QueueOnce`",
     "singleton": "celery-singleton `Singleton`",
 }
+PEERS = ("celery_once", "celery-singleton")  # their versions go in the report
 THROUGHPUT_TARGET = 0.9  # IdempotentTask tasks/s >= 90% of plain Celery's
 RESULT_TIMEOUT = 120.0
 POLL_SECONDS = 0.005
 SETTLE_SECONDS = 0.3  # peers release their locks just after the result is stored
 WORKER_START_TIMEOUT = 60.0
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def _percentile(ordered: list[int], fraction: float) -> int:
-    """Nearest-rank percentile of an ascending list."""
-    return ordered[max(0, math.ceil(fraction * len(ordered)) - 1)]
-
-
-@dataclass
-class Latency:
-    calls: int
-    median_us: float
-    p99_us: float
-    mean_us: float
-    max_us: float
-
-    @classmethod
-    def of(cls, nanoseconds: list[int]) -> Latency:
-        ordered = sorted(nanoseconds)
-        return cls(
-            calls=len(ordered),
-            median_us=statistics.median(ordered) / 1000,
-            p99_us=_percentile(ordered, 0.99) / 1000,
-            mean_us=statistics.fmean(ordered) / 1000,
-            max_us=ordered[-1] / 1000,
-        )
 
 
 @dataclass
@@ -155,6 +134,11 @@ class Caller:
             return None, True
         PUBLISHED.append(result.id)  # its result is deleted at the end, whatever happens meanwhile
         return result, False
+
+
+def publisher(call: Caller, tag: str, **options: Any) -> Callable[[int], tuple[Any, bool]]:
+    """``call(x)`` keyed ``<tag>-<x>`` (the key only matters to ``idem``; every ``x`` is fresh)."""
+    return lambda x: call(x, f"{tag}-{x}", **options)
 
 
 def wait_for(app: Any, task_ids: Iterable[str], timeout: float = RESULT_TIMEOUT) -> float:
@@ -234,11 +218,10 @@ class Worker:
 
     def __init__(self, logdir: str) -> None:
         self.log_path = Path(logdir) / "worker.log"
-        self.command = [
-            sys.executable, "-m", "celery", "-A", "overhead_app", "worker",
-            "-P", "prefork", "-c", "2", "--without-gossip", "--without-mingle", "--without-heartbeat",
-            "-Q", bench.QUEUE, "-n", f"overhead-{uuid.uuid4().hex[:6]}@%h", "-l", "WARNING",
-        ]  # fmt: skip
+        pool = "-P prefork -c 2 --without-gossip --without-mingle --without-heartbeat".split()
+        name = f"overhead-{uuid.uuid4().hex[:6]}@%h"
+        self.command = [sys.executable, "-m", "celery", "-A", "overhead_app", "worker", *pool]
+        self.command += ["-Q", bench.QUEUE, "-n", name, "-l", "WARNING"]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
         with self.log_path.open("wb") as out:
             self.process = subprocess.Popen(
@@ -306,29 +289,21 @@ def throughput(
     app: Any, variants: list[str], args: Args, reports: dict[str, VariantReport], n: int, rounds: int
 ) -> None:
     latencies: dict[str, list[int]] = {v: [] for v in variants}
-    clock = time.perf_counter_ns
     for round_ in range(rounds):
-        order = variants[round_ % len(variants) :] + variants[: round_ % len(variants)]
-        size = n * (round_ + 1) // rounds - n * round_ // rounds
+        order = rotated(variants, round_)
+        size = len(slice_of(n, rounds, round_))
         for variant in order:
-            call, report = Caller(variant), reports[variant]
-            batch = args.take(size)
-            results: list[Any] = []
-            gc.collect()
-            start_wall, start = time.time(), clock()
-            for x in batch:
-                t0 = clock()
-                result, refused = call(x, f"tp-{x}")
-                latencies[variant].append(clock() - t0)
-                if refused or getattr(result, "deduplicated", False):
-                    raise AssertionError(f"{variant}: a new call with distinct arguments was taken for a duplicate")
-                results.append(result)
-            published = clock()
+            report = reports[variant]
+            timed = time_each(publisher(Caller(variant), "tp"), args.take(size))
+            latencies[variant] += timed.latencies_ns
+            if any(refused or getattr(result, "deduplicated", False) for result, refused in timed.results):
+                raise AssertionError(f"{variant}: a new call with distinct arguments was taken for a duplicate")
+            results = [result for result, _ in timed.results]
             last_done = wait_for(app, [r.id for r in results])
-            seconds = last_done - start_wall
+            seconds = last_done - timed.started
             report.tasks += size
             report.seconds += seconds
-            report.publish_seconds += (published - start) / 1e9
+            report.publish_seconds += timed.wall_ns / 1e9
             report.round_tasks_per_s.append(size / seconds)
             release(app, results)
             time.sleep(SETTLE_SECONDS)
@@ -351,30 +326,26 @@ def latency(app: Any, variants: list[str], args: Args, reports: dict[str, Varian
     new: dict[str, list[int]] = {v: [] for v in variants}
     dup: dict[str, list[int]] = {v: [] for v in variants}
     outcomes: dict[str, Counter[str]] = {v: Counter() for v in variants}
-    clock = time.perf_counter_ns
     for slice_ in range(slices):
-        order = variants[slice_ % len(variants) :] + variants[: slice_ % len(variants)]
-        size = k * (slice_ + 1) // slices - k * slice_ // slices
+        order = rotated(variants, slice_)
+        size = len(slice_of(k, slices, slice_))
         originals: dict[str, list[tuple[int, str]]] = {}
         held: list[Any] = []
-        gc.collect()
         for variant in order:
-            call = Caller(variant)
+            batch = args.take(size)
+            timed = time_each(publisher(Caller(variant), "lat", queue=bench.HELD_QUEUE), batch)
+            new[variant] += timed.latencies_ns
             originals[variant] = []
-            for x in args.take(size):
-                t0 = clock()
-                result, refused = call(x, f"lat-{x}", queue=bench.HELD_QUEUE)
-                new[variant].append(clock() - t0)
+            for x, (result, refused) in zip(batch, timed.results, strict=True):
                 if refused or result is None or getattr(result, "deduplicated", False):
                     raise AssertionError(f"{variant}: a new call was taken for a duplicate")
                 originals[variant].append((x, result.id))
                 held.append(result)
         for variant in order:
-            call = Caller(variant)
-            for x, original_id in originals[variant]:
-                t0 = clock()
-                result, refused = call(x, f"lat-{x}", queue=bench.HELD_QUEUE)
-                dup[variant].append(clock() - t0)
+            batch = [x for x, _ in originals[variant]]
+            timed = time_each(publisher(Caller(variant), "lat", queue=bench.HELD_QUEUE), batch)
+            dup[variant] += timed.latencies_ns
+            for (_, original_id), (result, refused) in zip(originals[variant], timed.results, strict=True):
                 outcomes[variant][_duplicate_outcome(variant, result, refused, original_id)] += 1
                 held.append(result)
         release(app, held)
@@ -517,11 +488,6 @@ class MonitorTap:
             self.client.close()
 
 
-def _commandstats(reader: redis.Redis) -> Counter[str]:
-    stats = reader.info("commandstats")
-    return Counter({name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in stats.items()})
-
-
 def store_round_trips(app: Any, variants: list[str], args: Args, reports: dict[str, VariantReport], n: int) -> None:
     reader = redis.Redis.from_url(bench.url(bench.DB_COUNTER), protocol=2)
     tap = MonitorTap()
@@ -531,7 +497,7 @@ def store_round_trips(app: Any, variants: list[str], args: Args, reports: dict[s
             call = Caller(variant)
             results: list[Any] = []
             gc.collect()
-            before = _commandstats(reader)
+            before = commandstats(reader)[0]
             tap.mark(f"begin:{variant}")
             for x in args.take(n):
                 result, _ = call(x, f"rt-{x}")
@@ -539,7 +505,7 @@ def store_round_trips(app: Any, variants: list[str], args: Args, reports: dict[s
             wait_for(app, [r.id for r in results])
             time.sleep(SETTLE_SECONDS)
             tap.mark(f"end:{variant}")
-            after = _commandstats(reader)
+            after = commandstats(reader)[0]
             delta = after - before
             for noise in ("echo", "info"):  # the markers, and the readings themselves
                 delta.pop(noise, None)
@@ -781,16 +747,6 @@ def _paired(a: VariantReport, b: VariantReport) -> float:
     return statistics.median(x / y for x, y in zip(a.round_tasks_per_s, b.round_tasks_per_s, strict=True))
 
 
-def versions() -> dict[str, str]:
-    found = {}
-    for name in ("celery", "kombu", "redis", "hiredis", "celery-idem", "celery_once", "celery-singleton"):
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            found[name] = "not installed"
-    return found
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", type=int, default=4000, help="no-op tasks per variant for throughput (4000)")
@@ -806,16 +762,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=100, help="untimed no-op tasks per variant first (100)")
     parser.add_argument(
         "--variants",
-        default=",".join(bench.VARIANTS),
+        type=choice_list(bench.VARIANTS),
+        default=list(bench.VARIANTS),
         help=f"subset of {','.join(bench.VARIANTS)} (plain always runs: it is the baseline)",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the raw numbers to this JSON file")
     args = parser.parse_args(argv)
-    chosen = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = sorted(set(chosen) - set(bench.VARIANTS))
-    if unknown:
-        parser.error(f"unknown variant(s) {unknown}; choose from {','.join(bench.VARIANTS)}")
-    args.variants = [v for v in bench.VARIANTS if v in chosen or v == "plain"]
+    args.variants = [v for v in bench.VARIANTS if v in args.variants or v == "plain"]
     if min(args.tasks, args.rounds, args.latency_calls, args.latency_slices, args.dup_calls, args.dup_sets) < 1:
         parser.error("counts must be at least 1")
     if args.rounds > args.tasks or args.latency_slices > args.latency_calls:
@@ -832,14 +785,14 @@ def main(argv: list[str] | None = None) -> int:
     ping = redis.Redis.from_url(bench.url(bench.DB_COUNTER))
     server = ping.info("server")
     ping.close()
-    load_at_start = os.getloadavg()
-    log(f"{os.cpu_count()} cores, load average {load_at_start[0]:.2f}; Redis {server['redis_version']}")
+    machine = Machine(*PEERS)
+    log(f"Redis {server['redis_version']}")
     lock = RunLock()
     if not lock.acquire():
         return 2
     try:
         clean("before the run", [], keep_lock=True)
-        return _run(args, variants, app, server, load_at_start, lock)
+        return _run(args, variants, app, server, machine, lock)
     finally:
         lock.release()
 
@@ -849,12 +802,11 @@ def _run(
     variants: list[str],
     app: Any,
     server: dict[str, Any],
-    load_at_start: tuple[float, float, float],
+    machine: Machine,
     lock: RunLock,
 ) -> int:
     reports = {v: VariantReport(v, LABELS[v]) for v in variants}
     numbers = Args()
-    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="celery-idem-overhead-") as logdir:
         worker = Worker(logdir)
         try:
@@ -882,8 +834,7 @@ def _run(
             result_keys = {app.backend.get_key_for_task(task_id) for task_id in PUBLISHED}
             app.close()
             clean("cleanup", result_keys)
-    elapsed = time.perf_counter() - started
-    load_at_end = os.getloadavg()
+    machine.finish()
     if worker_problems:
         log(f"the worker logged {len(worker_problems)} warning/error lines, the first ones:")
         for line in worker_problems[:20]:
@@ -896,35 +847,18 @@ def _run(
         print(line)
     print()
     print(detail_table(ordered))
-    print(
-        f"\nMachine: {os.cpu_count()} cores, Python {platform.python_version()}, Redis {server['redis_version']}; "
-        + ", ".join(f"{k} {v}" for k, v in versions().items())
-        + f"; 1-minute load average {load_at_start[0]:.2f} at the start, {load_at_end[0]:.2f} at the end"
-    )
-    log(f"total {elapsed:.1f} s")
+    packages = ", ".join(f"{name} {version}" for name, version in versions(*PEERS).items())
+    print(f"\n{machine.summary('Redis ' + server['redis_version'], packages)}")
     if args.json:
-        payload = {
-            "meta": {
-                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "python": platform.python_version(),
-                "platform": platform.platform(),
-                "cpu_count": os.cpu_count(),
-                "redis_server": server["redis_version"],
-                "versions": versions(),
-                "worker_command": worker.command[1:],
-                "options": {k: v for k, v in vars(args).items() if k != "json"},
-                "elapsed_seconds": elapsed,
-                "load_average_at_start": load_at_start,
-                "load_average_at_end": load_at_end,
-                "worker_warning_lines": worker_problems,
-            },
-            "variants": [asdict(r) for r in ordered],
-            "verdicts": verdicts(reports, args.dup_calls, args.dup_sets),
-        }
-        with open(args.json, "w") as out:
-            json.dump(payload, out, indent=2)
-            out.write("\n")
-        log(f"wrote {args.json}")
+        options = {k: v for k, v in vars(args).items() if k != "json"}
+        meta = machine.meta(
+            redis_server=server["redis_version"],
+            worker_command=worker.command[1:],
+            options=options,
+            worker_warning_lines=worker_problems,
+        )
+        verdict_lines = verdicts(reports, args.dup_calls, args.dup_sets)
+        write_json(args.json, {"meta": meta, "variants": [asdict(r) for r in ordered], "verdicts": verdict_lines})
     return 0
 
 

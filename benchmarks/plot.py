@@ -25,7 +25,6 @@ Each figure says in its footer which run it shows (date, machine, options), take
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections import Counter
@@ -34,19 +33,13 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+from _common import STORE_KINDS, read_json
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
 
 ROOT = Path(__file__).resolve().parent.parent
 COLORS = {"median": "#3f51b5", "p99": "#9fa8da", "new": "#3f51b5", "duplicate": "#ef6c00"}
-STORE_ORDER = ("memory", "sqlite", "redis", "postgresql")
-
-
-def load(path: Path) -> dict[str, Any]:
-    with path.open() as handle:
-        data: dict[str, Any] = json.load(handle)
-    return data
 
 
 def footer(fig: Any, meta: dict[str, Any], extra: str = "") -> None:
@@ -82,7 +75,7 @@ def plot_store_ops(data: dict[str, Any], out: Path) -> list[Path]:
         print("store_ops: no timings in the JSON (every store skipped?)", file=sys.stderr)
         return []
     # Stores in a fixed order; operations in the order the script measured them.
-    timings.sort(key=lambda t: STORE_ORDER.index(t["store"]) if t["store"] in STORE_ORDER else len(STORE_ORDER))
+    timings.sort(key=lambda t: STORE_KINDS.index(t["store"]) if t["store"] in STORE_KINDS else len(STORE_KINDS))
     labels = [f"{t['store']}: {t['op']}" for t in timings]
     medians = [t["median_us"] for t in timings]
     p99s = [t["p99_us"] for t in timings]
@@ -255,11 +248,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("give at least one of --store-ops, --overhead, --reconcile")
     written: list[Path] = []
     if args.store_ops:
-        written += plot_store_ops(load(args.store_ops), args.out)
+        written += plot_store_ops(read_json(args.store_ops), args.out)
     if args.overhead:
-        written += plot_overhead(load(args.overhead), args.out)
+        written += plot_overhead(read_json(args.overhead), args.out)
     if args.reconcile:
-        written += plot_reconcile(load(args.reconcile), args.out)
+        written += plot_reconcile(read_json(args.reconcile), args.out)
     return 0 if written else 1
 
 
