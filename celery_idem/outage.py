@@ -79,11 +79,12 @@ def keep_message(
     kwargs: Mapping[str, Any],
     exc: StoreUnavailableError,
     republish: Callable[..., None],
+    headers: Mapping[str, Any] | None = None,
 ) -> Retry:
     """Fail closed, never lost: send this message back to the broker (through ``republish``, which
-    takes ``args, kwargs, countdown=, headers=``) with the next countdown, and return the ``Retry``
-    the task raises. Neither bounded by nor counted in the task's own max_retries (the task did not
-    fail), so Celery's retries count is kept as it is."""
+    takes ``args, kwargs, countdown=, headers=``) with the next countdown and ``headers`` added, and
+    return the ``Retry`` the task raises. Neither bounded by nor counted in the task's own
+    max_retries (the task did not fail), so Celery's retries count is kept as it is."""
     request = task.request
     waits = trips(request, OUTAGE_HEADER)
     surprises = min(trips(request, SURPRISES_HEADER) + exc.unexpected, MAX_TRIPS)
@@ -94,6 +95,6 @@ def keep_message(
         request.id,
         delay,
     )
-    headers = {OUTAGE_HEADER: min(waits + 1, MAX_TRIPS), **({SURPRISES_HEADER: surprises} if surprises else {})}
-    republish(args, kwargs, countdown=delay, headers=headers)
+    counts = {OUTAGE_HEADER: min(waits + 1, MAX_TRIPS), **({SURPRISES_HEADER: surprises} if surprises else {})}
+    republish(args, kwargs, countdown=delay, headers={**(headers or {}), **counts})
     return Retry(exc=StoreUnavailableError(f"the idempotency store is unavailable; retry in {delay:g}s"), when=delay)

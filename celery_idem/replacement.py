@@ -30,7 +30,6 @@ settles the record from the result backend under the same id.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -112,17 +111,20 @@ def on_replace(handler: Handler, sig: Any, publish: Callable[[Any], Any]) -> Any
     if attempt.lease is not None:
         heartbeat.remove(attempt.lease)  # no beat under the old token after the handover
     same = _own_call(handler, attempt, sig)
-    # Until the replacement is sent, the token is leased as this attempt was: one lease, renewed by
-    # this process's heartbeat. Should the process die before the publish (or the store's reply be
-    # lost), nothing carries the token, and the record is free again one lease later.
+    # The token is leased for the replacement's whole wait from the handover on, before the publish:
+    # a process that dies right after the publish leaves a record nothing may take while the
+    # replacement waits (a lease of one would free it then, and the call would run twice). The price:
+    # a process that dies between the handover and the publish leaves the call waiting that long.
     try:
-        handed = store.hand_over(identity, owner, token, lease_seconds=policy.lease_seconds)
+        handed = store.hand_over(identity, owner, token, lease_seconds=attempt.replacement_wait + policy.lease_seconds)
     except StoreUnavailableError as exc:
-        # Not sent: nothing may take the record but by a token the store may not hold. The message is
-        # kept: back to the broker, it runs again once the store answers (DESIGN: "Nothing lost").
+        # Not sent. The message is kept: back to the broker, it runs again once the store answers
+        # (DESIGN: "Nothing lost"), carrying the token, so that a handover that landed with only its
+        # reply lost is taken back at once by the copy (as the replacement would take it), not waited out.
         handler.idem.count("store_errors")
         request = task.request
-        raise outage.keep_message(task, request.args or (), request.kwargs or {}, exc, handler.republish) from None
+        args, kwargs = request.args or (), request.kwargs or {}
+        raise outage.keep_message(task, args, kwargs, exc, handler.republish, {HANDOVER_HEADER: token}) from None
     if not handed.ok:
         # Another attempt took the record past this one's lease (this process froze): it runs the call
         # and sends its own replacement. Sending this one too would run the replacement twice.
@@ -133,9 +135,12 @@ def on_replace(handler: Handler, sig: Any, publish: Callable[[Any], Any]) -> Any
             task_name=task.name,
             task_id=attempt.task_id,
         )
-    sending = heartbeat.add(store, identity, token, policy.lease_seconds)
     if same is not None:
-        same.set(headers={**(same.options.get("headers") or {}), HANDOVER_HEADER: token})
+        # The step carries its identity: a chain's last step is published by the worker of the step
+        # before it, where no attempt of this call runs to lend a key-less step this call's key.
+        scope = {SCOPE_HEADER: identity.scope} if identity.scope else {}
+        keyed = {KEY_HEADER: identity.key, **scope, HANDOVER_HEADER: token}
+        same.set(headers={**(same.options.get("headers") or {}), **keyed})
     else:
         fence = {"scope": identity.scope, "task_name": task.name, "key": identity.key, "owner": token}
         # Linked where the replacement ends: the step that carries this task id (Celery appends the
@@ -151,14 +156,12 @@ def on_replace(handler: Handler, sig: Any, publish: Callable[[Any], Any]) -> Any
             last.link_error(errback)
     attempt.replaced, attempt.handed_over = True, same is not None
     try:
-        sent = publish(sig)
+        return publish(sig)
     except Ignore:  # Celery's on_replace raises it once the replacement is sent
-        _lease_for_the_wait(handler, identity, token, sending, attempt.replacement_wait + policy.lease_seconds)
         raise
     except BaseException as exc:
         # Not sent: the record comes back to this attempt, whose failure settles it as usual; a
         # replacement whose claim failed closed (another idempotent call) keeps this message.
-        heartbeat.remove(sending)
         attempt.replaced = attempt.handed_over = False
         with contextlib.suppress(IdempotencyError):
             store.hand_over(identity, token, owner, lease_seconds=policy.lease_seconds)
@@ -166,22 +169,6 @@ def on_replace(handler: Handler, sig: Any, publish: Callable[[Any], Any]) -> Any
             request = task.request
             raise outage.keep_message(task, request.args or (), request.kwargs or {}, exc, handler.republish) from None
         raise
-    _lease_for_the_wait(handler, identity, token, sending, attempt.replacement_wait + policy.lease_seconds)
-    return sent
-
-
-def _lease_for_the_wait(handler: Handler, identity: Identity, token: str, sending: Any, seconds: float) -> None:
-    """The replacement was sent: its token's lease now covers how long it may wait (no process renews
-    it from here on). LOST is fine: the replacement took the record already, or its callbacks settled
-    it. A store that does not answer gets the renewal from the heartbeat thread while the lease lasts."""
-    heartbeat, store = handler.idem.heartbeat, handler.idem.store
-    heartbeat.remove(sending)
-    renew = functools.partial(store.renew, identity, token, lease_seconds=seconds)
-    try:
-        renew()
-    except StoreUnavailableError:
-        handler.idem.count("store_errors")
-        heartbeat.defer(identity, renew, lambda: True, seconds=handler.policy.lease_seconds)
 
 
 def _end_of(sig: Any, task_id: str) -> Any:

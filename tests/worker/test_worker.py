@@ -746,16 +746,22 @@ def test_a_replacement_by_another_call_with_a_countdown_keeps_the_key_past_the_c
     assert int(shop.counter.get(effects_key(shop.prefix, "shop.replacement", str(order))) or 0) == 1
 
 
-@pytest.mark.parametrize("keyed", [False, True], ids=["keyless", "keyed"])
+@pytest.mark.parametrize(
+    ("keyed", "step_keyed"),
+    [(False, False), (True, True), (True, False)],
+    ids=["keyless", "keyed", "keyed-call-keyless-step"],
+)
 def test_a_task_replaced_by_a_chain_that_ends_in_its_own_call_is_answered_by_it(
-    shop: Shop, key: str, keyed: bool
+    shop: Shop, key: str, keyed: bool, step_keyed: bool
 ) -> None:
     # Given a task that replaces itself with chain(prepare, itself): the chain's last step carries
     # the running task id and is this very call, so the record is handed to it; it is published
-    # later, by the worker of the step before it (no attempt of the replaced task runs there)
+    # later, by the worker of the step before it (no attempt of the replaced task runs there, so a
+    # key-less step of a keyed call is sent with the call's key: found by an attacker, it ran under
+    # its arguments' fingerprint and the keyed record waited out the replacement's whole wait)
     order = int(uuid.uuid4().int % 10**9)
     options = {"idempotency_key": key} if keyed else {}
-    result = shop.task("chained").apply_async((order, keyed), **options)
+    result = shop.task("chained").apply_async((order, step_keyed), **options)
     # Then that step is published (the store holds the record under the token it carries: it is no
     # copy of the original) and answers the handle; before, it was taken for a copy and dropped
     assert result.get(timeout=GET) == {"order": order, "runs": 2}
@@ -998,7 +1004,7 @@ def test_an_attempt_that_lost_its_lease_sends_no_replacement() -> None:
         idem.disconnect()
 
 
-def test_a_replacement_not_yet_sent_holds_the_record_one_lease_then_its_wait() -> None:
+def test_a_replacement_holds_the_record_for_its_whole_wait_from_before_it_is_sent() -> None:
     # Given a task that replaces itself with another call, and a look at its record as the
     # replacement is being sent
     app, idem, sent = _replacing_app("lease-replace")
@@ -1017,16 +1023,62 @@ def test_a_replacement_not_yet_sent_holds_the_record_one_lease_then_its_wait() -
     try:
         # When it runs
         execute_as_worker(app, "move", "t-1", args=(1,), idempotency_key="k")
-        # Then, until the replacement was sent, its token held the record for one lease (a process
-        # killed in the publish leaves it free again a lease later; before: for the whole wait of
-        # 100 s + a lease); once sent, for as long as the replacement may wait
+        # Then the token held the record for the replacement's whole wait (100 s + a lease) before
+        # the replacement went out: a process killed right after the publish leaves nothing a copy
+        # may take while the replacement waits (with one lease until a renewal after the publish, an
+        # attacker's kill in between freed it, and the call ran twice)
         assert sent == ["other"]
-        assert 0 < seen[0] <= 5.5
+        assert seen[0] > 100
         record = idem.get("move", "k")
         assert record.state is State.IN_PROGRESS
-        assert record.lease_expires_at - idem.store.now() > 100
     finally:
         signals.before_task_publish.disconnect(look)
+        signals.before_task_publish.disconnect(app.__dict__["_test_publishing"])
+        idem.disconnect()
+
+
+def test_a_handover_whose_reply_was_lost_is_taken_back_by_the_kept_message_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given a task that replaces itself, and a store that hands the record over but whose reply is
+    # lost (the first time)
+    from celery_idem.handler import Handler
+
+    app, idem, sent = _replacing_app("lost-handover")
+    runs: list[int] = []
+
+    @app.task(base=IdempotentTask, shared=False, bind=True, name="move")
+    def move(self: Any, x: int) -> Any:
+        runs.append(x)
+        raise self.replace(app.tasks["other"].si(x))
+
+    store = idem.store
+    original = store.hand_over
+    lost: list[bool] = []
+
+    def hand_over(*args: Any, **kwargs: Any) -> Any:
+        answer = original(*args, **kwargs)
+        if not lost:
+            lost.append(True)
+            raise StoreUnavailableError("the reply was lost")
+        return answer
+
+    kept: list[dict[str, Any]] = []
+    monkeypatch.setattr(store, "hand_over", hand_over)
+    monkeypatch.setattr(
+        Handler, "republish", lambda self, a, k, *, countdown, headers=None: kept.append(dict(headers or {}))
+    )
+    try:
+        # When it runs, and its kept message comes back from the broker
+        execute_as_worker(app, "move", "t-1", args=(1,), idempotency_key="k")
+        assert sent == [] and len(kept) == 1
+        execute_as_worker(app, "move", "t-1", args=(1,), idempotency_key="k", **kept[0])
+        # Then the copy took the record back by the token it carries and ran at once (before: it met
+        # a record held for the replacement's whole wait, which nothing would ever send, and waited
+        # it out), and the replacement was sent once
+        assert runs == [1, 1]
+        assert sent == ["other"]
+    finally:
         signals.before_task_publish.disconnect(app.__dict__["_test_publishing"])
         idem.disconnect()
 
