@@ -274,7 +274,7 @@ def test_a_deferred_outcome_refused_by_the_owner_token_is_dropped_and_one_past_i
 
     heartbeat = Heartbeat()
     heartbeat.defer(identity, lost, lambda: False, seconds=60)
-    heartbeat.defer(identity, down, lambda: False, seconds=0.3)
+    heartbeat.defer(identity, down, lambda: False, seconds=1.0)  # many tries (0.05 s apart) even on a loaded machine
     deadline = time.monotonic() + 10
     while heartbeat.deferred and time.monotonic() < deadline:
         time.sleep(0.02)
