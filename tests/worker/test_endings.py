@@ -143,7 +143,13 @@ def act(run: Run, cell: Cell) -> None:
     options: dict[str, Any] = {"queue": run.queues[ending.worker], **ending.options()}
     if ending.act == "revoke_first":
         options["task_id"] = str(uuid.uuid4())
-        assert worker and run.app.control.revoke(options["task_id"], destination=[worker.name], reply=True, timeout=10)
+        assert worker is not None
+        replies: Any = None
+        for _ in range(3):  # a loaded worker may answer a broadcast late; revoking again is harmless
+            replies = run.app.control.revoke(options["task_id"], destination=[worker.name], reply=True, timeout=10)
+            if replies:
+                break
+        assert replies, f"{worker.name} did not answer the revoke of {options['task_id']} in 3 tries"
     cell.result = run.app.tasks[cell.task].apply_async(ending.args, idempotency_key=cell.key, **options)
     if ending.act in ("sigkill", "terminate", "terminate_kill", "warm_shutdown"):
         until(lambda: run.executions(cell.key) >= 1, f"{cell.task} to start", GET)
