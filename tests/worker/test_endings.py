@@ -154,6 +154,11 @@ def act(run: Run, cell: Cell) -> None:
     if ending.act in ("sigkill", "terminate", "terminate_kill", "warm_shutdown"):
         until(lambda: run.executions(cell.key) >= 1, f"{cell.task} to start", GET)
     if ending.act == "sigkill":
+        # The parent acks an early-ack message when it sees the pool take the job; a child killed before
+        # the parent saw that leaves the message unacked, and the broker redelivers it (Celery's own race,
+        # seen in CI under load). The matrix kills once the parent has taken the job: its ack is decided.
+        assert worker is not None
+        until(lambda: accepted(run, worker.name, cell.result.id), f"{worker.name} to accept {cell.task}", GET)
         os.kill(int(run.counter.get(executions_key(run.prefix, cell.key) + ":pid")), signal.SIGKILL)
     elif ending.act == "terminate":
         run.app.control.revoke(cell.result.id, terminate=True, destination=[getattr(worker, "name", "")])
@@ -163,6 +168,12 @@ def act(run: Run, cell: Cell) -> None:
         )
     elif ending.act == "warm_shutdown":
         run.warm_started.wait(timeout=GET)
+
+
+def accepted(run: Run, worker: str, task_id: str) -> bool:
+    """The worker's parent has seen its pool take the task (``inspect active`` lists it with a pid)."""
+    replies = run.app.control.inspect(destination=[worker], timeout=2).active() or {}
+    return any(r["id"] == task_id and r.get("worker_pid") for active in replies.values() for r in active)
 
 
 def until(predicate: Any, what: str, seconds: float) -> None:
