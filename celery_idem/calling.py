@@ -14,6 +14,7 @@ from typing import Any
 from . import attempts
 from .calls import encode_call, published_options
 from .config import IdempotencyPolicy
+from .endings import IDEMPOTENT, Mode
 from .errors import ConfigurationError, InvalidKeyError, PayloadMismatchError
 from .fingerprint import check_key_args, fingerprint, keyed_identity, validate_scope
 from .outcome import serializer_of
@@ -26,16 +27,17 @@ logger = logging.getLogger("celery_idem.handler")  # the decision log users filt
 
 
 class TaskCalls:
-    """The identity rules of one task under its policy.
+    """The identity rules of one task under its policy and deduplication mode.
 
     Raises:
         ConfigurationError: the task uses pickle without ``accept_pickle``, or its ``key_args`` name
             parameters its function does not have.
     """
 
-    def __init__(self, task: Any, policy: IdempotencyPolicy, *, accept_pickle: bool) -> None:
+    def __init__(self, task: Any, policy: IdempotencyPolicy, *, accept_pickle: bool, mode: Mode = IDEMPOTENT) -> None:
         self.task = task
         self.policy = policy
+        self.mode = mode  # when its records are released and what a duplicate gets (celery_idem.endings)
         self.serializer = serializer_of(task, task.app.conf)
         if self.serializer == "pickle" and not accept_pickle:
             raise ConfigurationError(

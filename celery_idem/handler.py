@@ -4,13 +4,14 @@ IdempotentTask hands both sides of every call here. The producer side is :func:`
 (claim, then publish or hand back the original); this module is the worker side:
 
 Worker (``run``): acquire, then
-    RUN    -> run the body under a heartbeat; complete, fail or release by the owner token
+    RUN    -> run the body under a heartbeat; its ending takes its step (complete, fail, release...)
     REPLAY -> return or raise the stored outcome without running
     BUSY   -> look again until the running attempt settles, then replay it (celery_idem.busy)
     MISMATCH -> PayloadMismatchError, record untouched
 
-How an attempt that ended is written is :mod:`celery_idem.settle`; how a call is identified,
-:mod:`celery_idem.calling`, which the handler extends.
+What a duplicate gets and which step each ending takes are the task's mode's two tables
+(:mod:`celery_idem.endings`); how a step is written is :mod:`celery_idem.settle`; how a call is
+identified, :mod:`celery_idem.calling`, which the handler extends.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from celery import Task as CeleryTask
-from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded
+from celery.exceptions import Reject, Retry, SoftTimeLimitExceeded
 
 from . import attempts, evidence, outage, publish, replacement, timing
 from .busy import BusyWait
 from .calling import TaskCalls, log_decision
+from .endings import Answer
 from .errors import LockLostError, StoreUnavailableError
 from .owners import worker_token
 from .protocol import BYPASS_HEADER, HANDOVER_HEADER, KEY_HEADER, SCOPE_HEADER, request_header
@@ -32,7 +34,6 @@ from .records import Decision, IdempotencyRecord
 from .settle import Settler
 
 if TYPE_CHECKING:
-    from .heartbeat import Lease
     from .runtime import Runtime
 
 __all__ = ["HandledTask", "Handler"]
@@ -51,7 +52,9 @@ class Handler(TaskCalls):
     """Drives one task's calls and messages through the store. One per task, built on first use."""
 
     def __init__(self, idem: Runtime, task: Any) -> None:
-        super().__init__(task, idem.policy_for(task), accept_pickle=idem.settings.accept_pickle)
+        super().__init__(
+            task, idem.policy_for(task), accept_pickle=idem.settings.accept_pickle, mode=idem.mode_for(task)
+        )
         self.idem = idem
         self.settle = Settler(idem, self)
 
@@ -132,15 +135,16 @@ class Handler(TaskCalls):
             log_decision(taken.decision, identity, task_id, record)
             if taken.decision is Decision.RUN:
                 return self._run_owned(record, args, kwargs)
-            if taken.decision is Decision.REPLAY:
+            answer = self.mode.duplicate[taken.decision]  # a duplicate: what its mode gives it
+            if answer is Answer.REPLAY:
                 if (quiet := wait.replayed(record)) is not None:
                     raise quiet
                 self.idem.count("replays")
                 return self.idem.replay(record)
-            if taken.decision is Decision.MISMATCH:
+            if answer is Answer.REFUSE:
                 self.idem.count("mismatches")
                 raise wait.mismatched(record) or self.mismatch(identity, record)
-            wait.busy(record, args, kwargs)  # BUSY: another attempt holds a live lease (celery_idem.busy)
+            wait.busy(record, args, kwargs)  # WAIT: another attempt holds a live lease (celery_idem.busy)
 
     def republish(
         self,
@@ -183,13 +187,13 @@ class Handler(TaskCalls):
             try:
                 value = self._run_function(*args, **kwargs)
             except BaseException as exc:
-                self._settle_exception(record, exc, lease)
+                self.settle.ended(record, exc, lease)
                 raise
             if isinstance(value, Retry):
                 # ``return self.retry(throw=False)``: the retry is sent, so it settles as a raised one.
                 # Eager, Celery's apply runs a returned Retry's retry inline, so it is returned; on a
                 # worker it is raised (state RETRY), where Celery would try to store it as the result.
-                self._settle_exception(record, value, lease)
+                self.settle.ended(record, value, lease)
                 if self.task.request.is_eager:
                     return value
                 raise value
@@ -202,30 +206,6 @@ class Handler(TaskCalls):
             return value
         finally:
             self.idem.heartbeat.remove(lease)
-
-    def _settle_exception(self, record: IdempotencyRecord, exc: BaseException, lease: Lease) -> None:
-        """What an attempt that ended by raising leaves behind (DESIGN §3, "Not failures"):
-
-        Retry                 -> PENDING past its countdown (the retry message is this attempt chain)
-        Ignore from replace() -> the replacement's (handed over, or settled by callbacks: replacement.py)
-        Reject(requeue=True)  -> PENDING when the message really goes back (acks_late), else freed
-        anything else         -> stored (permanent: Reject, Ignore, PermanentError...) or freed,
-                                 unless the ledger holds the call committed (then COMPLETED)
-        """
-        identity, owner, policy = record.identity, record.owner, self.policy
-        if isinstance(exc, Retry):
-            # The retry message inherits this message's expiry: the claim never outlives it.
-            delay = {"countdown": exc.when} if isinstance(exc.when, (int, float)) else {"eta": exc.when}
-            pending = timing.pending_seconds(policy.pending_timeout_seconds, delay, self.task.request.expires)
-            self.settle.give_back(identity, owner, pending_seconds=pending)
-        elif isinstance(exc, Ignore) and (attempt := attempts.current(self.task)) and attempt.replaced:
-            replacement.await_replacement(self, attempt, lease)
-        elif isinstance(exc, Reject) and exc.requeue:
-            requeued = bool(self.task.acks_late)  # an early-acked message is gone: Celery drops it
-            pending = timing.pending_seconds(policy.pending_timeout_seconds, {}, self.task.request.expires)
-            self.settle.give_back(identity, owner, pending_seconds=pending if requeued else None)
-        else:
-            self.settle.settle_failure(identity, owner, exc, record.fingerprint, earlier_attempts=record.attempt > 1)
 
     def _settle_value(self, record: IdempotencyRecord, value: Any) -> None:
         """The body returned: the effect happened. Store the value (an unstorable one is stored as a

@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from .config import IdempotencyPolicy
     from .runtime import Runtime
 
-__all__ = ["await_replacement", "install", "on_replace", "replaced", "replaced_failed", "take_over"]
+__all__ = ["install", "on_replace", "replaced", "replaced_failed", "take_over"]
 
 logger = logging.getLogger("celery_idem.replacement")
 
@@ -225,12 +225,6 @@ def _longest_wait(handler: Handler, sig: Any) -> float:
     return wait(sig)
 
 
-def await_replacement(handler: Handler, attempt: attempts.Attempt, lease: Any) -> None:
-    """The replaced attempt ended (``Ignore``): its record was handed to its replacement's token
-    before the replacement was sent (:func:`on_replace`); no renewal under the old token may follow."""
-    handler.idem.heartbeat.remove(lease)
-
-
 # ---- the replacement -------------------------------------------------------------------------------
 
 
@@ -271,7 +265,7 @@ def _settle(app: Any, task_name: str, scope: str, key: str, owner: str, value: A
         return
     handler, identity = task.idempotency_handler, Identity(scope, task_name, key)
     if exc is not None:
-        handler.settle.settle_failure(identity, owner, exc)
+        handler.settle.settle_failure(identity, owner, exc, step=handler.settle.failure_step(exc))
         return
     with contextlib.suppress(SerializationError):  # stored as the record's permanent failure
         handler.settle.store_value(identity, owner, "(replacement)", value)

@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from .config import IdempotencyPolicy, IdempotencySettings
+from .endings import IDEMPOTENT, Mode
 from .errors import ConfigurationError
 from .fingerprint import keyed_identity
 from .heartbeat import Heartbeat
@@ -166,6 +167,11 @@ class Runtime:
             timeout_seconds=settings.store_timeout_seconds,
             max_result_bytes=settings.max_result_bytes,
         )
+
+    def mode_for(self, task: Any) -> Mode:
+        """The task's deduplication mode: the idempotent one (the only mode today; docs/architecture.md
+        says where the others would be chosen)."""
+        return IDEMPOTENT
 
     def policy_for(self, task: Any) -> IdempotencyPolicy:
         """The task's effective policy: its ``idempotency`` option over the app-wide defaults."""

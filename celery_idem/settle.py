@@ -1,5 +1,6 @@
 """How an attempt's outcome is written: fenced by the attempt's owner token, retried while its lease
-lasts, then handed to the heartbeat thread; and which failures are stored and which free the key.
+lasts, then handed to the heartbeat thread. Which write an ending takes is the task's mode's table
+(:mod:`celery_idem.endings`); this module carries it out.
 
 A write answers True (written), False (LOST: another attempt owns the record) or None (the store
 did not answer while the lease lasted, or the soft time limit struck: the heartbeat thread goes on
@@ -15,17 +16,19 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from celery.exceptions import SoftTimeLimitExceeded
+from celery.exceptions import Retry, SoftTimeLimitExceeded
 
-from . import attempts, evidence
+from . import attempts, evidence, timing
 from .calling import TaskCalls
+from .endings import Ending, Step, ending_of
 from .errors import IdempotencyError, LedgerUnavailableError, SerializationError, StoreUnavailableError
-from .failures import FailureClass, classify_failure
+from .failures import classify_failure
 from .outcome import encode_result
 from .records import ErrorInfo, IdempotencyRecord, Identity, Transition
 from .stores.base import Fence
 
 if TYPE_CHECKING:
+    from .heartbeat import Lease
     from .runtime import Runtime
 
 __all__ = ["Settler"]
@@ -153,9 +156,47 @@ class Settler:
             return False
         return record is not None and record.state.settled and record.owner == owner
 
-    def classify(self, exc: BaseException) -> FailureClass:
-        """``"permanent"`` (stored and replayed) or ``"retryable"`` (released) for an exception."""
-        return classify_failure(exc, self.calls.policy, self._autoretry_for)
+    def permanent(self, exc: BaseException) -> bool:
+        """Whether a failure is final (stored and replayed) rather than retryable (DESIGN §3)."""
+        return classify_failure(exc, self.calls.policy, self._autoretry_for) == "permanent"
+
+    def ended(self, record: IdempotencyRecord, exc: BaseException, lease: Lease | None = None) -> Ending:
+        """Settle an attempt that raised ``exc`` (or returned a Retry) as its mode's table says.
+
+        ``lease`` is the attempt's, renewed by the heartbeat until its record is written or handed on.
+        """
+        task = self.calls.task
+        attempt = attempts.current(task)
+        replaced = attempt is not None and attempt.replaced
+        ending = ending_of(exc, permanent=self.permanent, replaced=replaced, acks_late=bool(task.acks_late))
+        step = self.calls.mode.after[ending]
+        identity, owner = record.identity, record.owner
+        if step is Step.REQUEUE:
+            # The message that carries the call on (a retry inherits this message's expiry, and a
+            # requeued message is this one): the claim never outlives it.
+            delay: dict[str, Any] = {}
+            if isinstance(exc, Retry):
+                delay = {"countdown": exc.when} if isinstance(exc.when, (int, float)) else {"eta": exc.when}
+            pending = timing.pending_seconds(self.calls.policy.pending_timeout_seconds, delay, task.request.expires)
+            self.give_back(identity, owner, pending_seconds=pending)
+        elif step is Step.HAND_OVER:
+            # Handed to the replacement's token before it was sent (replacement.on_replace): no renewal
+            # under the old token may follow.
+            if lease is not None:
+                self.idem.heartbeat.remove(lease)
+        elif step in (Step.FAIL, Step.RELEASE):
+            self.settle_failure(
+                identity, owner, exc, record.fingerprint, step=step, earlier_attempts=record.attempt > 1
+            )
+        else:
+            raise AssertionError(f"an attempt that raised cannot take the {step.value} step ({ending.value})")
+        return ending
+
+    def failure_step(self, exc: BaseException) -> Step:
+        """The step of a failure that reaches no attempt (a replacement's, on its error link): no
+        message of the replaced attempt carries the call on, so anything but ``FAIL`` frees the key."""
+        step = self.calls.mode.after[ending_of(exc, permanent=self.permanent)]
+        return step if step is Step.FAIL else Step.RELEASE
 
     def settle_failure(
         self,
@@ -164,15 +205,15 @@ class Settler:
         exc: BaseException,
         fingerprint: str | None = None,
         *,
+        step: Step,
         earlier_attempts: bool = False,
     ) -> None:
-        """Store a permanent failure, or free the key after a retryable one (``SystemExit`` and
-        any other non-``Exception`` too). Where the ledger holds the call committed, the record is
-        completed with the ledger's value instead, whatever was raised: the ledger wins. The
-        exception still propagates (the task did raise); results read through celery-idem answer
-        with the record.
+        """Store a failure (``Step.FAIL``) or free the key (``Step.RELEASE``). Where the ledger holds
+        the call committed, the record is completed with the ledger's value instead, whatever was
+        raised: the ledger wins. The exception still propagates (the task did raise); results read
+        through celery-idem answer with the record.
         """
-        retryable = not isinstance(exc, Exception) or self.classify(exc) == "retryable"
+        retryable = step is not Step.FAIL
         attempt = attempts.current(self.calls.task)  # None: a callback settles a replaced attempt's record
         # Whether an effect of this identity may stand committed: this attempt called run_once, or
         # an earlier attempt (a retry, a redelivery, a takeover) ran and may have.

@@ -9,7 +9,8 @@ that has celery-idem loaded (the worker also reads it from the properties, where
 
 After a hard kill (SIGKILL, the hard time limit, a terminating revoke) the task's own code never
 runs again: the worker's parent process sends ``task_failure`` (WorkerLostError, TimeLimitExceeded)
-or ``task_revoked``. These hooks release the record then, fenced by the task id (the parent has no
+or ``task_revoked``. These hooks take the step the task's mode gives those endings
+(``endings.Step.RELEASE_STALE``): they release the record, fenced by the task id (the parent has no
 owner token). The store frees only what that delivery may still hold: a PENDING claim, or an
 IN_PROGRESS record past its lease. A live attempt under the same task id (a copy of the task
 running elsewhere, or the task itself) is left: its lease frees the key if it is really dead.
@@ -23,8 +24,8 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from celery import signals
-from celery.exceptions import TimeLimitExceeded, WorkerLostError
 
+from .endings import HARD_KILLS, Ending, Step
 from .errors import IdempotencyError
 from .handler import HandledTask
 from .protocol import KEY_HEADER, OPTION_HEADERS, SCOPE_HEADER, message_header, request_header
@@ -35,7 +36,6 @@ if TYPE_CHECKING:
 __all__ = ["connect", "disconnect"]
 
 logger = logging.getLogger("celery_idem.signals")
-_HARD_KILLS = (WorkerLostError, TimeLimitExceeded)
 _REMEMBERED = 10_000  # headers of in-flight messages kept by the parent, newest first
 
 
@@ -85,17 +85,17 @@ class _Hooks:
         logger.info("celery-idem store %r answers", store)
 
     def failed(self, sender: Any = None, task_id: str | None = None, exception: Any = None, **kw: Any) -> None:
-        if task_id is None or not isinstance(exception, _HARD_KILLS) or not self._ours(sender):
+        if task_id is None or not isinstance(exception, HARD_KILLS) or not self._ours(sender):
             return
         headers = self._request_headers(sender.request)
-        self._release(sender, task_id, kw.get("args"), kw.get("kwargs"), headers, "failure")
+        self._settle(Ending.KILLED, sender, task_id, kw.get("args"), kw.get("kwargs"), headers)
 
     def revoked(self, sender: Any = None, request: Any = None, **_: Any) -> None:
         # sender is the task; request is the revoked message's task Context.
         if request is None or not self._ours(sender):
             return
         headers = self._request_headers(request)
-        self._release(sender, request.id, request.args, request.kwargs, headers, "revoke")
+        self._settle(Ending.REVOKED, sender, request.id, request.args, request.kwargs, headers)
 
     @staticmethod
     def _request_headers(request: Any) -> dict[str, Any]:
@@ -103,12 +103,17 @@ class _Hooks:
         found = {name: request_header(request, name) for name in (KEY_HEADER, SCOPE_HEADER)}
         return {name: value for name, value in found.items() if value is not None}
 
-    def _release(self, task: Any, task_id: str, args: Any, kwargs: Any, headers: Any, why: str) -> None:
+    def _settle(self, ending: Ending, task: Any, task_id: str, args: Any, kwargs: Any, headers: Any) -> None:
+        """Take the step the task's mode gives an ending the parent sees (the attempt's own code is gone)."""
         with self.lock:
             remembered = self.headers.pop(task_id, None)
         headers = {**(headers or {}), **(remembered or {})}
+        why = "failure" if ending is Ending.KILLED else "revoke"
         try:
             handler = task.idempotency_handler
+            step = handler.mode.after[ending]
+            if step is not Step.RELEASE_STALE:  # no mode has another step for a gone attempt yet
+                raise AssertionError(f"the parent cannot take the {step.value} step ({ending.value})")
             key = headers.get(KEY_HEADER)
             fp = handler.fingerprint(args or (), kwargs or {}) if key is None else ""
             identity = handler.identify(key, headers.get(SCOPE_HEADER), fp)

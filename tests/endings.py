@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from celery_idem.endings import Ending as Code
+
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "concepts.md"
 START, END = "<!-- endings-table:start -->", "<!-- endings-table:end -->"
 BROKERS = ("redis", "rabbitmq")
@@ -52,6 +54,7 @@ class Ending:
     act: str | None = None  # what the test does to the call: see test_endings.act
     worker: str = "shared"  # "shared", "warm" (shut down by the test), "spawn" (spawned children), "idle" (none)
     first: bool = False  # submitted before the other cells, while the worker has room
+    takes: tuple[Code, ...] = ()  # the endings in code (celery_idem.endings) its attempts end by
 
 
 VALUE = "deduplicated: the stored value"
@@ -60,7 +63,9 @@ KILLED = Seen("`IN_PROGRESS`", "none", RUNS, "1, then 2")
 REDELIVERED = Seen("`COMPLETED`", "`COMPLETED`", VALUE, "2")
 
 ENDINGS: tuple[Ending, ...] = (
-    Ending("returns a value", "returns", "", same(Seen("`COMPLETED`", "`COMPLETED`", VALUE, "1"))),
+    Ending(
+        "returns a value", "returns", "", same(Seen("`COMPLETED`", "`COMPLETED`", VALUE, "1")), takes=(Code.RETURNED,)
+    ),
     Ending(
         "raises a permanent error (`PermanentError`)",
         "permanent",
@@ -73,12 +78,14 @@ ENDINGS: tuple[Ending, ...] = (
                 "1",
             )
         ),
+        takes=(Code.PERMANENT,),
     ),
     Ending(
         "raises a retryable error, no retry",
         "retryable",
         "a transient error is never frozen as the answer to a key: released, so a new call runs",
         same(Seen("none", "none", RUNS, "1, then 2")),
+        takes=(Code.RETRYABLE,),
     ),
     Ending(
         "`self.retry()`, then returns",
@@ -86,6 +93,7 @@ ENDINGS: tuple[Ending, ...] = (
         "the retry is the same attempt chain: `PENDING` under the same task id meanwhile (lease "
         "`pending_timeout_seconds` + countdown, never past the expiry the retry message inherits + 5 s)",
         same(Seen("`COMPLETED`", "`COMPLETED`", VALUE, "2")),
+        takes=(Code.RETRIED, Code.RETURNED),
     ),
     Ending(
         "`autoretry_for`, a retry left, then returns",
@@ -93,6 +101,7 @@ ENDINGS: tuple[Ending, ...] = (
         "as `self.retry()`",
         same(Seen("`COMPLETED`", "`COMPLETED`", VALUE, "2")),
         args=(1,),
+        takes=(Code.RETRIED, Code.RETURNED),
     ),
     Ending(
         "`autoretry_for`, retries exhausted",
@@ -100,6 +109,7 @@ ENDINGS: tuple[Ending, ...] = (
         "as a retryable error with no retry left",
         same(Seen("none", "none", RUNS, "2, then 3")),
         args=(2,),
+        takes=(Code.RETRIED, Code.RETRYABLE),
     ),
     Ending(
         "`self.replace(sig)`",
@@ -110,6 +120,7 @@ ENDINGS: tuple[Ending, ...] = (
         "its outcome, fenced by the owner token; duplicates get the original task id, whose result is the "
         "replacement's",
         same(Seen("`COMPLETED`", "`COMPLETED`", VALUE, "1 (+ 1 replacement)")),
+        takes=(Code.REPLACED,),
     ),
     Ending(
         "`Reject(requeue=True)`",
@@ -118,6 +129,7 @@ ENDINGS: tuple[Ending, ...] = (
         "already and it is gone, so the key is freed",
         by_ack(REDELIVERED, Seen("none", "none", RUNS, "1, then 2")),
         args=(True,),
+        takes=(Code.REQUEUED, Code.DROPPED),
     ),
     Ending(
         "`Reject(requeue=False)`",
@@ -126,6 +138,7 @@ ENDINGS: tuple[Ending, ...] = (
         "again (say, from a dead-letter queue), `forget` the key first",
         same(Seen("`FAILED` (`Reject`)", "`FAILED` (`Reject`)", "deduplicated: raises `Reject`", "1")),
         args=(False,),
+        takes=(Code.PERMANENT,),
     ),
     Ending(
         "`Ignore`",
@@ -133,6 +146,7 @@ ENDINGS: tuple[Ending, ...] = (
         "ended on purpose without a result: a duplicate message is acknowledged quietly, as the original was; a "
         "caller's `get()` raises `Ignore` instead of waiting for a result that never comes",
         same(Seen("`FAILED` (`Ignore`)", "`FAILED` (`Ignore`)", "deduplicated: raises `Ignore`", "1")),
+        takes=(Code.PERMANENT,),
     ),
     Ending(
         "revoked before it ran",
@@ -141,6 +155,7 @@ ENDINGS: tuple[Ending, ...] = (
         same(Seen("none", "none", RUNS, "0, then 1")),
         act="revoke_first",
         first=True,
+        takes=(Code.REVOKED,),
     ),
     Ending(
         "`expires` passed when the worker received it",
@@ -149,6 +164,7 @@ ENDINGS: tuple[Ending, ...] = (
         same(Seen("none", "none", RUNS, "0, then 1")),
         options=_past,
         first=True,
+        takes=(Code.REVOKED,),
     ),
     Ending(
         "`expires` passed with no worker to take it",
@@ -158,6 +174,7 @@ ENDINGS: tuple[Ending, ...] = (
         same(Seen("`PENDING`", "none", RUNS, "0, then 1")),
         options=_past,
         worker="idle",
+        takes=(),
     ),
     Ending(
         "`revoke(terminate=True)` while it runs (SIGTERM)",
@@ -166,6 +183,7 @@ ENDINGS: tuple[Ending, ...] = (
         "its owner token",
         same(Seen("none", "none", RUNS, "1, then 2")),
         act="terminate",
+        takes=(Code.REVOKED,),
     ),
     Ending(
         '`revoke(terminate=True, signal="SIGKILL")` while it runs',
@@ -173,6 +191,7 @@ ENDINGS: tuple[Ending, ...] = (
         "as a SIGKILL of the child (below)",
         same(KILLED),
         act="terminate_kill",
+        takes=(Code.REVOKED,),
     ),
     Ending(
         "soft time limit",
@@ -180,6 +199,7 @@ ENDINGS: tuple[Ending, ...] = (
         "`SoftTimeLimitExceeded` is raised in the body: an unlisted error, retryable by default",
         same(Seen("none", "none", RUNS, "1, then 2")),
         options=lambda: {"soft_time_limit": 1},
+        takes=(Code.RETRYABLE,),
     ),
     Ending(
         "hard time limit",
@@ -189,6 +209,7 @@ ENDINGS: tuple[Ending, ...] = (
         "reconciler releases it (`TimeLimitExceeded` is retryable)",
         same(Seen("none or `IN_PROGRESS`", "none", RUNS, "1, then 2")),
         options=lambda: {"time_limit": 1},
+        takes=(Code.KILLED,),
     ),
     Ending(
         "SIGKILL of its prefork child",
@@ -199,6 +220,7 @@ ENDINGS: tuple[Ending, ...] = (
         "a redelivery or the next call takes over",
         same(KILLED),
         act="sigkill",
+        takes=(Code.KILLED,),
     ),
     Ending(
         "SIGKILL of its child, `task_reject_on_worker_lost`",
@@ -207,6 +229,7 @@ ENDINGS: tuple[Ending, ...] = (
         "(`busy_wait_seconds`), then runs; without, the message is gone (as above)",
         by_ack(REDELIVERED, KILLED),
         act="sigkill",
+        takes=(Code.KILLED,),
     ),
     Ending(
         "SIGKILL of its child, `task_retry_on_worker_lost`",
@@ -215,6 +238,7 @@ ENDINGS: tuple[Ending, ...] = (
         "then runs",
         same(REDELIVERED),
         act="sigkill",
+        takes=(Code.KILLED, Code.RETURNED),
     ),
     Ending(
         "warm shutdown (SIGTERM to the worker) while it runs",
@@ -224,6 +248,7 @@ ENDINGS: tuple[Ending, ...] = (
         args=(2,),
         act="warm_shutdown",
         worker="warm",
+        takes=(Code.RETURNED,),
     ),
     Ending(
         "returns a value, `spawn` pool",
@@ -231,8 +256,17 @@ ENDINGS: tuple[Ending, ...] = (
         "settings given in code reach spawned children",
         same(Seen("`COMPLETED`", "`COMPLETED`", VALUE, "1")),
         worker="spawn",
+        takes=(Code.RETURNED,),
     ),
-    Ending("SIGKILL of its child, `spawn` pool", "hangs", "as with fork", same(KILLED), act="sigkill", worker="spawn"),
+    Ending(
+        "SIGKILL of its child, `spawn` pool",
+        "hangs",
+        "as with fork",
+        same(KILLED),
+        act="sigkill",
+        worker="spawn",
+        takes=(Code.KILLED,),
+    ),
 )
 
 

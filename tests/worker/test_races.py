@@ -127,7 +127,7 @@ def _no_delays(env: Env) -> Iterator[None]:
 @pytest.mark.parametrize("slow", [False, True], ids=["control", "slow-store"])
 def test_a_celery_retry_message_is_never_dropped_as_a_copy_of_its_running_attempt(env: Env, slow: bool) -> None:
     """self.retry(countdown=0): Celery publishes the retry message BEFORE the Retry reaches
-    _settle_exception, so the retry can be acquired while the record is still IN_PROGRESS under the
+    the handler settles it (Settler.ended), so the retry can be acquired while the record is still IN_PROGRESS under the
     same task id. The handler then treats the retry message as a "copy of a running task id"; when
     the first attempt's release to PENDING lands between the copy's acquire and its
     _still_running() read, the copy raises Ignore quietly (handler.py:405-411, 428-435): the only
@@ -148,7 +148,7 @@ def test_a_celery_retry_message_is_never_dropped_as_a_copy_of_its_running_attemp
 
 @pytest.mark.parametrize("slow", [False, True], ids=["control", "slow-heartbeat"])
 def test_a_late_heartbeat_beat_never_shortens_a_replaced_attempts_lease(env: Env, slow: bool) -> None:
-    """replace(): _settle_exception removes the lease from the heartbeat and renews it to
+    """replace(): Settler.ended (the HAND_OVER step) removes the lease from the heartbeat and renews it to
     pending_timeout + lease (handler.py:494-496, 568-578). A heartbeat renewal already in flight
     (taken from the due list before remove(), heartbeat.py:83-90) lands after it and sets the lease
     back to lease_seconds (renew.lua sets, never extends). Nothing renews it after that, so while the

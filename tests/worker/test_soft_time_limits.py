@@ -66,7 +66,7 @@ def test_a_soft_time_limit_while_the_value_is_stored_never_frees_the_key_for_a_s
 # error with SoftTimeLimitExceeded (retryable) and leaves the record IN_PROGRESS; the reconciler then
 # reads FAILURE(SoftTimeLimitExceeded) from the result backend and frees the key, and the next call
 # runs the body again. 3b01bc8 handled the same strike while a returned VALUE is stored
-# (_defer_value); the failure path (_settle_exception -> settle_failure -> _write(fail)) was not.
+# (_defer_value); the failure path (Settler.ended -> settle_failure -> write(fail)) was not.
 
 
 class Clock:

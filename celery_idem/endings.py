@@ -1,0 +1,126 @@
+"""How an attempt ends, and what each ending does to its record: one table (DESIGN §3).
+
+Every way a task can end is an :class:`Ending`; :func:`ending_of` names the ending an exception
+means, and a :class:`Mode` says, in its ``after`` table, which store transition (a :class:`Step`)
+each ending takes. The handler settles an attempt by looking its ending up here, never by a branch
+of its own, and the signal hooks do the same for the endings only the worker's parent sees. The
+endings matrix (``tests/endings.py``, run through real workers) names the ending of each of its
+rows, and a test holds the two together: a new ending is a row of both.
+
+A mode is where the deduplication modes other than the idempotent one would plug in (unique while
+queued, unique while running, one run per period, the newest call wins): each is a different
+``after`` table (when the record is released) and ``duplicate`` table (what a duplicate gets),
+with the record's lifetime from the task's policy. Only :data:`IDEMPOTENT` exists today; see
+docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from celery.exceptions import Ignore, Reject, Retry, TimeLimitExceeded, WorkerLostError
+
+from .records import Decision
+
+__all__ = ["HARD_KILLS", "IDEMPOTENT", "Answer", "Ending", "Mode", "Step", "ending_of"]
+
+# What the worker's parent reports (task_failure) when the process that ran the body is gone.
+HARD_KILLS: tuple[type[BaseException], ...] = (WorkerLostError, TimeLimitExceeded)
+
+
+class Ending(enum.Enum):
+    """How one attempt ended."""
+
+    RETURNED = "returned"  # the body returned a value: the effect happened
+    RETRIED = "retried"  # Celery's Retry: the retry message carries the call on, under the same id
+    REPLACED = "replaced"  # replace(): the replacement carries the call on
+    REQUEUED = "requeued"  # Reject(requeue=True) with acks_late: the broker keeps the message
+    DROPPED = "dropped"  # Reject(requeue=True) of an early-acked message: Celery drops it
+    PERMANENT = "permanent"  # a final failure (classified so, DESIGN §3)
+    RETRYABLE = "retryable"  # a transient failure, and any BaseException that is not an Exception
+    KILLED = "killed"  # the process that ran the body is gone (seen by the parent: HARD_KILLS)
+    REVOKED = "revoked"  # revoked, before or while it ran (seen by the parent)
+
+
+class Step(enum.Enum):
+    """The store transition an ending takes."""
+
+    COMPLETE = "complete"  # store the value under the owner token
+    FAIL = "fail"  # store the failure under the owner token (the ledger may complete it instead)
+    RELEASE = "release"  # free the key (the ledger may complete it instead)
+    REQUEUE = "requeue"  # back to PENDING for the message that carries the call on
+    HAND_OVER = "hand over"  # keep it for the replacement, which takes it by its token
+    RELEASE_STALE = "release stale"  # by task id: only a PENDING claim or a lease that ran out
+
+
+class Answer(enum.Enum):
+    """What a duplicate delivery gets for the store's decision on its acquire."""
+
+    REPLAY = "replay"  # the stored outcome, without running
+    WAIT = "wait"  # look again until the running attempt settles (celery_idem.busy)
+    REFUSE = "refuse"  # PayloadMismatchError: the key is held by other arguments
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A deduplication mode: when its records are released and what a duplicate gets."""
+
+    name: str
+    after: Mapping[Ending, Step]
+    duplicate: Mapping[Decision, Answer]
+
+    def __post_init__(self) -> None:
+        missing = [e.name for e in Ending if e not in self.after]
+        if missing:
+            raise ValueError(f"mode {self.name!r} says nothing of the endings {', '.join(missing)}")
+
+
+IDEMPOTENT = Mode(
+    "idempotent",
+    after=MappingProxyType(
+        {
+            Ending.RETURNED: Step.COMPLETE,
+            Ending.RETRIED: Step.REQUEUE,
+            Ending.REPLACED: Step.HAND_OVER,
+            Ending.REQUEUED: Step.REQUEUE,
+            Ending.DROPPED: Step.RELEASE,
+            Ending.PERMANENT: Step.FAIL,
+            Ending.RETRYABLE: Step.RELEASE,
+            Ending.KILLED: Step.RELEASE_STALE,
+            Ending.REVOKED: Step.RELEASE_STALE,
+        }
+    ),
+    duplicate=MappingProxyType(
+        {Decision.REPLAY: Answer.REPLAY, Decision.BUSY: Answer.WAIT, Decision.MISMATCH: Answer.REFUSE}
+    ),
+)
+
+
+def ending_of(
+    exc: BaseException,
+    *,
+    permanent: Callable[[BaseException], bool],
+    replaced: bool = False,
+    acks_late: bool = False,
+) -> Ending:
+    """The ending an exception raised (or a Retry returned) by an attempt means. ``KILLED`` and
+    ``REVOKED`` are never an attempt's own: only the worker's parent sees them (celery_idem.signals).
+
+    Args:
+        exc: What the attempt raised.
+        permanent: The task's failure classification (``settle.Settler.permanent``).
+        replaced: The attempt called ``replace()`` (its ``Ignore`` is the handover).
+        acks_late: The message is acknowledged after the task (a requeue really goes back).
+    """
+    if isinstance(exc, Retry):
+        return Ending.RETRIED
+    if isinstance(exc, Ignore) and replaced:
+        return Ending.REPLACED
+    if isinstance(exc, Reject) and exc.requeue:
+        return Ending.REQUEUED if acks_late else Ending.DROPPED
+    if isinstance(exc, Exception) and permanent(exc):
+        return Ending.PERMANENT
+    return Ending.RETRYABLE
