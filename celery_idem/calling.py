@@ -16,7 +16,8 @@ from .calls import encode_call, published_options
 from .config import IdempotencyPolicy
 from .endings import IDEMPOTENT, Mode
 from .errors import ConfigurationError, InvalidKeyError, PayloadMismatchError
-from .fingerprint import check_key_args, fingerprint, keyed_identity, validate_scope
+from .fingerprint import check_key_args, fingerprint
+from .keys import keyed_identity, validate_scope
 from .outcome import serializer_of
 from .pydantic_sets import parameter_shapes
 from .records import Decision, IdempotencyRecord, Identity

@@ -1,4 +1,5 @@
-"""Identity rules: what makes a key valid and two calls the same call (DESIGN §2).
+"""Identity rules: what makes two calls the same call (DESIGN §2); what makes a key valid is
+:mod:`celery_idem.keys`.
 
 The fingerprint is the SHA-256 of the canonical JSON of the call's arguments *as the worker will
 receive them*: positional and keyword arguments bound to the task's signature with defaults
@@ -29,9 +30,8 @@ from typing import Any
 from kombu import serialization
 from pydantic import BaseModel
 
-from .errors import ConfigurationError, InvalidKeyError, SerializationError
+from .errors import ConfigurationError, SerializationError
 from .pydantic_sets import Shape, Unordered, model_shape, unordered
-from .records import Identity
 
 # kombu ships no annotations: name the two calls used here with their real shapes.
 kombu_dumps: Callable[..., tuple[str, str, Any]] = serialization.dumps
@@ -42,51 +42,7 @@ __all__ = [
     "canonical_json",
     "check_key_args",
     "fingerprint",
-    "keyed_identity",
-    "validate_key",
-    "validate_scope",
 ]
-
-MAX_KEY_LENGTH = 255
-_RULE = f"1-{MAX_KEY_LENGTH} printable characters without whitespace"
-
-
-def validate_key(value: object, *, what: str = "idempotency key") -> str:
-    """Return ``value`` if it is a valid key, else raise :class:`InvalidKeyError` naming the rule.
-
-    Raises:
-        InvalidKeyError: not a str, empty, longer than 255 characters, or holding whitespace or a
-            non-printable character.
-    """
-    # Fast path: str.isprintable() is False for every separator but the ASCII space, so this is the
-    # whole rule at C speed; the loop below only runs to say what is wrong.
-    if type(value) is str and 0 < len(value) <= MAX_KEY_LENGTH and value.isprintable() and " " not in value:
-        return value
-    if not isinstance(value, str):
-        raise InvalidKeyError(f"{what} must be a str of {_RULE}; got {type(value).__name__}")
-    if not value:
-        raise InvalidKeyError(f"{what} must be {_RULE}; got an empty string")
-    if len(value) > MAX_KEY_LENGTH:
-        raise InvalidKeyError(f"{what} must be {_RULE}; got {len(value)} characters")
-    for position, char in enumerate(value):
-        if char.isspace():
-            raise InvalidKeyError(f"{what} must be {_RULE}; got whitespace {char!r} at position {position}")
-        if not char.isprintable():
-            raise InvalidKeyError(
-                f"{what} must be {_RULE}; got non-printable character U+{ord(char):04X} at position {position}"
-            )
-    return value
-
-
-def validate_scope(value: object) -> str:
-    """Validate an ``idempotency_scope``; ``None`` means unscoped and is stored as ``""``."""
-    return "" if value is None else validate_key(value, what="idempotency scope")
-
-
-def keyed_identity(task_name: str, key: object, scope: object) -> Identity:
-    """The identity of a call given a key: the one way a caller's key and scope become an Identity
-    (a call without a key is keyed by its fingerprint: :meth:`celery_idem.calling.TaskCalls.identify`)."""
-    return Identity(validate_scope(scope), task_name, validate_key(key))
 
 
 @functools.lru_cache(maxsize=2048)

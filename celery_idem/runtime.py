@@ -21,8 +21,8 @@ from pydantic import ValidationError
 from .config import IdempotencyPolicy, IdempotencySettings
 from .endings import IDEMPOTENT, Mode
 from .errors import ConfigurationError
-from .fingerprint import keyed_identity
 from .heartbeat import Heartbeat
+from .keys import keyed_identity
 from .outcome import accepted_content_types, replay
 from .records import IdempotencyRecord, Identity, State
 from .stores import Store, store_from_url

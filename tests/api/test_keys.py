@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from celery_idem.errors import IdempotencyError, InvalidKeyError
-from celery_idem.fingerprint import validate_key, validate_scope
+from celery_idem.keys import validate_key, validate_scope
 
 RULE = "1-255 printable characters without whitespace"
 

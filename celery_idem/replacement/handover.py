@@ -1,31 +1,6 @@
-"""``self.replace()``: the replacement inherits the replaced task's id, and what becomes of its record.
-
-Celery's replace publishes the replacement under the replaced task's own id and ends the replaced
-attempt with ``Ignore`` (DESIGN, "Not failures"). Before anything is published, the replaced attempt
-hands its IN_PROGRESS record to a fresh token (``Store.hand_over``, fenced by its owner token),
-leased for as long as the replacement may take (:func:`_longest_wait`). The token names no worker
-process: a duplicate that meets the record knows that nothing runs it yet (a message waits in a
-queue), and waits for it through the broker instead of in a worker slot the replacement may need.
-Then one of two things settles it:
-
-- **Its own call** (the same task and identity, any arguments: ``self.replace(self.s(x).set(
-  queue="heavy"))``, a poll that replaces itself with a countdown or one try later, or the last step
-  of a chain): the replacement's message carries the token in the header ``idempotency_handover``
-  and, before it acquires, takes the record under its own owner token (``hand_over`` again, fenced
-  by the token) and runs at once. The store compares the token, so a forged header is worth nothing
-  for the take, and one message only takes it: a copy of the replaced message (no token) or a second
-  copy of the replacement (its token is spent) acquires as any copy of the attempt chain does.
-- **Anything else** (another task, a group, a chain that ends elsewhere): two callbacks linked to
-  the replacement's end settle the record with its outcome, fenced by the token:
-  ``celery_idem.replaced`` (link) stores its value; ``celery_idem.replaced_failed`` (link_error,
-  a ``(request, exc, traceback)`` errback that Celery calls in the failing worker) stores the
-  failure when the replaced task's policy classes it permanent, else frees the key.
-
-If the store cannot take the handover (an outage), nothing is published and the replaced message
-is kept (back to the broker, as any message facing an outage); so is it when the replacement's own
-claim fails closed. Should neither happen (the replacement revoked or lost), the lease runs out and the reconciler
-settles the record from the result backend under the same id.
-"""
+"""The replaced attempt hands its record over before anything is published (:func:`on_replace`),
+and its replacement by its own call takes it back under its own token (:func:`take_over`); the
+package docstring (:mod:`celery_idem.replacement`) tells the whole story."""
 
 from __future__ import annotations
 
@@ -34,14 +9,13 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from celery import Task, current_task
 from celery.canvas import Signature, _chain, chord, group
 from celery.exceptions import Ignore
 
-from . import attempts, outage, timing
-from .errors import IdempotencyError, LockLostError, SerializationError, StoreUnavailableError
-from .owners import worker_token
-from .protocol import (
+from .. import attempts, outage, timing
+from ..errors import IdempotencyError, LockLostError, StoreUnavailableError
+from ..owners import worker_token
+from ..protocol import (
     BYPASS_HEADER,
     HANDOVER_HEADER,
     KEY_HEADER,
@@ -50,14 +24,14 @@ from .protocol import (
     SCOPE_HEADER,
     request_header,
 )
-from .records import Decision, Identity, Transition
-from .settle import Settler
+from ..records import Decision, Identity, Transition
+from ..settle import Settler
 
 if TYPE_CHECKING:
-    from .config import IdempotencyPolicy
-    from .runtime import Runtime
+    from ..config import IdempotencyPolicy
+    from ..runtime import Runtime
 
-__all__ = ["install", "on_replace", "replaced", "replaced_failed", "take_over"]
+__all__ = ["Handler", "on_replace", "take_over"]
 
 logger = logging.getLogger("celery_idem.replacement")
 
@@ -254,52 +228,3 @@ def take_over(handler: Handler, identity: Identity, owner: str) -> Transition | 
         return None  # forgotten or taken since, by an operator: acquire as any message
     logger.info("replacement %s took %s over from the attempt it replaced", request.id, identity)
     return Transition(Decision.RUN, record)
-
-
-# ---- the callbacks of a replacement by another call ----------------------------------------------
-
-
-def _settle(app: Any, task_name: str, scope: str, key: str, owner: str, value: Any = None, exc: Any = None) -> None:
-    task = app.tasks.get(task_name)
-    if task is None or not hasattr(task, "idempotency_handler"):
-        return
-    handler, identity = task.idempotency_handler, Identity(scope, task_name, key)
-    if exc is not None:
-        handler.settle.settle_failure(identity, owner, exc, step=handler.settle.failure_step(exc))
-        return
-    with contextlib.suppress(SerializationError):  # stored as the record's permanent failure
-        handler.settle.store_value(identity, owner, "(replacement)", value)
-
-
-def replaced(self: Any, value: Any, *, task_name: str, scope: str, key: str, owner: str) -> None:
-    """Link of the replacement: it returned, so the replaced task's record completes with its value."""
-    _settle(self.app, task_name, scope, key, owner, value=value)
-
-
-def replaced_failed(
-    request: Any, exc: Any, traceback: Any, *, task_name: str, scope: str, key: str, owner: str
-) -> None:
-    """Error link of the replacement: the replaced task's record takes its failure (classed as usual).
-
-    Not bound: Celery calls an errback whose signature it reads as ``(request, exc, traceback)`` in
-    the failing worker, and sends any other (a bound task's) as a new message with the task id only.
-    Never raises: an errback's error would run the failing task's error handling again.
-    """
-    if not isinstance(exc, BaseException):  # else the reconciler settles it from the result backend
-        return
-    try:
-        _settle(current_task.app, task_name, scope, key, owner, exc=exc)
-    except Exception:  # noqa: BLE001 - the lease runs out and the reconciler settles it
-        logger.exception("could not settle the record of %s key %r after its replacement failed", task_name, key)
-
-
-def install(idem: Runtime) -> None:
-    """Register the two callbacks on the app (every worker of the app then knows them).
-
-    Module-level functions, so installing a second extension on the app registers the same callables
-    again instead of new ones under the same names. Plain Tasks whatever the app's task_cls: an
-    idempotent callback would be deduplicated by its arguments.
-    """
-    app = idem.app
-    app.task(name=REPLACED_TASK, base=Task, bind=True, shared=False, ignore_result=True)(replaced)
-    app.task(name=REPLACED_FAILED_TASK, base=Task, shared=False, ignore_result=True)(replaced_failed)
