@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import threading
 import time
@@ -95,6 +96,7 @@ class Heartbeat:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
+        self._wakes_at = -math.inf  # when the waiting thread wakes by itself; -inf while it is awake
         self._pid = 0
         self._stopping = False
         self._on_error = on_error
@@ -111,6 +113,7 @@ class Heartbeat:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._thread = None
+        self._wakes_at = -math.inf
         self._liveness = None  # a child is a process of its own, with a record of its own
 
     @property
@@ -128,7 +131,7 @@ class Heartbeat:
         with self._lock:
             self._store = store
             self._leases.add(lease)
-            self._start()
+            self._start(lease.due)
         return lease
 
     def defer(
@@ -139,7 +142,7 @@ class Heartbeat:
         settlement = Settlement(identity, write, landed, until=now + seconds, due=now + SETTLE_RETRY_SECONDS)
         with self._lock:
             self._settlements.add(settlement)
-            self._start()
+            self._start(settlement.due)
         return settlement
 
     def flush(self, timeout_seconds: float = FLUSH_SECONDS) -> int:
@@ -175,8 +178,9 @@ class Heartbeat:
         with self._lock:
             return len(self._settlements)
 
-    def _start(self) -> None:
-        """With the lock held: (re)start this process's thread if it is not running, and wake it."""
+    def _start(self, due: float) -> None:
+        """With the lock held: (re)start this process's thread if it is not running, and wake it if it
+        sleeps past ``due``. A task that ends before its first renewal does not wake it at all."""
         self._stopping = False
         if not self.running:
             if self._thread is not None and self._pid == os.getpid():
@@ -184,7 +188,8 @@ class Heartbeat:
             self._pid = os.getpid()
             self._thread = threading.Thread(target=self._run, name="celery-idem-heartbeat", daemon=True)
             self._thread.start()
-        self._wake.notify()
+        if due < self._wakes_at:
+            self._wake.notify()
 
     def remove(self, lease: Lease) -> None:
         with self._lock:
@@ -247,7 +252,10 @@ class Heartbeat:
                     now = self._clock()
                     upcoming = [lease.due for lease in self._leases] + [item.due for item in self._settlements]
                     upcoming += [self._liveness.due] if self._liveness is not None and self._store is not None else []
-                    self._wake.wait(timeout=max(min(upcoming, default=now + 60) - now, 0.01))
+                    wakes_at = max(min(upcoming, default=now + 60), now + 0.01)
+                    self._wakes_at = wakes_at
+                    self._wake.wait(timeout=wakes_at - now)
+                    self._wakes_at = -math.inf
             except Exception:  # noqa: BLE001 - the loop outlives any one bad iteration
                 logger.exception("heartbeat iteration failed; renewals go on")
                 time.sleep(0.1)

@@ -77,7 +77,7 @@ def assert_still_held(store: Store, identity: Identity, start: float, clock: Fak
 class Manual(Heartbeat):
     """A heartbeat without a thread: the test calls :meth:`Heartbeat.tick` at the times it chooses."""
 
-    def _start(self) -> None:
+    def _start(self, due: float) -> None:
         pass
 
 
@@ -389,3 +389,36 @@ def test_child_does_not_run_the_parents_deferred_write(tmp_path) -> None:
     marker = tmp_path / "child-wrote"
     subprocess.run([sys.executable, "-c", SCRIPT, str(marker)], check=True, timeout=30)
     assert not marker.exists(), f"child {marker.read_text()} wrote the parent's deferred outcome"
+
+
+class CountedWake(threading.Condition):
+    """The heartbeat's wake-up, counting how often a registration woke the thread."""
+
+    notified = 0
+
+    def notify(self, n: int = 1) -> None:
+        CountedWake.notified += 1
+        super().notify(n)
+
+
+def test_short_tasks_in_a_row_do_not_wake_the_thread_each() -> None:
+    """A task that ends before its lease's first renewal needs nothing of the thread: only a lease due
+    before the thread's own wake-up wakes it, never one per task."""
+    store = MemoryStore()
+    heartbeat = Heartbeat()
+    heartbeat._wake = CountedWake(heartbeat._lock)
+    CountedWake.notified = 0
+    try:
+        first = heartbeat.add(store, *running(store), 30.0)
+        time.sleep(0.2)  # the thread is up and sleeps until the first lease is due
+        woken = CountedWake.notified
+        for _ in range(50):
+            heartbeat.remove(heartbeat.add(store, *running(store), 30.0))
+        assert CountedWake.notified == woken, f"woken {CountedWake.notified - woken} times by 50 short tasks"
+        # A lease due before the thread wakes by itself still wakes it at once.
+        soon = heartbeat.add(store, *running(store), 0.3)
+        assert CountedWake.notified == woken + 1
+        heartbeat.remove(soon)
+        heartbeat.remove(first)
+    finally:
+        heartbeat.stop()
