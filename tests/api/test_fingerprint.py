@@ -730,3 +730,41 @@ def test_the_same_pydantic_call_from_producers_with_other_hash_seeds_runs_once_o
     finally:
         counter.delete(effects)
         wipe(Idempotency.of(app).store)
+
+
+# ---- plain JSON takes a short way to the same fingerprint ----------------------------------------
+
+plain_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.tuples(inner, inner)
+        | st.dictionaries(st.text(max_size=4).filter(lambda k: k != "__type__"), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+def long_way(args: list[Any], kwargs: dict[str, Any], serializer: str = "json") -> str:
+    """The fingerprint as every call took it before the short way: round trip, normalise, hash."""
+    from celery_idem.fingerprint import _round_trip, canonical_json
+
+    received = _round_trip({"args": list(args), "kwargs": dict(kwargs)}, serializer)
+    return hashlib.sha256(canonical_json(received).encode("utf-8")).hexdigest()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(plain_values, max_size=4), st.dictionaries(st.text(max_size=4), plain_values, max_size=4))
+def test_a_plain_json_call_has_the_fingerprint_of_the_long_way(args: list[Any], kwargs: dict[str, Any]) -> None:
+    # NUL-opened keys (tagged by the long way) are drawn too: they must take the long way themselves.
+    kwargs = {k: v for k, v in kwargs.items() if k != "__type__"}
+    assert fingerprint(charge, args, kwargs, bind=False) == long_way(args, kwargs)
+
+
+def test_a_dict_kombu_would_decode_into_an_object_takes_the_long_way() -> None:
+    # {"__type__", "__value__"} reaches the worker as the object kombu's json decodes it into.
+    stamp = {"__type__": "datetime", "__value__": "2026-11-26T12:00:00"}
+    assert fingerprint(charge, [stamp], {}, bind=False) == long_way([stamp], {})
+    assert fingerprint(charge, [stamp], {}, bind=False) == fingerprint(
+        charge, [datetime.datetime(2026, 11, 26, 12)], {}, bind=False
+    )
