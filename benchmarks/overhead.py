@@ -1255,8 +1255,9 @@ def _run(
     verdict_lines = verdicts(reports, args.dup_calls, args.dup_sets, summary)
     for line in verdict_lines:
         print(line)
-    print()
-    print(detail_table(ordered))
+    if phases - {"throughput"}:
+        print()
+        print(detail_table(ordered))
     packages = ", ".join(f"{name} {version}" for name, version in versions(*PEERS).items())
     where = "private redis-server" if servers.private else "external Redis server, shared"
     store = "celery-idem store: PostgreSQL" if servers.table else "celery-idem store: Redis"
