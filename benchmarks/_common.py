@@ -19,7 +19,10 @@ import json
 import math
 import os
 import platform
+import shutil
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -436,6 +439,130 @@ def account(store: Store, n: int, tag: str, wire: RedisWire | SQLWire | InProces
         with wire.counting() as tallies[transition]:
             run_all(n, op, f"{type(store).__name__} {transition}")
     return tallies
+
+
+# ---- a private redis-server, and CPU time of processes -------------------------------------------
+
+
+class PrivateRedis:
+    """A redis-server of the run's own on a free loopback port: no persistence (``--save ""
+    --appendonly no``), its files in a temporary directory, stopped by :meth:`stop`. Its CPU time is
+    then this run's alone, and its memory holds only what the run wrote.
+    """
+
+    def __init__(self, binary: str | None = None) -> None:
+        found = binary or shutil.which("redis-server")
+        if found is None:
+            raise RuntimeError("redis-server is not installed")
+        self.dir = tempfile.TemporaryDirectory(prefix="celery-idem-bench-redis-")
+        with socket.socket() as probe:  # the kernel's pick; redis-server binds it a moment later
+            probe.bind(("127.0.0.1", 0))
+            self.port = int(probe.getsockname()[1])
+        self.command = [found, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        self.command += ["--dir", self.dir.name, "--logfile", "redis.log"]
+        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.pid = self.process.pid
+        self.url = f"redis://127.0.0.1:{self.port}"
+        import redis
+
+        client = redis.Redis(port=self.port)
+        deadline = time.monotonic() + 20
+        try:
+            while True:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"redis-server exited with {self.process.returncode}: {self.log()}")
+                try:
+                    client.ping()
+                    break
+                except redis.ConnectionError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+        finally:
+            client.close()
+
+    def log(self) -> str:
+        path = os.path.join(self.dir.name, "redis.log")
+        return open(path).read()[-2000:] if os.path.exists(path) else ""
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        self.dir.cleanup()
+
+
+def redis_cpu_seconds(client: Any) -> float:
+    """The Redis server's user + system CPU seconds (``INFO cpu``: getrusage of the whole server
+    process, microsecond resolution). Server-wide: on a shared server, other clients' work too."""
+    info = client.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (field 3, the state, first); None if
+    the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            text = handle.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return text[text.rindex(")") + 2 :].split()
+
+
+def process_cpu_seconds(pid: int, *, reaped_children: bool = False) -> float | None:
+    """user + system CPU seconds of a process (all its threads, alive or ended: /proc/<pid>/stat
+    utime + stime, in clock ticks, 10 ms at USER_HZ 100); with ``reaped_children``, plus cutime +
+    cstime: its children (and theirs) that ended and were waited for. None if it is gone."""
+    fields = _proc_stat(pid)
+    if fields is None:
+        return None
+    utime, stime, cutime, cstime = (int(x) for x in fields[11:15])
+    return (utime + stime + ((cutime + cstime) if reaped_children else 0)) / CLOCK_TICKS
+
+
+def descendants(pid: int) -> list[int]:
+    """The live processes below ``pid`` (children, theirs, ...), from the parent ids in /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _proc_stat(int(entry))
+            if fields is not None:
+                children.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+@dataclass
+class TreeCPU:
+    """CPU seconds of a process tree at one moment, and the processes it was summed over."""
+
+    seconds: float
+    pids: tuple[int, ...]
+
+
+def tree_cpu(root: int) -> TreeCPU:
+    """user + system CPU seconds of ``root`` and every live descendant, each with its ended children
+    that were waited for (cutime + cstime). A pool child that ends and is reaped between two readings
+    moves from its own count into its parent's cutime, so the difference of two readings loses
+    nothing (unless a process ends and is never waited for by a process of the tree)."""
+    pids = (root, *descendants(root))
+    total = 0.0
+    for pid in pids:
+        seconds = process_cpu_seconds(pid, reaped_children=True)
+        total += seconds or 0.0
+    return TreeCPU(total, pids)
 
 
 # ---- the machine, and JSON ------------------------------------------------------------------------

@@ -4,15 +4,20 @@ celery-singleton, on one broker, result backend and worker.
 
 Run from the repository root::
 
-    python benchmarks/overhead.py [--tasks N] [--json out.json]
+    python benchmarks/overhead.py [--tasks N] [--rounds R] [--store redis|postgresql] [--json out.json]
+    python benchmarks/overhead.py --smoke          # every phase, small: under a minute
 
-It starts one ``celery -A overhead_app worker -P prefork -c 2`` subprocess (the app is
-``benchmarks/overhead_app.py``: one no-op task and one counting task per variant, all on the same
-queue) and measures, per variant:
+It starts a private ``redis-server`` on a free port (broker, result backend and the Redis stores;
+``--redis-url`` uses an external server instead) and one ``celery -A overhead_app worker -P
+prefork -c 2`` subprocess (the app is ``benchmarks/overhead_app.py``: one no-op task and one
+counting task per variant, all on the same queue), and measures, per variant:
 
-- end-to-end throughput: N no-op tasks with distinct arguments, published in interleaved rounds
-  (every round runs every variant once, in a rotated order); wall time from the first publish to
-  the last result the worker stored (the latest ``date_done``);
+- end-to-end throughput and CPU per task: N no-op tasks with distinct arguments, published in
+  interleaved rounds (every round runs every variant once, in a rotated order); wall time from the
+  first publish to the last result the worker stored (the latest ``date_done``); CPU time of the
+  producer's publish loop, of the worker's process tree, of the redis-server and (``--store
+  postgresql``) of the PostgreSQL backends serving the store, each per task and as a ratio to plain
+  Celery in the same round;
 - ``apply_async`` latency of a new call and of a duplicate call (same key/arguments as an earlier
   call), with the originals parked on a queue no worker consumes, so that they stay in flight;
 - store round trips per task: the top-level commands each variant's store database receives
@@ -21,9 +26,9 @@ queue) and measures, per variant:
 - executions in a duplicate-heavy workload: 2000 calls over 50 argument sets from 4 threads,
   counted by an INCR in the task body.
 
-It uses Redis databases 6-11 of ``CELERY_IDEM_BENCH_REDIS`` (default ``redis://127.0.0.1:6379``):
-6-9 are its own and flushed before and after the run; in the broker (10) and result backend (11)
-databases, which other clients may share, it deletes only the keys it wrote. See benchmarks/README.md.
+It uses Redis databases 6-11: 6-9 are its own and flushed before and after the run; in the broker
+(10) and result backend (11) databases, which other clients of an external server may share, it
+deletes only the keys it wrote. See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import itertools
 import os
 import platform
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -49,36 +55,102 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import overhead_app as bench  # the app module lives beside this script, on sys.path as the script's folder
 import redis
 from _common import (
+    CLOCK_TICKS,
+    POSTGRES_URL,
     Latency,
     Machine,
+    PrivateRedis,
     choice_list,
     commandstats,
     log,
+    process_cpu_seconds,
+    redis_cpu_seconds,
     rotated,
     slice_of,
     time_each,
+    tree_cpu,
     versions,
     write_json,
 )
 
 HERE = Path(__file__).resolve().parent
-
-LABELS = {
-    "plain": "plain Celery (`@app.task`)",
-    "idem": "IdempotentTask, `idempotency_key`",
-    "idem_keyless": "IdempotentTask, key-less (argument fingerprint)",
-    "once": "celery-once `QueueOnce`",
-    "singleton": "celery-singleton `Singleton`",
-}
+# overhead_app (beside this script, on sys.path as the script's folder) reads its servers from the
+# environment when it is imported: main() chooses them, sets the environment, then imports it.
+bench: Any = None
 PEERS = ("celery_once", "celery-singleton")  # their versions go in the report
 THROUGHPUT_TARGET = 0.9  # IdempotentTask tasks/s >= 90% of plain Celery's
 RESULT_TIMEOUT = 120.0
 POLL_SECONDS = 0.005
 SETTLE_SECONDS = 0.3  # peers release their locks just after the result is stored
 WORKER_START_TIMEOUT = 60.0
+IDLE_SECONDS = 2.0  # the idle CPU reading after the warm-up
+
+
+CPU_PARTS = ("producer", "worker", "redis", "postgres")
+CPU_PART_LABELS = {
+    "producer": "producer",
+    "worker": "worker",
+    "redis": "redis-server",
+    "postgres": "PostgreSQL backends",
+}
+
+
+@dataclass
+class CpuReading:
+    """CPU seconds, at one moment, of what serves a batch (see :class:`CpuMeter`)."""
+
+    producer_process: float  # the whole benchmark process: publishing, waiting, polling
+    worker: float
+    worker_pids: tuple[int, ...]
+    redis: float
+    postgres: float | None = None
+    postgres_pids: tuple[int, ...] = ()
+
+
+@dataclass
+class CpuRound:
+    """What one variant's batch of one throughput round cost, in CPU seconds."""
+
+    tasks: int
+    seconds: float  # the batch's wall time: first publish to last date_done
+    producer: float  # the publish loop of the benchmark process (apply_async and its loop)
+    producer_process: float  # the benchmark process over the whole window, waiting and polling included
+    worker: float  # the worker's parent and pool children
+    redis: float  # the redis-server (broker, result backend, Redis stores)
+    postgres: float | None = None  # the PostgreSQL backends of the store's connections (--store postgresql)
+    worker_pids_changed: bool = False  # a pool child was replaced during the batch (its CPU is kept: cutime)
+    postgres_backends: int = 0  # the store's connections' backends at the end of the batch
+    postgres_backends_ended: int = 0  # backends that were gone at the end: their CPU since the start is lost
+
+    @classmethod
+    def between(cls, before: CpuReading, after: CpuReading, *, tasks: int, seconds: float, producer: float) -> CpuRound:
+        postgres = None
+        if before.postgres is not None and after.postgres is not None:
+            postgres = after.postgres - before.postgres
+        return cls(
+            tasks=tasks,
+            seconds=seconds,
+            producer=producer,
+            producer_process=after.producer_process - before.producer_process,
+            worker=after.worker - before.worker,
+            redis=after.redis - before.redis,
+            postgres=postgres,
+            worker_pids_changed=before.worker_pids != after.worker_pids,
+            postgres_backends=len(after.postgres_pids),
+            postgres_backends_ended=len(set(before.postgres_pids) - set(after.postgres_pids)),
+        )
+
+    def part(self, name: str) -> float:
+        """CPU seconds of one part; ``total``: the parts summed (the producer's publish loop only)."""
+        if name == "total":
+            return sum(self.part(p) for p in CPU_PARTS)
+        value = getattr(self, name)
+        return 0.0 if value is None else float(value)
+
+    def us_per_task(self, name: str) -> float:
+        return self.part(name) / self.tasks * 1e6
 
 
 @dataclass
@@ -100,6 +172,7 @@ class VariantReport:
     dup_calls: int = 0
     dup_published: int = 0
     dup_seconds: float = 0.0
+    cpu_rounds: list[CpuRound] = field(default_factory=list)
 
 
 # ---- publishing -----------------------------------------------------------------------------------
@@ -113,10 +186,11 @@ class Caller:
 
     def __init__(self, variant: str, *, counting: bool = False) -> None:
         self.variant = variant
+        self.spec = bench.BY_NAME[variant]
         self.task = bench.TASKS[variant][1 if counting else 0]
-        self.keyed = variant == "idem"
+        self.keyed = self.spec.keyed
         self.refusal: tuple[type[BaseException], ...] = ()  # what the library raises for a duplicate
-        if variant == "once":
+        if self.spec.library == "once":
             from celery_once import AlreadyQueued
 
             self.refusal = (AlreadyQueued,)
@@ -173,6 +247,23 @@ def wait_for(app: Any, task_ids: Iterable[str], timeout: float = RESULT_TIMEOUT)
     return latest
 
 
+def finish(app: Any, variant: str, task_ids: Iterable[str]) -> float:
+    """Wait until a batch has run; returns the latest ``date_done`` of its results and the sentinel's.
+
+    A plain sentinel task with a result is published after the batch, to the same queue: the
+    worker takes messages in order, so once the sentinel's result is stored every task of the batch
+    has run or is running in the other pool child. Polling its one key (not the whole batch's) keeps
+    the waiting cheap for the producer and the server; then the batch's own results are read (a
+    variant with ``ignore_result=True`` has none: the sentinel is its end). Every variant's batch
+    gets a sentinel, so each carries the same one extra plain task.
+    """
+    mark = bench.sentinel.apply_async()
+    PUBLISHED.append(mark.id)
+    wait_for(app, [mark.id])
+    ids = list(task_ids) if bench.BY_NAME[variant].stores_result else []
+    return wait_for(app, [*ids, mark.id])
+
+
 def drain_result_channel(app: Any) -> int:
     """Read what Celery's Redis result consumer was sent on its pub/sub connection.
 
@@ -218,6 +309,8 @@ class Worker:
 
     def __init__(self, logdir: str) -> None:
         self.log_path = Path(logdir) / "worker.log"
+        # No --max-tasks-per-child: the two pool children live through the run, so the CPU readings
+        # between batches see the same processes (a replaced child's time is kept anyway: cutime).
         pool = "-P prefork -c 2 --without-gossip --without-mingle --without-heartbeat".split()
         name = f"overhead-{uuid.uuid4().hex[:6]}@%h"
         self.command = [sys.executable, "-m", "celery", "-A", "overhead_app", "worker", *pool]
@@ -259,6 +352,77 @@ class Worker:
             self.process.wait(timeout=10)
 
 
+# ---- CPU time ------------------------------------------------------------------------------------
+
+
+class PgBackends:
+    """The PostgreSQL server processes behind the store's connections: every connection the run's
+    store opens (producer and pool children) carries the run's ``application_name``, and
+    ``pg_stat_activity`` gives their backend pids, whose CPU time /proc has (the server runs on this
+    machine). A backend that ends between two readings takes its CPU time with it: counted as ended.
+    """
+
+    def __init__(self, url: str, application_name: str) -> None:
+        import psycopg
+        import sqlalchemy as sa
+
+        plain = sa.engine.make_url(url).set(drivername="postgresql", query={})
+        self.connection = psycopg.connect(plain.render_as_string(hide_password=False), autocommit=True)
+        self.application_name = application_name
+        row = self.connection.execute("SELECT pg_backend_pid()").fetchone()
+        assert row is not None
+        self.local = process_cpu_seconds(int(row[0])) is not None  # its own backend is visible in /proc
+
+    def read(self) -> tuple[float, tuple[int, ...]]:
+        rows = self.connection.execute(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = %s", (self.application_name,)
+        ).fetchall()
+        pids = tuple(sorted(int(pid) for (pid,) in rows))
+        return sum(process_cpu_seconds(pid) or 0.0 for pid in pids), pids
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+class CpuMeter:
+    """Reads the CPU seconds of what serves the benchmark: this process, the worker's process tree
+    (:func:`_common.tree_cpu`, 10 ms ticks), the redis-server (``INFO cpu``, microseconds) and the
+    PostgreSQL backends of the store (:class:`PgBackends`, 10 ms ticks)."""
+
+    def __init__(self, worker_pid: int, postgres: PgBackends | None) -> None:
+        self.worker_pid = worker_pid
+        self.redis = redis.Redis.from_url(bench.url(bench.DB_COUNTER))
+        self.postgres = postgres
+
+    def read(self) -> CpuReading:
+        tree = tree_cpu(self.worker_pid)
+        postgres, pids = self.postgres.read() if self.postgres else (None, ())
+        return CpuReading(
+            producer_process=time.process_time_ns() / 1e9,
+            worker=tree.seconds,
+            worker_pids=tree.pids,
+            redis=redis_cpu_seconds(self.redis),
+            postgres=postgres,
+            postgres_pids=pids,
+        )
+
+    def idle(self, seconds: float) -> dict[str, float | None]:
+        """CPU µs per second of each part while nothing is sent (the worker polls its broker, the
+        heartbeat threads tick): what a batch's window carries whatever its tasks."""
+        before = self.read()
+        time.sleep(seconds)
+        after = self.read()
+        spent = CpuRound.between(before, after, tasks=1, seconds=seconds, producer=0.0)
+        rates: dict[str, float | None] = {part: spent.part(part) / seconds * 1e6 for part in ("worker", "redis")}
+        rates["postgres"] = None if spent.postgres is None else spent.postgres / seconds * 1e6
+        return rates
+
+    def close(self) -> None:
+        self.redis.close()
+        if self.postgres:
+            self.postgres.close()
+
+
 def warm_up(app: Any, variants: list[str], args: Args, worker: Worker, n: int) -> None:
     """Untimed: connections, Lua scripts, handlers and imports in the producer and both children;
     the held queue is declared here too."""
@@ -268,7 +432,8 @@ def warm_up(app: Any, variants: list[str], args: Args, worker: Worker, n: int) -
             call = Caller(variant, counting=counting)
             for x in args.take(n // 4 if counting else n):
                 result, _ = call(x, f"warm-{x}")
-                results.append(result)
+                if call.spec.stores_result:
+                    results.append(result)
         Caller(variant)(args.take(1)[0], f"warm-held-{variant}", queue=bench.HELD_QUEUE)
     deadline = time.monotonic() + WORKER_START_TIMEOUT
     while True:
@@ -279,6 +444,7 @@ def warm_up(app: Any, variants: list[str], args: Args, worker: Worker, n: int) -
         except AssertionError:
             if time.monotonic() > deadline:
                 raise
+    finish(app, "plain", [])  # the tasks that keep no result have run too
     release(app, results)
 
 
@@ -286,30 +452,51 @@ def warm_up(app: Any, variants: list[str], args: Args, worker: Worker, n: int) -
 
 
 def throughput(
-    app: Any, variants: list[str], args: Args, reports: dict[str, VariantReport], n: int, rounds: int
+    app: Any,
+    variants: list[str],
+    args: Args,
+    reports: dict[str, VariantReport],
+    n: int,
+    rounds: int,
+    meter: CpuMeter,
 ) -> None:
+    """Each batch: read the CPU meter, publish (timed), wait for the batch (:func:`finish`), pause
+    ``SETTLE_SECONDS`` (the peers release their locks, celery-idem may settle, just after the result
+    is stored), read the meter again."""
     latencies: dict[str, list[int]] = {v: [] for v in variants}
     for round_ in range(rounds):
         order = rotated(variants, round_)
         size = len(slice_of(n, rounds, round_))
         for variant in order:
             report = reports[variant]
+            before = meter.read()
             timed = time_each(publisher(Caller(variant), "tp"), args.take(size))
             latencies[variant] += timed.latencies_ns
             if any(refused or getattr(result, "deduplicated", False) for result, refused in timed.results):
                 raise AssertionError(f"{variant}: a new call with distinct arguments was taken for a duplicate")
             results = [result for result, _ in timed.results]
-            last_done = wait_for(app, [r.id for r in results])
+            last_done = finish(app, variant, [r.id for r in results])
+            time.sleep(SETTLE_SECONDS)
+            after = meter.read()
             seconds = last_done - timed.started
+            spent = CpuRound.between(before, after, tasks=size, seconds=seconds, producer=timed.cpu_ns / 1e9)
+            if spent.worker_pids_changed:
+                log(f"  note: the worker's processes changed during a {variant} batch: {after.worker_pids}")
+            if spent.postgres_backends_ended:
+                log(f"  note: {spent.postgres_backends_ended} PostgreSQL backends ended during a {variant} batch")
+            report.cpu_rounds.append(spent)
             report.tasks += size
             report.seconds += seconds
             report.publish_seconds += timed.wall_ns / 1e9
             report.round_tasks_per_s.append(size / seconds)
             release(app, results)
-            time.sleep(SETTLE_SECONDS)
         log(
             f"  round {round_ + 1}/{rounds}: "
-            + ", ".join(f"{v} {reports[v].round_tasks_per_s[-1]:,.0f}/s" for v in order)
+            + ", ".join(
+                f"{v} {reports[v].round_tasks_per_s[-1]:,.0f}/s "
+                f"{reports[v].cpu_rounds[-1].us_per_task('total'):,.0f} µs"
+                for v in order
+            )
         )
     for variant in variants:
         report = reports[variant]
@@ -353,7 +540,7 @@ def latency(app: Any, variants: list[str], args: Args, reports: dict[str, Varian
         reports[variant].new = Latency.of(new[variant])
         reports[variant].duplicate = Latency.of(dup[variant])
         reports[variant].duplicate_outcome = ", ".join(f"{name} {count}" for name, count in outcomes[variant].items())
-        expected = "published again" if variant == "plain" else None
+        expected = "published again" if bench.BY_NAME[variant].library == "celery" else None
         if expected is None and len(outcomes[variant]) != 1:
             raise AssertionError(f"{variant}: duplicates were not all refused: {dict(outcomes[variant])}")
         if expected and set(outcomes[variant]) != {expected}:
@@ -367,7 +554,7 @@ def _duplicate_outcome(variant: str, result: Any, refused: bool, original_id: st
         return "no result"
     if result.id != original_id:
         return "published again"
-    if variant.startswith("idem"):
+    if bench.BY_NAME[variant].library == "idem":
         return "original id, deduplicated=True" if result.deduplicated else "original id, deduplicated=False"
     return "original id returned"
 
@@ -414,7 +601,7 @@ def duplicate_heavy(
             task_ids, start_wall = _publish_concurrently(
                 Caller(variant, counting=True), args.take(sets), calls, threads
             )
-            last_done = wait_for(app, task_ids)
+            last_done = finish(app, variant, task_ids)
             time.sleep(SETTLE_SECONDS)
             report.executions = int(counter.get(bench.counter_key(variant)) or 0)
             report.dup_calls = calls
@@ -502,7 +689,7 @@ def store_round_trips(app: Any, variants: list[str], args: Args, reports: dict[s
             for x in args.take(n):
                 result, _ = call(x, f"rt-{x}")
                 results.append(result)
-            wait_for(app, [r.id for r in results])
+            finish(app, variant, [r.id for r in results])
             time.sleep(SETTLE_SECONDS)
             tap.mark(f"end:{variant}")
             after = commandstats(reader)[0]
@@ -529,7 +716,9 @@ def store_round_trips(app: Any, variants: list[str], args: Args, reports: dict[s
     own = {variant: _own_commands(deltas[variant], tap.windows[f"begin:{variant}"], ours) for variant in deltas}
     for variant in variants:
         window = tap.windows[f"begin:{variant}"]
-        store_db = bench.STORE_DB.get(variant)
+        spec = bench.BY_NAME[variant]
+        store_db = bench.store_db(spec)
+        sql = spec.library == "idem" and bool(bench.SQL_STORE)
         per_db: dict[str, dict[str, float]] = {}
         for (db, source, name), count in sorted(window.items()):
             if db in ours:
@@ -542,10 +731,12 @@ def store_round_trips(app: Any, variants: list[str], args: Args, reports: dict[s
         dup_top = Counter(
             {name: c for (db, source, name), c in dup_window.items() if db == store_db and source == "top"}
         )
-        reports[variant].store_round_trips_per_task = sum(top.values()) / n
+        # A SQL store's statements do not show in MONITOR: store_ops.py counts them (1 round trip each).
+        reports[variant].store_round_trips_per_task = None if sql else sum(top.values()) / n
         reports[variant].accounting = {
             "tasks": n,
             "store_db": store_db,
+            "store_note": "SQL store, see store_ops.py" if sql else "",
             "store_top_level_per_task": sum(top.values()) / n,
             "store_lua_nested_per_task": nested / n,
             "store_commands_per_task": {name: c / n for name, c in top.items()},
@@ -699,7 +890,7 @@ def detail_table(reports: list[VariantReport]) -> str:
         rates = f"{min(r.round_tasks_per_s):,.0f}–{max(r.round_tasks_per_s):,.0f}" if r.round_tasks_per_s else "–"
         load = f"{_num(r.new_under_load.median_us)} / {_num(r.new_under_load.p99_us)}" if r.new_under_load else "–"
         if acc.get("store_db") is None:
-            store = dup_store = "– (no store)"
+            store = dup_store = f"– ({acc.get('store_note') or 'no store'})"
         else:
             names = ", ".join(f"{k.upper()} {v:g}" for k, v in sorted(acc["store_commands_per_task"].items()))
             store = f"db {acc['store_db']}: {names} (+ {acc['store_lua_nested_per_task']:g} inside Lua)"
@@ -713,10 +904,85 @@ def detail_table(reports: list[VariantReport]) -> str:
     return "\n".join(lines)
 
 
-def verdicts(by_variant: dict[str, VariantReport], dup_calls: int, dup_sets: int) -> list[str]:
+def cpu_summary(reports: dict[str, VariantReport], parts: list[str]) -> dict[str, dict[str, Any]]:
+    """Per variant: tasks/s and CPU µs per task (each part and their total), pooled over the rounds;
+    each also per round, as a ratio to plain Celery's batch of the same round, and the median of
+    those ratios; and the extra µs per task over plain, the median of the per-round differences."""
+    plain = reports["plain"]
+    summary: dict[str, dict[str, Any]] = {}
+    for variant, report in reports.items():
+        rounds = report.cpu_rounds
+        if not rounds:
+            continue
+        tasks = sum(r.tasks for r in rounds)
+        rate_ratios = [a / b for a, b in zip(report.round_tasks_per_s, plain.round_tasks_per_s, strict=True)]
+        entry: dict[str, Any] = {
+            "tasks_per_s": report.tasks_per_s,
+            "tasks_per_s_round_ratios": rate_ratios,
+            "tasks_per_s_ratio_median": statistics.median(rate_ratios),
+        }
+        for part in [*parts, "total"]:
+            mine = [r.us_per_task(part) for r in rounds]
+            base = [r.us_per_task(part) for r in plain.cpu_rounds]
+            ratios = [m / b if b > 0 else None for m, b in zip(mine, base, strict=True)]
+            known = [x for x in ratios if x is not None]
+            entry[part] = {
+                "us_per_task": sum(r.part(part) for r in rounds) / tasks * 1e6,
+                "round_us_per_task": mine,
+                "round_ratios": ratios,
+                "ratio_median": statistics.median(known) if known else None,
+                "extra_us_median": statistics.median(m - b for m, b in zip(mine, base, strict=True)),
+            }
+        summary[variant] = entry
+    return summary
+
+
+def _times(value: float | None) -> str:
+    return "–" if value is None else f"×{value:.2f}"
+
+
+def cpu_table(reports: list[VariantReport], summary: dict[str, dict[str, Any]], parts: list[str]) -> str:
+    heads = " | ".join(f"{CPU_PART_LABELS[p]} µs (× plain)" for p in parts)
+    lines = [
+        f"| variant | tasks/s (× plain) | CPU µs/task (× plain) | extra CPU µs/task over plain | {heads} |",
+        "|---|---:|---:|---:|" + "---:|" * len(parts),
+    ]
+    for r in reports:
+        entry = summary.get(r.variant)
+        if entry is None:
+            continue
+        total = entry["total"]
+        cells = [f"{_num(r.tasks_per_s)} ({_times(entry['tasks_per_s_ratio_median'])})"]
+        cells.append(f"{_num(total['us_per_task'])} ({_times(total['ratio_median'])})")
+        cells.append(f"{total['extra_us_median']:+,.0f}")
+        for part in parts:
+            cells.append(f"{_num(entry[part]['us_per_task'])} ({_times(entry[part]['ratio_median'])})")
+        lines.append(f"| {r.label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def cpu_rounds_table(reports: list[VariantReport], summary: dict[str, dict[str, Any]]) -> str:
+    lines = [
+        "| variant | CPU µs/task, per round | × plain, per round | tasks/s × plain, per round |",
+        "|---|---|---|---|",
+    ]
+    for r in reports:
+        entry = summary.get(r.variant)
+        if entry is None:
+            continue
+        us = " · ".join(f"{x:,.0f}" for x in entry["total"]["round_us_per_task"])
+        ratios = " · ".join(_times(x) for x in entry["total"]["round_ratios"])
+        rates = " · ".join(_times(x) for x in entry["tasks_per_s_round_ratios"])
+        lines.append(f"| {r.label} | {us} | {ratios} | {rates} |")
+    return "\n".join(lines)
+
+
+def verdicts(
+    by_variant: dict[str, VariantReport], dup_calls: int, dup_sets: int, summary: dict[str, dict[str, Any]]
+) -> list[str]:
     lines = []
     idem, plain = by_variant.get("idem"), by_variant.get("plain")
-    if idem and plain:
+    if idem and plain and plain.tasks_per_s:
         ratio = idem.tasks_per_s / plain.tasks_per_s
         verdict = "meets" if ratio >= THROUGHPUT_TARGET else "MISSES"
         lines.append(
@@ -724,19 +990,27 @@ def verdicts(by_variant: dict[str, VariantReport], dup_calls: int, dup_sets: int
             f"median of the per-round ratios {_paired(idem, plain):.2f}"
         )
     for peer in ("once", "singleton"):
-        if idem and peer in by_variant:
+        if idem and peer in by_variant and by_variant[peer].tasks_per_s:
             ratio = idem.tasks_per_s / by_variant[peer].tasks_per_s
             verdict = "meets" if ratio >= 1 else "MISSES"
             lines.append(
-                f"IdempotentTask / {LABELS[peer]} throughput = {ratio:.3f} ({verdict} the target of >= 1); "
+                f"IdempotentTask / {by_variant[peer].label} throughput = {ratio:.3f} ({verdict} the target of >= 1); "
                 f"median of the per-round ratios {_paired(idem, by_variant[peer]):.2f}"
+            )
+    for variant in ("idem", "idem_keyless", "once", "singleton"):
+        if variant in summary and "plain" in summary:
+            total = summary[variant]["total"]
+            lines.append(
+                f"{by_variant[variant].label}: CPU per task {_times(total['ratio_median'])} plain Celery's "
+                f"(median of the per-round ratios), {total['extra_us_median']:+,.0f} µs per task "
+                "(median of the per-round differences)"
             )
     for variant in ("idem", "idem_keyless"):
         report = by_variant.get(variant)
         if report and report.executions is not None:
             verdict = "meets" if report.executions == dup_sets else "MISSES"
             lines.append(
-                f"{LABELS[variant]}: {report.executions} executions of {dup_calls} calls over {dup_sets} sets "
+                f"{report.label}: {report.executions} executions of {dup_calls} calls over {dup_sets} sets "
                 f"({verdict} the target of exactly {dup_sets})"
             )
     return lines
@@ -747,7 +1021,21 @@ def _paired(a: VariantReport, b: VariantReport) -> float:
     return statistics.median(x / y for x, y in zip(a.round_tasks_per_s, b.round_tasks_per_s, strict=True))
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+PHASES = ("throughput", "latency", "duplicates", "round-trips")
+# --smoke: every phase, small (under a minute on a loaded 2-core machine).
+SMOKE = {
+    "tasks": 160,
+    "rounds": 2,
+    "latency_calls": 40,
+    "latency_slices": 2,
+    "dup_calls": 160,
+    "dup_sets": 10,
+    "accounting_tasks": 20,
+    "warmup": 10,
+}
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", type=int, default=4000, help="no-op tasks per variant for throughput (4000)")
     parser.add_argument("--rounds", type=int, default=10, help="interleaved throughput rounds (10)")
@@ -761,40 +1049,134 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--accounting-tasks", type=int, default=300, help="tasks per round-trip batch (300)")
     parser.add_argument("--warmup", type=int, default=100, help="untimed no-op tasks per variant first (100)")
     parser.add_argument(
-        "--variants",
-        type=choice_list(bench.VARIANTS),
-        default=list(bench.VARIANTS),
-        help=f"subset of {','.join(bench.VARIANTS)} (plain always runs: it is the baseline)",
+        "--smoke",
+        action="store_true",
+        help="every phase, small: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in SMOKE.items()),
+    )
+    parser.add_argument(
+        "--phases",
+        type=choice_list(PHASES),
+        default=list(PHASES),
+        help=f"subset of {','.join(PHASES)} (all)",
+    )
+    parser.add_argument(
+        "--variants", default="", help="comma-separated subset of the variants (all; plain always runs)"
+    )
+    parser.add_argument(
+        "--store",
+        choices=("redis", "postgresql"),
+        default="redis",
+        help="celery-idem's store: Redis db 9 of the run's server (default), or PostgreSQL "
+        "($CELERY_IDEM_BENCH_POSTGRES_URL, a table of the run's own)",
+    )
+    parser.add_argument(
+        "--redis-url",
+        metavar="URL",
+        help="use this Redis server (its dbs 6-11) instead of starting a private redis-server; the default "
+        "when redis-server is not installed is $CELERY_IDEM_BENCH_REDIS or redis://127.0.0.1:6379",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the raw numbers to this JSON file")
     args = parser.parse_args(argv)
-    args.variants = [v for v in bench.VARIANTS if v in args.variants or v == "plain"]
+    if args.smoke:
+        for name, value in SMOKE.items():
+            if getattr(args, name) == parser.get_default(name):
+                setattr(args, name, value)
     if min(args.tasks, args.rounds, args.latency_calls, args.latency_slices, args.dup_calls, args.dup_sets) < 1:
         parser.error("counts must be at least 1")
     if args.rounds > args.tasks or args.latency_slices > args.latency_calls:
         parser.error("--rounds must not exceed --tasks, nor --latency-slices --latency-calls")
-    return args
+    return args, parser
+
+
+class Servers:
+    """Where the run's data goes, chosen before overhead_app is imported (it reads the environment,
+    and the worker inherits it): a private redis-server unless ``--redis-url`` (or no redis-server
+    binary), and with ``--store postgresql`` a records table of the run's own, whose connections carry
+    an ``application_name`` of the run (so their server processes can be found)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.private: PrivateRedis | None = None
+        if args.redis_url:
+            base = args.redis_url
+        elif shutil.which("redis-server"):
+            self.private = PrivateRedis()
+            base = self.private.url
+            log(f"private redis-server on {base} (pid {self.private.pid})")
+        else:
+            base = os.environ.get("CELERY_IDEM_BENCH_REDIS", "redis://127.0.0.1:6379")
+            log(f"redis-server is not installed: using {base}, whose CPU time other clients share")
+        os.environ["CELERY_IDEM_BENCH_REDIS"] = base.rstrip("/")
+        self.shared_redis = self.private is None
+        self.table = self.application_name = self.sql_url = None
+        os.environ.pop("CELERY_IDEM_BENCH_STORE", None)
+        if args.store == "postgresql":
+            import sqlalchemy as sa
+
+            run = uuid.uuid4().hex[:8]
+            self.table, self.application_name = f"celery_idem_overhead_{run}", f"celery-idem-overhead-{run}"
+            url = sa.engine.make_url(POSTGRES_URL).update_query_dict({"application_name": self.application_name})
+            self.sql_url = url.render_as_string(hide_password=False)
+            os.environ["CELERY_IDEM_BENCH_STORE"] = self.sql_url
+            os.environ["CELERY_IDEM_BENCH_TABLE"] = self.table
+
+    def postgres_backends(self) -> PgBackends | None:
+        if self.sql_url is None or self.application_name is None:
+            return None
+        backends = PgBackends(self.sql_url, self.application_name)
+        if backends.local:
+            return backends
+        log("the PostgreSQL server's processes are not visible in /proc: its CPU time is left out")
+        backends.close()
+        return None
+
+    def stop(self) -> None:
+        if self.table is not None and bench is not None:
+            import sqlalchemy as sa
+
+            store = bench.IDEM_STORE
+            with store.engine.begin() as connection:
+                for table in (self.table, f"{self.table}_liveness"):
+                    connection.execute(sa.text(f'DROP TABLE IF EXISTS "{table}"'))
+            store.close()
+            log(f"dropped the tables {self.table}, {self.table}_liveness")
+        if self.private is not None:
+            self.private.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    variants = [v for v in args.variants if v in bench.TASKS]
-    for variant, reason in bench.MISSING.items():
-        log(f"skipping {variant}: {reason}")
-    app = bench.app
-    ping = redis.Redis.from_url(bench.url(bench.DB_COUNTER))
-    server = ping.info("server")
-    ping.close()
-    machine = Machine(*PEERS)
-    log(f"Redis {server['redis_version']}")
-    lock = RunLock()
-    if not lock.acquire():
-        return 2
+    global bench
+    args, parser = parse_args(argv)
+    servers = Servers(args)
     try:
-        clean("before the run", [], keep_lock=True)
-        return _run(args, variants, app, server, machine, lock)
+        import overhead_app
+
+        bench = overhead_app
+        asked = [v.strip() for v in args.variants.split(",") if v.strip()] or list(bench.NAMES)
+        unknown = sorted(set(asked) - set(bench.NAMES))
+        if unknown:
+            parser.error(f"unknown variants {unknown}; choose from {','.join(bench.NAMES)}")
+        variants = [v for v in bench.NAMES if (v in asked or v == "plain") and v in bench.TASKS]
+        for variant, reason in bench.MISSING.items():
+            log(f"skipping {variant}: {reason}")
+        app = bench.app
+        ping = redis.Redis.from_url(bench.url(bench.DB_COUNTER))
+        server = ping.info("server")
+        ping.close()
+        machine = Machine(*PEERS)
+        log(
+            f"Redis {server['redis_version']}"
+            + (f"; celery-idem store: table {servers.table}" if servers.table else "")
+        )
+        lock = RunLock()
+        if not lock.acquire():
+            return 2
+        try:
+            clean("before the run", [], keep_lock=True)
+            return _run(args, variants, app, server, machine, lock, servers)
+        finally:
+            lock.release()
     finally:
-        lock.release()
+        servers.stop()
 
 
 def _run(
@@ -804,32 +1186,51 @@ def _run(
     server: dict[str, Any],
     machine: Machine,
     lock: RunLock,
+    servers: Servers,
 ) -> int:
-    reports = {v: VariantReport(v, LABELS[v]) for v in variants}
+    reports = {v: VariantReport(v, bench.BY_NAME[v].label) for v in variants}
     numbers = Args()
+    phases = set(args.phases)
+    parts = ["producer", "worker", "redis"]
+    idle: dict[str, float | None] = {}
     with tempfile.TemporaryDirectory(prefix="celery-idem-overhead-") as logdir:
         worker = Worker(logdir)
+        meter: CpuMeter | None = None
         try:
             log(f"worker: {' '.join(worker.command[1:])}")
             warm_up(app, variants, numbers, worker, args.warmup)
             lock.refresh()
-            log(f"throughput: {args.tasks} tasks per variant in {args.rounds} interleaved rounds")
-            throughput(app, variants, numbers, reports, args.tasks, args.rounds)
-            lock.refresh()
-            log(f"latency: {args.latency_calls} new + {args.latency_calls} duplicate calls per variant")
-            latency(app, variants, numbers, reports, args.latency_calls, args.latency_slices)
-            lock.refresh()
-            log(f"duplicate-heavy: {args.dup_calls} calls over {args.dup_sets} sets from {args.dup_threads} threads")
-            duplicate_heavy(app, variants, numbers, reports, args.dup_calls, args.dup_sets, args.dup_threads)
-            lock.refresh()
-            log(f"store round trips: {args.accounting_tasks} tasks per variant under MONITOR")
-            store_round_trips(app, variants, numbers, reports, args.accounting_tasks)
+            postgres = servers.postgres_backends()
+            if postgres is not None:
+                parts.append("postgres")
+            meter = CpuMeter(worker.process.pid, postgres)
+            idle = meter.idle(IDLE_SECONDS)
+            log("idle CPU µs per second: " + ", ".join(f"{k} {_num(v)}" for k, v in idle.items() if v is not None))
+            if "throughput" in phases:
+                log(f"throughput and CPU: {args.tasks} tasks per variant in {args.rounds} interleaved rounds")
+                throughput(app, variants, numbers, reports, args.tasks, args.rounds, meter)
+                lock.refresh()
+            if "latency" in phases:
+                log(f"latency: {args.latency_calls} new + {args.latency_calls} duplicate calls per variant")
+                latency(app, variants, numbers, reports, args.latency_calls, args.latency_slices)
+                lock.refresh()
+            if "duplicates" in phases:
+                log(
+                    f"duplicate-heavy: {args.dup_calls} calls over {args.dup_sets} sets from {args.dup_threads} threads"
+                )
+                duplicate_heavy(app, variants, numbers, reports, args.dup_calls, args.dup_sets, args.dup_threads)
+                lock.refresh()
+            if "round-trips" in phases:
+                log(f"store round trips: {args.accounting_tasks} tasks per variant under MONITOR")
+                store_round_trips(app, variants, numbers, reports, args.accounting_tasks)
             worker.check()
             worker_problems = worker.problems()
         except BaseException:
             log(f"worker log (tail):\n{worker.output()}")
             raise
         finally:
+            if meter is not None:
+                meter.close()
             worker.stop()
             result_keys = {app.backend.get_key_for_task(task_id) for task_id in PUBLISHED}
             app.close()
@@ -841,25 +1242,72 @@ def _run(
             log(f"  {line}")
 
     ordered = [reports[v] for v in variants]
+    summary = cpu_summary(reports, parts) if "throughput" in phases else {}
     print(main_table(ordered, args.dup_calls, args.dup_sets))
+    if summary:
+        print()
+        print(cpu_table(ordered, summary, parts))
+        print()
+        print(cpu_rounds_table(ordered, summary))
+        print()
+        print(cpu_notes(idle, servers, args, parts))
     print()
-    for line in verdicts(reports, args.dup_calls, args.dup_sets):
+    verdict_lines = verdicts(reports, args.dup_calls, args.dup_sets, summary)
+    for line in verdict_lines:
         print(line)
-    print()
-    print(detail_table(ordered))
+    if phases - {"throughput"}:
+        print()
+        print(detail_table(ordered))
     packages = ", ".join(f"{name} {version}" for name, version in versions(*PEERS).items())
-    print(f"\n{machine.summary('Redis ' + server['redis_version'], packages)}")
+    where = "private redis-server" if servers.private else "external Redis server, shared"
+    store = "celery-idem store: PostgreSQL" if servers.table else "celery-idem store: Redis"
+    redis_line = f"Redis {server['redis_version']} ({where})"
+    print(f"\n{machine.summary(redis_line, store, packages)}")
     if args.json:
         options = {k: v for k, v in vars(args).items() if k != "json"}
         meta = machine.meta(
             redis_server=server["redis_version"],
+            redis_private=servers.private is not None,
+            idem_store=args.store,
             worker_command=worker.command[1:],
             options=options,
             worker_warning_lines=worker_problems,
+            idle_cpu_us_per_second=idle,
+            clock_ticks_per_second=CLOCK_TICKS,
         )
-        verdict_lines = verdicts(reports, args.dup_calls, args.dup_sets)
-        write_json(args.json, {"meta": meta, "variants": [asdict(r) for r in ordered], "verdicts": verdict_lines})
+        write_json(
+            args.json,
+            {
+                "meta": meta,
+                "variants": [asdict(r) for r in ordered],
+                "cpu": summary,
+                "verdicts": verdict_lines,
+            },
+        )
     return 0
+
+
+def cpu_notes(idle: dict[str, float | None], servers: Servers, args: argparse.Namespace, parts: list[str]) -> str:
+    """What the CPU table's numbers include, and how fine they are, for this run."""
+    batch = args.tasks // args.rounds
+    notes = [
+        f"CPU per task: user + system CPU of each part over each batch of {batch} tasks (from before its first "
+        f"publish to {SETTLE_SECONDS} s after its last result), over its tasks. producer = the publish loop of the "
+        "benchmark process; worker = the celery parent and its 2 pool children; redis-server = "
+        + (
+            "the run's private server (broker, results, Redis stores)"
+            if servers.private
+            else "an EXTERNAL server, its CPU includes other clients'"
+        )
+        + ("; PostgreSQL backends = the server processes of the store's connections" if "postgres" in parts else "")
+        + ". (× plain) = median over the rounds of the ratio to plain Celery's batch in the same round; extra = "
+        "median of the per-round differences in total CPU per task.",
+        "Resolution: worker and PostgreSQL backends in 10 ms ticks (/proc), redis-server and producer in µs. "
+        "Idle CPU µs per second (charged to every batch alike): "
+        + ", ".join(f"{k} {_num(v)}" for k, v in idle.items() if v is not None)
+        + ".",
+    ]
+    return "\n".join(notes)
 
 
 if __name__ == "__main__":
