@@ -29,6 +29,7 @@ def test_the_readme_has_exactly_two_commands() -> None:
     assert "demo" in commands[0] and "pytest" in commands[1]
 
 
+@pytest.mark.timeout(1200)  # two fresh installs and the demo: each command has its own 600 s bound below
 def test_the_readme_commands_work_in_a_fresh_copy(tmp_path: Path) -> None:
     # Given a clean copy of the repository (what git would check out), and no venv
     files = subprocess.run(
