@@ -16,6 +16,7 @@ which picks arguments by parameter name, cannot apply.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import decimal
 import enum
@@ -28,6 +29,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from kombu import serialization
+from kombu.utils import json as kombu_json
 from pydantic import BaseModel
 
 from .errors import ConfigurationError, SerializationError
@@ -171,23 +173,45 @@ def _key(key: Any) -> str:
 
 
 _SCALARS = frozenset({str, int, float, bool, type(None)})
+_PLAIN_ITEMS = 10_000  # past this many values a call takes the long way (a cycle among them too)
 
 
 def _plain(value: Any) -> bool:
-    """Whether ``value`` is JSON as the json serializer delivers it unchanged and canonical JSON dumps
-    it as is: exact scalars, lists, tuples (dumped as lists either way) and dicts with str keys, no
-    key that opens a tag here, and no ``__type__`` key (kombu's json decodes such a dict into an
-    object). Such a call needs neither the serializer round trip nor :func:`_normalize`."""
-    kind = type(value)
-    if kind in _SCALARS:
-        return True
-    if kind is dict:
-        return all(
-            type(k) is str and not k.startswith(_TAG) and k != "__type__" and _plain(v) for k, v in value.items()
-        )
-    if kind is list or kind is tuple:
-        return all(_plain(v) for v in value)
-    return False
+    """Whether ``value`` reaches the worker as this very JSON, so that its fingerprint needs neither
+    the serializer round trip nor :func:`_normalize`: kombu's own json codec (an app may register
+    another under the name), exact scalars, lists, tuples (dumped as lists either way) and dicts whose
+    keys are ASCII str (a surrogate pair in a key is one character once decoded, which may reorder
+    or merge keys), open no tag here and are not ``__type__`` (kombu decodes such a dict into an object)."""
+    if not _kombus_own_json():
+        return False
+    stack, budget = [value], _PLAIN_ITEMS
+    while stack:
+        budget -= 1
+        if budget < 0:
+            return False
+        item = stack.pop()
+        kind = type(item)
+        if kind in _SCALARS:
+            continue
+        if kind is dict:
+            for key, inner in item.items():
+                if type(key) is not str or not key.isascii() or key.startswith(_TAG) or key == "__type__":
+                    return False
+                stack.append(inner)
+        elif kind is list or kind is tuple:
+            stack.extend(item)
+        else:
+            return False
+    return True
+
+
+def _kombus_own_json() -> bool:
+    codec = serialization.registry._encoders.get("json")
+    return (
+        codec is not None
+        and codec.encoder is kombu_json.dumps
+        and serialization.registry._decoders.get(codec.content_type) is kombu_json.loads
+    )
 
 
 def canonical_json(value: Any) -> str:
@@ -251,7 +275,11 @@ def fingerprint(
     if serializer == "json" and not sets and _plain(arguments):
         # What the worker receives is this very JSON: the round trip and the normalisation change
         # nothing (tests/api/test_fingerprint.py holds this against the long way for any plain value).
-        return hashlib.sha256(json.dumps(arguments, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+        # What json cannot dump (an int of over 4,300 digits, a depth past the recursion limit) takes
+        # the long way, which says what is wrong.
+        with contextlib.suppress(ValueError, RecursionError):
+            text = json.dumps(arguments, sort_keys=True, separators=(",", ":"))
+            return hashlib.sha256(text.encode()).hexdigest()
     received = _round_trip(arguments, serializer)
     if sets and bind:
         for name, shape in sets.items():

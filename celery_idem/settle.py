@@ -194,9 +194,10 @@ class Settler:
 
     def failure_step(self, exc: BaseException) -> Step:
         """The step of a failure that reaches no attempt (a replacement's, on its error link): no
-        message of the replaced attempt carries the call on, so anything but ``FAIL`` frees the key."""
-        step = self.calls.mode.after[ending_of(exc, permanent=self.permanent)]
-        return step if step is Step.FAIL else Step.RELEASE
+        message of the replaced attempt carries the call on (no retry, requeue or handover), so it
+        ended permanent or retryable, whatever else its class is (a Retry the policy calls permanent)."""
+        permanent = isinstance(exc, Exception) and self.permanent(exc)
+        return self.calls.mode.after[Ending.PERMANENT if permanent else Ending.RETRYABLE]
 
     def settle_failure(
         self,

@@ -7,12 +7,14 @@ from __future__ import annotations
 from types import MappingProxyType
 
 import pytest
+from celery import Celery
 from celery.exceptions import Ignore, Reject, Retry, SoftTimeLimitExceeded, TimeLimitExceeded, WorkerLostError
 from endings import ENDINGS
 
-from celery_idem import PermanentError, RetryableError
+from celery_idem import Idempotency, IdempotentTask, PermanentError, RetryableError
 from celery_idem.endings import HARD_KILLS, IDEMPOTENT, Answer, Ending, Mode, Step, ending_of
 from celery_idem.records import Decision
+from celery_idem.stores.memory import MemoryStore
 
 
 def permanent(exc: BaseException) -> bool:
@@ -69,3 +71,33 @@ def test_a_mode_must_say_what_every_ending_does() -> None:
     partial = MappingProxyType({e: s for e, s in IDEMPOTENT.after.items() if e is not Ending.DROPPED})
     with pytest.raises(ValueError, match="mode 'partial' says nothing of the endings DROPPED"):
         Mode("partial", after=partial, duplicate=IDEMPOTENT.duplicate)
+
+
+class GiveUp(Retry, PermanentError):
+    """A Retry the task calls permanent."""
+
+
+@pytest.mark.parametrize(
+    ("exc", "step"),
+    [
+        (PermanentError("no"), Step.FAIL),
+        (GiveUp(), Step.FAIL),
+        (ValueError("x"), Step.RELEASE),
+        (Retry(), Step.RELEASE),
+    ],
+    ids=["permanent", "permanent-retry", "retryable", "retry"],
+)
+def test_a_replacements_failure_is_permanent_or_retryable_whatever_else_its_class_is(
+    exc: BaseException, step: Step
+) -> None:
+    """On the replacement's error link no message of the replaced attempt carries the call on: its
+    failure is classed as any failure, permanent first (found by an attack: a Retry that is also
+    permanent freed the key)."""
+    app = Celery("endings-table", set_as_current=False)
+    Idempotency(app, store=MemoryStore(), default_failure="retryable")
+
+    @app.task(base=IdempotentTask, shared=False, name="endings.table")
+    def table() -> None:
+        pass
+
+    assert app.tasks["endings.table"].idempotency_handler.settle.failure_step(exc) is step

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import decimal
+import functools
 import hashlib
 import json
 import os
@@ -734,12 +735,14 @@ def test_the_same_pydantic_call_from_producers_with_other_hash_seeds_runs_once_o
 
 # ---- plain JSON takes a short way to the same fingerprint ----------------------------------------
 
+# Any text, surrogates too (a pair as two code points is one character once the worker decodes it).
+any_text = st.text(alphabet=st.characters(blacklist_categories=()), max_size=4)
 plain_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    st.none() | st.booleans() | st.integers() | st.floats() | any_text,
     lambda inner: (
         st.lists(inner, max_size=4)
         | st.tuples(inner, inner)
-        | st.dictionaries(st.text(max_size=4).filter(lambda k: k != "__type__"), inner, max_size=4)
+        | st.dictionaries(any_text.filter(lambda k: k != "__type__"), inner, max_size=4)
     ),
     max_leaves=12,
 )
@@ -753,12 +756,78 @@ def long_way(args: list[Any], kwargs: dict[str, Any], serializer: str = "json") 
     return hashlib.sha256(canonical_json(received).encode("utf-8")).hexdigest()
 
 
+def as_received(value: Any) -> Any:
+    """A value as the worker's task is called with it (through kombu's json)."""
+    from celery_idem.fingerprint import _round_trip
+
+    return _round_trip(value, "json")
+
+
 @settings(max_examples=300, deadline=None)
-@given(st.lists(plain_values, max_size=4), st.dictionaries(st.text(max_size=4), plain_values, max_size=4))
+@given(st.lists(plain_values, max_size=4), st.dictionaries(any_text, plain_values, max_size=4))
 def test_a_plain_json_call_has_the_fingerprint_of_the_long_way(args: list[Any], kwargs: dict[str, Any]) -> None:
     # NUL-opened keys (tagged by the long way) are drawn too: they must take the long way themselves.
     kwargs = {k: v for k, v in kwargs.items() if k != "__type__"}
     assert fingerprint(charge, args, kwargs, bind=False) == long_way(args, kwargs)
+
+
+@settings(max_examples=300, deadline=None)
+@given(plain_values)
+def test_the_producer_and_the_worker_fingerprint_a_plain_call_alike(value: Any) -> None:
+    assert fingerprint(one, (value,), {}) == fingerprint(one, (as_received(value),), {})
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [{"\ud83d\ude00": 1, "\uffff": 2}, {"\ud83d\ude00": 1, "\U0001f600": 2}],
+    ids=["reordered", "merged"],
+)
+def test_a_surrogate_pair_in_a_key_is_fingerprinted_as_the_worker_decodes_it(payload: dict[str, int]) -> None:
+    # Found by an attack: the short way sorted the producer's keys, the worker sorts the decoded ones.
+    assert fingerprint(one, (payload,), {}) == fingerprint(one, (as_received(payload),), {})
+
+
+def test_an_app_that_registers_its_own_json_is_fingerprinted_through_it() -> None:
+    """Money apps read JSON floats as Decimal: the worker gets Decimal('12.5'), so the producer must
+    fingerprint through that codec, never the standard library's json."""
+    import decimal as decimal_module
+
+    from kombu import serialization
+    from kombu.utils import json as kombu_json
+
+    serialization.registry.register(
+        "json",
+        kombu_json.dumps,
+        functools.partial(kombu_json.loads, _loads=functools.partial(json.loads, parse_float=decimal_module.Decimal)),
+        content_type="application/json",
+        content_encoding="utf-8",
+    )
+    try:
+        received = as_received([42, 12.5])
+        assert received == [42, decimal_module.Decimal("12.5")]
+        assert fingerprint(charge, (42, 12.5), {}) == fingerprint(charge, tuple(received), {})
+    finally:
+        serialization.register_json()
+
+
+def circular() -> list[Any]:
+    loop: list[Any] = []
+    loop.append(loop)
+    return loop
+
+
+@pytest.mark.parametrize("value", [10**5000, circular(), {"a": circular()}], ids=["huge-int", "cycle", "cycle-in-dict"])
+def test_a_plain_looking_argument_json_cannot_dump_is_a_serialization_error(value: Any) -> None:
+    with pytest.raises(SerializationError):
+        fingerprint(one, (value,), {})
+
+
+def test_deeply_nested_plain_json_fingerprints_as_deep_as_the_long_way() -> None:
+    for depth in (100, 300, 450):
+        value: Any = 0
+        for _ in range(depth):
+            value = [value]
+        assert fingerprint(one, (value,), {}) == fingerprint(one, (as_received(value),), {})
 
 
 def test_a_dict_kombu_would_decode_into_an_object_takes_the_long_way() -> None:
