@@ -35,10 +35,11 @@ class Ending(enum.Enum):
     """How one attempt ended."""
 
     RETURNED = "returned"  # the body returned a value: the effect happened
-    RETRIED = "retried"  # Celery's Retry: the retry message carries the call on, under the same id
+    RETRIED = "retried"  # self.retry(): the retry message carries the call on, under the same id
     REPLACED = "replaced"  # replace(): the replacement carries the call on
     REQUEUED = "requeued"  # Reject(requeue=True) with acks_late: the broker keeps the message
-    DROPPED = "dropped"  # Reject(requeue=True) of an early-acked message: Celery drops it
+    DROPPED = "dropped"  # nothing carries the call on: Reject(requeue=True) of an early-acked (or eager)
+    # message, which Celery drops; a Retry raised by hand, which sends no retry
     PERMANENT = "permanent"  # a final failure (classified so, DESIGN §3)
     RETRYABLE = "retryable"  # a transient failure, and any BaseException that is not an Exception
     KILLED = "killed"  # the process that ran the body is gone (seen by the parent: HARD_KILLS)
@@ -105,6 +106,7 @@ def ending_of(
     permanent: Callable[[BaseException], bool],
     replaced: bool = False,
     acks_late: bool = False,
+    eager: bool = False,
 ) -> Ending:
     """The ending an exception raised (or a Retry returned) by an attempt means. ``KILLED`` and
     ``REVOKED`` are never an attempt's own: only the worker's parent sees them (celery_idem.signals).
@@ -114,13 +116,15 @@ def ending_of(
         permanent: The task's failure classification (``settle.Settler.permanent``).
         replaced: The attempt called ``replace()`` (its ``Ignore`` is the handover).
         acks_late: The message is acknowledged after the task (a requeue really goes back).
+        eager: The call runs in the caller's process (no broker keeps a message of it).
     """
     if isinstance(exc, Retry):
-        return Ending.RETRIED
+        # self.retry() sent its retry (or, eager, runs it next) and says so by its signature.
+        return Ending.RETRIED if exc.sig is not None else Ending.DROPPED
     if isinstance(exc, Ignore) and replaced:
         return Ending.REPLACED
     if isinstance(exc, Reject) and exc.requeue:
-        return Ending.REQUEUED if acks_late else Ending.DROPPED
+        return Ending.REQUEUED if acks_late and not eager else Ending.DROPPED
     if isinstance(exc, Exception) and permanent(exc):
         return Ending.PERMANENT
     return Ending.RETRYABLE

@@ -168,7 +168,13 @@ class Settler:
         task = self.calls.task
         attempt = attempts.current(task)
         replaced = attempt is not None and attempt.replaced
-        ending = ending_of(exc, permanent=self.permanent, replaced=replaced, acks_late=bool(task.acks_late))
+        ending = ending_of(
+            exc,
+            permanent=self.permanent,
+            replaced=replaced,
+            acks_late=bool(task.acks_late),
+            eager=bool(task.request.is_eager),
+        )
         step = self.calls.mode.after[ending]
         identity, owner = record.identity, record.owner
         if step is Step.REQUEUE:

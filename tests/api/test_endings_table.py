@@ -21,11 +21,15 @@ def permanent(exc: BaseException) -> bool:
     return isinstance(exc, (PermanentError, Ignore)) or (isinstance(exc, Reject) and not exc.requeue)
 
 
+SENT = object()  # the retry's signature: self.retry() sent it
+
+
 @pytest.mark.parametrize(
     ("exc", "replaced", "acks_late", "ending"),
     [
-        (Retry(), False, False, Ending.RETRIED),
-        (Retry(), True, True, Ending.RETRIED),
+        (Retry(sig=SENT), False, False, Ending.RETRIED),
+        (Retry(sig=SENT), True, True, Ending.RETRIED),
+        (Retry(), False, True, Ending.DROPPED),  # raised by hand: no retry was sent
         (Ignore(), True, False, Ending.REPLACED),
         (Ignore(), False, False, Ending.PERMANENT),
         (Reject(requeue=True), False, True, Ending.REQUEUED),
@@ -42,6 +46,11 @@ def permanent(exc: BaseException) -> bool:
 )
 def test_the_ending_an_exception_means(exc: BaseException, replaced: bool, acks_late: bool, ending: Ending) -> None:
     assert ending_of(exc, permanent=permanent, replaced=replaced, acks_late=acks_late) is ending
+
+
+def test_an_eager_call_has_no_message_to_requeue() -> None:
+    assert ending_of(Reject(requeue=True), permanent=permanent, acks_late=True, eager=True) is Ending.DROPPED
+    assert ending_of(Retry(sig=SENT), permanent=permanent, eager=True) is Ending.RETRIED  # Celery runs it next
 
 
 def test_the_parent_sees_a_killed_attempt_by_its_hard_kills() -> None:
@@ -83,7 +92,7 @@ class GiveUp(Retry, PermanentError):
         (PermanentError("no"), Step.FAIL),
         (GiveUp(), Step.FAIL),
         (ValueError("x"), Step.RELEASE),
-        (Retry(), Step.RELEASE),
+        (Retry(sig=SENT), Step.RELEASE),
     ],
     ids=["permanent", "permanent-retry", "retryable", "retry"],
 )
