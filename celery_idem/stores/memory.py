@@ -1,6 +1,6 @@
 """MemoryStore: one process, thread-safe, injectable clock. For tests and eager mode.
 
-It is a real store (every rule of :mod:`celery_idem.stores.base` holds, under one lock) and the
+It is a real store (every rule of :mod:`celery_idem.stores.rules` holds, under one lock) and the
 plainest statement of those rules; the Lua scripts and SQL statements do the same thing atomically
 on their servers.
 """
@@ -11,7 +11,9 @@ import bisect
 import threading
 
 from ..records import Decision, IdempotencyRecord, Identity, State, Transition
-from .base import LOST, OK, UNSETTLED, Clock, Fence, Settlement, Store, classify, taken_over
+from .base import Store
+from .rules import LOST, OK, UNSETTLED, classify, taken_over
+from .spi import Clock, Fence, Settlement
 
 __all__ = ["MemoryStore"]
 
@@ -32,7 +34,7 @@ class MemoryStore(Store):
         )
         self._lock = threading.RLock()
         self._by_identity: dict[Identity, IdempotencyRecord] = {}
-        # The hidden "keep until" a BUSY answer promised a waiter (stores/base.py); only live
+        # The hidden "keep until" a BUSY answer promised a waiter (stores/rules.py); only live
         # records have one: it is dropped with the record.
         self._linger: dict[Identity, float] = {}
         self._liveness: dict[str, tuple[str, float]] = {}  # process id -> (token, expires at)

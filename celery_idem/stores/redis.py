@@ -19,7 +19,9 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 from ..errors import ConfigurationError
 from ..records import Decision, ErrorInfo, IdempotencyRecord, Identity, State, Transition
-from .base import LOST, OK, Clock, Fence, Settlement, Store
+from .base import Store
+from .rules import LOST, OK
+from .spi import Clock, Fence, Settlement
 
 try:
     import redis

@@ -29,8 +29,10 @@ from typing import Any, TypeVar
 
 from ...errors import ConfigurationError
 from ...records import Decision, ErrorInfo, IdempotencyRecord, Identity, State, Transition
-from ..base import LOST, OK, UNSETTLED, Clock, Fence, Settlement, Store, classify
+from ..base import Store
 from ..deadline import Watchdog, socket_of
+from ..rules import LOST, OK, UNSETTLED, classify
+from ..spi import Clock, Fence, Settlement
 from .engine import engine_from_url, private_engine, server_clock
 from .schema import DATA, TIMES, add_columns, create_all, liveness_table, records_table
 
@@ -188,7 +190,7 @@ class SQLStore(Store):
                 **{name: p(name) for name in DATA},
                 **times,
             )
-            # A takeover keeps the task id of the attempt it takes (stores/base.py: taken_over).
+            # A takeover keeps the task id of the attempt it takes (stores/rules.py: taken_over).
             previous = sa.case(
                 (absent, None), (c.state == State.IN_PROGRESS.value, c.task_id), else_=c.previous_task_id
             )
