@@ -3,13 +3,8 @@
 
 from __future__ import annotations
 
-from ...errors import ConfigurationError
-
-try:
-    import sqlalchemy as sa
-    from sqlalchemy import exc as sa_exc
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ConfigurationError("SQLStore needs SQLAlchemy: pip install 'celery-idem[sql]'") from exc
+import sqlalchemy as sa
+from sqlalchemy import exc as sa_exc
 
 __all__ = ["DATA", "TIMES", "add_columns", "create_all", "liveness_table", "records_table"]
 
