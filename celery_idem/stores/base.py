@@ -231,6 +231,8 @@ class Store(StoreUpkeep):
     @abstractmethod
     def _forget(self, identity: Identity) -> bool: ...
 
+    # ---- the worker's start-up check: optional ------------------------------------------------------
+
     def _ping(self) -> None:
         """A round trip: by default, a read of a record nobody writes."""
         self._get(Identity("", "celery_idem.ping", "ping"))

@@ -107,7 +107,7 @@ class StoreUpkeep(StoreCore, ABC):
     @abstractmethod
     def _alive(self, processes: list[str]) -> set[str]: ...
 
-    # ---- operator queries (the CLI's list and count, the worker's start-up check): optional -------
+    # ---- operator queries (the CLI's list and count): optional ---------------------------------------
 
     def _records(self, state: State | None, task_name: str | None, limit: int) -> list[IdempotencyRecord]:
         raise NotImplementedError(f"{type(self).__name__} does not list its records (celery idem list needs it)")

@@ -1,6 +1,5 @@
-"""The memory store's transitions: each one step under the lock, the plainest statement of the
-rules of :mod:`celery_idem.stores.rules` (the Lua scripts and SQL statements do the same thing
-atomically on their servers)."""
+"""The memory store's transitions, each one step under the lock: the rules of
+:mod:`celery_idem.stores.rules`, stated plainly."""
 
 from __future__ import annotations
 

@@ -29,8 +29,9 @@ INDEX_SHARDS = 16
 
 
 class RedisBase(Store):
-    """The ground of :class:`~celery_idem.stores.redis.RedisStore` (which documents the arguments):
-    it runs every transition as a script on what is set up here."""
+    """What :class:`~celery_idem.stores.redis.RedisStore` (which documents the arguments) runs its
+    scripts on: the client and its scripts, the key layout, what redis-py's errors mean, the clock
+    a script reads, and the plain reads."""
 
     def __init__(
         self,
@@ -129,6 +130,9 @@ class RedisBase(Store):
     def _tag(self, shard: int) -> str:
         return f"{{{self.key_prefix}:{shard}}}"
 
+    def _index(self, shard: int) -> str:
+        return f"{self._tag(shard)}:lease"
+
     def _now(self) -> str:
         """ARGV "now" of a script: the injected clock's time, '' for the server's clock, or
         '+<seconds>' for the server's clock shifted by a test (:meth:`advance_clock_for_tests`)."""
@@ -136,8 +140,7 @@ class RedisBase(Store):
             return f"{self._clock_now():.6f}"
         return f"+{self._time_offset!r}" if self._time_offset else ""
 
-    def _index(self, shard: int) -> str:
-        return f"{self._tag(shard)}:lease"
+    # ---- plain reads ---------------------------------------------------------------------------
 
     def _live(self, flat: dict[bytes, bytes]) -> IdempotencyRecord | None:
         if not flat:

@@ -35,6 +35,8 @@ T = TypeVar("T")
 _WATCHDOG = Watchdog()
 _DEADLINE_MARGIN_SECONDS = 1.0  # past the server's own statement/lock timeout, which answers first
 
+# How a statement's answer is read (the ``fetch`` of :meth:`SQLBase._run`).
+
 
 def one(result: sa.CursorResult[Any]) -> Any:
     return result.one()
@@ -53,8 +55,8 @@ def rowcount(result: sa.CursorResult[Any]) -> int:
 
 
 class SQLBase(Statements, Store):
-    """The ground of :class:`~celery_idem.stores.sql.SQLStore` (which documents the arguments): it
-    runs each transition as one of the statements built here."""
+    """What :class:`~celery_idem.stores.sql.SQLStore` (which documents the arguments) runs its
+    statements on: its pool, what the database's errors mean, its parameters, clock and schema."""
 
     _unavailable = (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError)
     # A hot standby (or default_transaction_read_only) refuses writes with SQLSTATE 25006, which
