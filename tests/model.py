@@ -3,7 +3,7 @@
 Plain Python, no store code: one dict of records and a clock that only the test moves. Every public
 method is one store operation with the same name and arguments as ``celery_idem.stores.base.Store``
 and returns what DESIGN says that operation answers. The rules are written here a second time, on
-purpose, from DESIGN and the contract at the top of ``stores/base.py``; where DESIGN left a choice
+purpose, from DESIGN and the contract's rules in ``stores/rules.py``; where DESIGN left a choice
 open, the model follows the memory store (tests/README.md lists those choices).
 
 Time: the model clock starts at 0 and moves only by :meth:`Model.advance`. A real store's times are

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigurationError, IdempotencyError, StoreUnavailableError
 from ..records import Decision, ErrorInfo, IdempotencyRecord, Identity, State, Transition
-from .base import Clock, Fence, Settlement, Store
+from .base import Store
 from .memory import MemoryStore
+from .spi import Clock, Fence, Settlement
 
 if TYPE_CHECKING:
     from .redis import RedisStore

@@ -104,7 +104,7 @@ def test_key_layout_keeps_a_record_and_its_index_shard_in_one_cluster_slot(real_
 def test_expired_leases_reads_about_its_limit_not_a_limit_per_shard(
     real_redis: Any, monkeypatch: pytest.MonkeyPatch, page: int, batch: int
 ) -> None:
-    import celery_idem.stores.redis as redis_store
+    import celery_idem.stores.redis.scripts as redis_scripts
 
     # Given 160 stale records over the 16 shards (about 10 each), each with a kept call of 4 KiB,
     # and leftovers whose records went (settled or forgotten) in the index among them
@@ -120,14 +120,14 @@ def test_expired_leases_reads_about_its_limit_not_a_limit_per_shard(
     monkeypatch.setattr(real_redis, "_due_batch", batch)
     decoded: list[str] = []
     replies: list[int] = []
-    real_record = redis_store._record
+    real_record = redis_scripts.record
 
     def counted(flat: Any) -> Any:
         record = real_record(flat)
         decoded.append(record.key)
         return record
 
-    monkeypatch.setattr(redis_store, "_record", counted)
+    monkeypatch.setattr(redis_scripts, "record", counted)
     script = real_redis._scripts["due"]
 
     def due(keys: list[str], args: list[Any]) -> Any:
@@ -153,7 +153,7 @@ def test_expired_leases_reads_about_its_limit_not_a_limit_per_shard(
 
 
 def test_a_record_key_is_fixed_by_the_prefix_and_the_identity_alone(real_redis: Any) -> None:
-    # The layout docs/stores.md and stores/lua/_prelude.lua describe, pinned: a change of it hides
+    # The layout docs/stores.md and stores/redis/lua/_prelude.lua describe, pinned: a change of it hides
     # every record written before, so it must fail here first.
     identity = Identity("tenant-7", "shop.charge", "order-42-charge")
     record_key, index_key = real_redis.keys_for(identity)

@@ -354,7 +354,7 @@ SCRIPT = textwrap.dedent(
     from celery_idem.errors import StoreUnavailableError
     from celery_idem.heartbeat import Heartbeat
     from celery_idem.records import Identity
-    from celery_idem.stores.base import OK
+    from celery_idem.stores.rules import OK
     from celery_idem.stores.memory import MemoryStore
 
     marker = sys.argv[1]

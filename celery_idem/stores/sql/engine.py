@@ -5,12 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ...errors import ConfigurationError
-
-try:
-    import sqlalchemy as sa
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ConfigurationError("SQLStore needs SQLAlchemy: pip install 'celery-idem[sql]'") from exc
+import sqlalchemy as sa
 
 __all__ = ["engine_from_url", "private_engine", "server_clock"]
 

@@ -3,13 +3,8 @@
 
 from __future__ import annotations
 
-from ...errors import ConfigurationError
-
-try:
-    import sqlalchemy as sa
-    from sqlalchemy import exc as sa_exc
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ConfigurationError("SQLStore needs SQLAlchemy: pip install 'celery-idem[sql]'") from exc
+import sqlalchemy as sa
+from sqlalchemy import exc as sa_exc
 
 __all__ = ["DATA", "TIMES", "add_columns", "create_all", "liveness_table", "records_table"]
 
@@ -55,7 +50,7 @@ def records_table(metadata: sa.MetaData, name: str = "celery_idem_records") -> s
         sa.Column("error", sa.Text, nullable=True),
         sa.Column("call", sa.LargeBinary, nullable=True),  # kept only for stale_action="requeue"
         # Hidden (never read into a record): when a BUSY waiter will have looked again by; an
-        # outcome is kept at least until then (stores/base.py, "A waiting duplicate gets its answer").
+        # outcome is kept at least until then (stores/rules.py, "A waiting duplicate gets its answer").
         sa.Column("linger_until", sa.Double, nullable=True),
         sa.Column("previous_task_id", sa.String(255), nullable=True),  # an attempt taken over past its lease
         # The reconciler's index: unsettled records by lease expiry (settled rows hold NULL).

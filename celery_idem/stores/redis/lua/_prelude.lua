@@ -3,7 +3,7 @@
 -- Key layout (every key of one identity shares a hash tag, so a script touches one cluster slot):
 --   {<prefix>:<shard>}:r:<len(scope)>:<scope>:<len(task)>:<task>:<key>   record hash
 --   {<prefix>:<shard>}:lease                                            lease index, zset
--- shard = crc32(scope NUL task NUL key) mod 16. The 16 is FIXED (redis.py INDEX_SHARDS): it is part
+-- shard = crc32(scope NUL task NUL key) mod 16. The 16 is FIXED (redis/base.py INDEX_SHARDS): it is part
 -- of every record's key, so it is never a setting. The index holds the record keys of its shard that
 -- are PENDING or IN_PROGRESS, scored by lease expiry (POSIX seconds). A script that touches a record
 -- gets KEYS[1] = the record hash and KEYS[2] = its shard's lease index (one slot: the same tag);

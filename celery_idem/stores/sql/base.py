@@ -1,0 +1,200 @@
+"""What the SQL store stands on: its private pool, what the database's errors mean, running one
+prebuilt statement, its parameters and clock, its schema, and reading a row back as a record.
+
+Time is the database's: every statement reads the server clock itself (``:p_now`` is NULL unless a
+test injected a clock; a test that shifts the clock adds ``:p_shift`` to it), so clients whose
+clocks disagree still agree on every lease and expiry.
+The store runs on a private pool derived from the engine it is given, whose connections carry its
+timeouts (statement and lock timeouts on PostgreSQL, the busy timeout on SQLite); the caller's own
+sessions on that engine are untouched.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy import exc as sa_exc
+
+from ...errors import ConfigurationError
+from ...records import ErrorInfo, IdempotencyRecord, Identity, State
+from ..base import Store
+from ..deadline import Watchdog, socket_of
+from ..spi import Clock
+from .engine import private_engine, server_clock
+from .schema import add_columns, create_all, liveness_table, records_table
+from .statements import INSERTS, Statements
+
+__all__ = ["SQLBase", "one", "one_or_none", "rowcount", "rows"]
+
+T = TypeVar("T")
+
+_WATCHDOG = Watchdog()
+_DEADLINE_MARGIN_SECONDS = 1.0  # past the server's own statement/lock timeout, which answers first
+
+# How a statement's answer is read (the ``fetch`` of :meth:`SQLBase._run`).
+
+
+def one(result: sa.CursorResult[Any]) -> Any:
+    return result.one()
+
+
+def one_or_none(result: sa.CursorResult[Any]) -> Any:
+    return result.one_or_none()
+
+
+def rows(result: sa.CursorResult[Any]) -> Sequence[Any]:
+    return result.all()
+
+
+def rowcount(result: sa.CursorResult[Any]) -> int:
+    return result.rowcount
+
+
+class SQLBase(Statements, Store):
+    """What :class:`~celery_idem.stores.sql.SQLStore` (which documents the arguments) runs its
+    statements on: its pool, what the database's errors mean, its parameters, clock and schema."""
+
+    _unavailable = (sa_exc.OperationalError, sa_exc.InterfaceError, sa_exc.TimeoutError)
+    # A hot standby (or default_transaction_read_only) refuses writes with SQLSTATE 25006, which
+    # psycopg classes an InternalError: the store is up but cannot take writes, an outage.
+    _READ_ONLY_SQLSTATE = "25006"
+
+    @classmethod
+    def _is_mistake(cls, exc: Exception) -> bool:
+        # create_engine's verdict on a URL it cannot read (sqlite://relative.db, an unknown driver)
+        return isinstance(exc, sa_exc.ArgumentError) or super()._is_mistake(exc)
+
+    @classmethod
+    def _misconfiguration(cls, exc: Exception) -> str | None:
+        # PostgreSQL refuses the connection (SQLSTATE 3D000, 28000): no waiting creates them.
+        text = str(getattr(exc, "orig", None) or exc)
+        if not isinstance(exc, sa_exc.DBAPIError):
+            return None
+        if re.search(r'database "[^"]*" does not exist', text):
+            return "create the database (CREATE DATABASE ...) or name an existing one in the URL"
+        if re.search(r'role "[^"]*" does not exist', text):
+            return "create the role (CREATE ROLE ... LOGIN) or name an existing user in the URL"
+        return None
+
+    @classmethod
+    def _is_outage(cls, exc: Exception) -> bool:
+        if isinstance(exc, sa_exc.InternalError) and getattr(exc.orig, "sqlstate", None) == cls._READ_ONLY_SQLSTATE:
+            return True
+        if "password authentication failed" in str(exc):
+            return False  # an OperationalError by class, a wrong password by nature (as on Redis): a surprise
+        return super()._is_outage(exc)
+
+    def __init__(
+        self,
+        engine: sa.Engine,
+        *,
+        table_name: str = "celery_idem_records",
+        liveness_table_name: str = "celery_idem_liveness",
+        key_prefix: str = "idem",
+        timeout_seconds: float = 2.0,
+        max_result_bytes: int = 1_048_576,
+        clock: Clock | None = None,
+    ) -> None:
+        super().__init__(
+            key_prefix=key_prefix, timeout_seconds=timeout_seconds, max_result_bytes=max_result_bytes, clock=clock
+        )
+        if engine.dialect.name not in INSERTS:
+            raise ConfigurationError(f"SQLStore runs on PostgreSQL and SQLite; got the {engine.dialect.name!r} dialect")
+        if len(key_prefix) > 64:
+            raise ConfigurationError(f"key_prefix must be at most 64 characters for SQLStore; got {len(key_prefix)}")
+        self.engine = private_engine(engine, self.timeout_seconds)
+        self._deadline = self.timeout_seconds + _DEADLINE_MARGIN_SECONDS
+        self._autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
+        self.metadata = sa.MetaData()
+        self.table = records_table(self.metadata, table_name)
+        self.liveness = liveness_table(self.metadata, liveness_table_name)
+        self._schema_ready = False
+        self._schema_lock = threading.Lock()
+        # The injected clock when there is one, else the database's clock, in every statement.
+        self._now = sa.func.coalesce(sa.bindparam("p_now", type_=sa.Double), server_clock(engine.dialect.name))
+        self._shifting = False  # tests only: whether the statements add :p_shift to the server clock
+        self._build_statements(INSERTS[engine.dialect.name])
+
+    def advance_clock_for_tests(self, seconds: float) -> None:
+        if not self._shifting and not self._injected_clock:
+            # Production statements never carry the shift: it is built in on a test's first call.
+            server = server_clock(self.engine.dialect.name) + sa.bindparam("p_shift", type_=sa.Double)
+            self._now = sa.func.coalesce(sa.bindparam("p_now", type_=sa.Double), server)
+            self._build_statements(INSERTS[self.engine.dialect.name])
+            self._shifting = True
+        super().advance_clock_for_tests(seconds)
+
+    def create_schema(self) -> None:
+        """Create the table and its indexes if they are missing, and add the nullable columns a
+        newer celery-idem brought to an older table (safe to call from many processes)."""
+        with self._guard("create_schema"):
+            create_all(self.metadata, self.engine)
+            self._add_missing_columns()
+        self._schema_ready = True
+
+    def _add_missing_columns(self) -> None:
+        dialect = self.engine.dialect
+        nullable = {
+            column.name: column.type.compile(dialect=dialect) for column in self.table.columns if column.nullable
+        }
+        add_columns(self.engine, self.table.name, nullable)
+
+    def _run(self, statement: sa.Executable, params: dict[str, Any], fetch: Callable[[sa.CursorResult[Any]], T]) -> T:
+        """Run one prebuilt statement (autocommit: one transaction, one round trip) and read its answer."""
+        if not self._schema_ready:
+            with self._schema_lock:
+                if not self._schema_ready:
+                    self.create_schema()
+        with self._autocommit.connect() as connection, _WATCHDOG.guard(socket_of(connection), self._deadline):
+            return fetch(connection.execute(statement, params))
+
+    def _clock_params(self) -> dict[str, float | None]:
+        """``:p_now`` of a statement: the injected clock's time, or NULL for the database's own
+        (plus ``:p_shift``, the test-only shift of the database's clock, once a test set one)."""
+        if self._injected_clock:
+            return {"p_now": self._clock_now()}
+        return {"p_now": None, "p_shift": self._time_offset} if self._shifting else {"p_now": None}
+
+    def _params(self, identity: Identity, **more: Any) -> dict[str, Any]:
+        scope, task_name, key = identity
+        named = {"ns": self.key_prefix, "scope": scope, "task_name": task_name, "key": key, **more}
+        return {f"p_{name}": value for name, value in named.items()} | self._clock_params()
+
+    def _record(self, row: Any) -> IdempotencyRecord:
+        return IdempotencyRecord(
+            key=row.key,
+            scope=row.scope,
+            task_name=row.task_name,
+            fingerprint=row.fingerprint,
+            state=State(row.state),
+            task_id=row.task_id,
+            owner=row.owner,
+            attempt=row.attempt,
+            lease_expires_at=row.lease_expires_at,
+            created_at=row.created_at,
+            updated_at=row.updated_at,
+            expires_at=row.expires_at,
+            ttl_seconds=row.ttl_seconds,
+            result=bytes(row.result) if row.result is not None else None,
+            content_type=row.content_type,
+            content_encoding=row.content_encoding,
+            error=ErrorInfo.model_validate_json(row.error) if row.error else None,
+            call=bytes(row.call) if row.call is not None else None,
+            previous_task_id=row.previous_task_id,
+        )
+
+    def _server_now(self) -> float:
+        if self._injected_clock:
+            return self._clock_now()
+        return float(self._run(self._now_sql, self._clock_params(), one)[0])
+
+    def _ping(self) -> None:
+        with self._autocommit.connect() as connection, _WATCHDOG.guard(socket_of(connection), self._deadline):
+            connection.execute(sa.select(1)).one()
+
+    def close(self) -> None:
+        self.engine.dispose()

@@ -1,0 +1,204 @@
+"""Every statement of the SQL store, built once with bind parameters from its tables and the clock
+it reads (``:p_now``, the database's clock by default): what each transition, read and liveness
+beat runs, in one place (how the store runs them: :mod:`~celery_idem.stores.sql.store`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+
+from ...records import State
+from ..rules import UNSETTLED
+from .schema import DATA, TIMES
+
+__all__ = ["INSERTS", "Statements"]
+
+_UNSETTLED = [s.value for s in UNSETTLED]
+# Both dialects' insert() has on_conflict_do_update and .excluded; the generic Insert has neither.
+INSERTS: dict[str, Callable[[sa.Table], Any]] = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
+
+
+class Statements:
+    """The statements of a :class:`~celery_idem.stores.sql.SQLStore`, built from its tables and its
+    clock expression (set by the store, which builds them again when a test shifts its clock)."""
+
+    table: sa.Table
+    liveness: sa.Table
+    _now: sa.ColumnElement[Any]
+
+    def _build_statements(self, insert: Callable[[sa.Table], Any]) -> None:
+        t, c, now = self.table, self.table.c, self._now
+
+        def p(name: str) -> sa.BindParameter[Any]:
+            # Parameters are prefixed: SQLAlchemy reserves column names for INSERT/UPDATE values.
+            return sa.bindparam(f"p_{name}")
+
+        pk = sa.and_(c.namespace == p("ns"), c.scope == p("scope"), c.task_name == p("task_name"), c.key == p("key"))
+        unsettled = c.state.in_(_UNSETTLED)
+        absent = c.expires_at <= now
+
+        def upsert(take: sa.ColumnElement[bool], special: dict[str, Any]) -> sa.Executable:
+            times = {
+                "lease_expires_at": now + p("lease"),
+                "created_at": now,
+                "updated_at": now,
+                "expires_at": now + p("lease") + p("ttl_seconds"),
+            }
+            ins = insert(t).values(
+                namespace=p("ns"),
+                scope=p("scope"),
+                task_name=p("task_name"),
+                key=p("key"),
+                **{name: p(name) for name in DATA},
+                **times,
+            )
+            # A takeover keeps the task id of the attempt it takes (stores/rules.py: taken_over).
+            previous = sa.case(
+                (absent, None), (c.state == State.IN_PROGRESS.value, c.task_id), else_=c.previous_task_id
+            )
+            changes = {name: ins.excluded[name] for name in (*DATA, *TIMES)} | {"previous_task_id": previous}
+            # A live record keeps a BUSY waiter's mark whoever takes it over; an absent one has none.
+            changes["linger_until"] = sa.case((absent, sa.null()), else_=c.linger_until)
+            statement: sa.Executable = ins.on_conflict_do_update(
+                index_elements=[c.namespace, c.scope, c.task_name, c.key], set_=changes | special, where=take
+            ).returning(c.fingerprint, c.attempt, c.call, c.previous_task_id, *(c[name] for name in TIMES))
+            return statement
+
+        # claim takes an absent record, or one whose lease ran out under the same fingerprint.
+        self._claim_sql = upsert(
+            sa.or_(absent, sa.and_(c.fingerprint == p("fingerprint"), unsettled, c.lease_expires_at <= now)), {}
+        )
+        # acquire takes an absent record, a PENDING one, or an IN_PROGRESS one whose lease ran out,
+        # if it is the same call or the same attempt chain (a Celery retry under the record's task
+        # id); the chain keeps the caller's fingerprint and counts its attempts.
+        runnable = sa.or_(
+            c.state == State.PENDING.value, sa.and_(c.state == State.IN_PROGRESS.value, c.lease_expires_at <= now)
+        )
+        retry = sa.bindparam("p_retry", type_=sa.Integer)
+        chain = sa.and_(retry == 1, c.task_id == p("task_id"), c.attempt > 0)  # no retry before an attempt ran
+        same = sa.or_(c.fingerprint == p("fingerprint"), chain)
+        self._acquire_sql = upsert(
+            sa.or_(absent, sa.and_(same, runnable)),
+            {
+                "fingerprint": sa.case((absent, p("fingerprint")), else_=c.fingerprint),
+                "created_at": sa.case((absent, now), else_=c.created_at),
+                "attempt": sa.case((absent, 1), else_=c.attempt + 1),
+                # An absent (expired) record's call belongs to another call: never inherited.
+                "call": sa.case((absent, p("call")), else_=sa.func.coalesce(p("call"), c.call)),
+            },
+        )
+        # BUSY: a live attempt of this call (or chain) holds the record. Marked in the same statement
+        # that judges it so, with when the waiter will have looked again by; the mark only grows.
+        look = now + p("next_look")
+        self._busy_sql = (
+            sa.update(t)
+            .where(pk, c.expires_at > now, c.state == State.IN_PROGRESS.value, c.lease_expires_at > now, same)
+            .values(linger_until=sa.case((sa.func.coalesce(c.linger_until, 0.0) > look, c.linger_until), else_=look))
+            .returning(*t.c)
+        )
+        # A read carries the database's time, so a held record is judged by the same clock.
+        self._get_sql = sa.select(t, now.label("db_now")).where(pk, c.expires_at > now)
+
+        expired_lease = c.lease_expires_at <= now
+
+        def owned(fence: str) -> sa.ColumnElement[bool]:
+            held = sa.and_(pk, c[fence] == p("token"), unsettled, c.expires_at > now)
+            if fence == "task_id":
+                # The task id frees only what that delivery may still hold: a claim, or an attempt
+                # past its lease. A live attempt under the same id is a copy running elsewhere.
+                return sa.and_(held, sa.or_(c.state == State.PENDING.value, expired_lease))
+            return held
+
+        self._settle_sql = (
+            sa.update(t)
+            .where(owned("owner"))
+            .values(
+                state=p("state"),
+                result=p("result"),
+                content_type=p("content_type"),
+                content_encoding=p("content_encoding"),
+                error=p("error"),
+                lease_expires_at=None,
+                updated_at=now,
+                expires_at=sa.case(
+                    (sa.func.coalesce(c.linger_until, 0.0) > now + c.ttl_seconds, c.linger_until),
+                    else_=now + c.ttl_seconds,
+                ),  # never before a BUSY waiter's next look
+            )
+        )
+        only_expired = sa.or_(sa.not_(p("expired_only")), expired_lease)
+        self._delete_sql = {fence: sa.delete(t).where(owned(fence), only_expired) for fence in ("owner", "task_id")}
+        self._pending_sql = {
+            fence: sa.update(t)
+            .where(owned(fence), only_expired)
+            .values(
+                state=State.PENDING.value,
+                owner=p("new_owner"),
+                lease_expires_at=now + p("lease"),
+                updated_at=now,
+                expires_at=now + p("lease") + c.ttl_seconds,
+            )
+            for fence in ("owner", "task_id")
+        }
+        # A renewal extends the lease, never shortens it (a late beat must not undo a longer lease).
+        renewed = sa.case((c.lease_expires_at > now + p("lease"), c.lease_expires_at), else_=now + p("lease"))
+        self._renew_sql = (
+            sa.update(t)
+            .where(owned("owner"), c.state == State.IN_PROGRESS.value)
+            .values(lease_expires_at=renewed, updated_at=now, expires_at=renewed + c.ttl_seconds)
+        )
+        self._hand_over_sql = (
+            sa.update(t)
+            .where(owned("owner"), c.state == State.IN_PROGRESS.value)
+            .values(
+                owner=p("new_owner"),
+                lease_expires_at=now + p("lease"),
+                updated_at=now,
+                expires_at=now + p("lease") + c.ttl_seconds,
+            )
+        )
+        self._forget_sql = sa.delete(t).where(pk).returning((c.expires_at > now).label("live"))
+        self._due_sql = (
+            sa.select(t)
+            .where(c.namespace == p("ns"), expired_lease, unsettled, c.expires_at > now)
+            .order_by(c.lease_expires_at)
+            .limit(p("limit"))
+        )
+        # The expiry is checked on the DELETE itself, not only in the subquery: under READ COMMITTED
+        # PostgreSQL re-checks the DELETE's own condition on a row it waited for, so a row that a
+        # claim or acquire revived meanwhile is kept.
+        expired = sa.and_(c.namespace == p("ns"), c.expires_at <= now)
+        doomed = sa.select(c.namespace, c.scope, c.task_name, c.key).where(expired).limit(p("limit"))
+        self._purge_sql = sa.delete(t).where(expired, sa.tuple_(c.namespace, c.scope, c.task_name, c.key).in_(doomed))
+        self._now_sql = sa.select(now)
+        self._build_liveness_statements(insert)
+
+    def _build_liveness_statements(self, insert: Callable[[sa.Table], Any]) -> None:
+        t, c, now = self.liveness, self.liveness.c, self._now
+        mine = sa.and_(c.namespace == sa.bindparam("p_ns"), c.process == sa.bindparam("p_process"))
+        live = c.expires_at > now
+        until = now + sa.bindparam("p_seconds", type_=sa.Double)
+        longer = sa.case((c.expires_at > until, c.expires_at), else_=until)  # never shortened
+        self._renew_liveness_sql = (
+            sa.update(t).where(mine, c.token == sa.bindparam("p_token"), live).values(expires_at=longer)
+        )
+        ins = insert(t).values(
+            namespace=sa.bindparam("p_ns"),
+            process=sa.bindparam("p_process"),
+            token=sa.bindparam("p_token"),
+            expires_at=until,
+        )
+        # Created when absent or expired; a live record is taken only under its own token (a retry).
+        self._create_liveness_sql = ins.on_conflict_do_update(
+            index_elements=[c.namespace, c.process],
+            set_={"token": ins.excluded.token, "expires_at": sa.case((live, longer), else_=until)},
+            where=sa.or_(sa.not_(live), c.token == ins.excluded.token),
+        ).returning(c.process)
+        self._alive_sql = sa.select(c.process).where(
+            c.namespace == sa.bindparam("p_ns"), c.process.in_(sa.bindparam("p_processes", expanding=True)), live
+        )
+        dead = sa.and_(c.namespace == sa.bindparam("p_ns"), sa.not_(live))
+        self._purge_liveness_sql = sa.delete(t).where(dead)
