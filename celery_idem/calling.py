@@ -12,11 +12,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import attempts
+from .arguments import check_key_args
 from .calls import encode_call, published_options
 from .config import IdempotencyPolicy
 from .endings import IDEMPOTENT, Mode
 from .errors import ConfigurationError, InvalidKeyError, PayloadMismatchError
-from .fingerprint import check_key_args, fingerprint
+from .fingerprint import fingerprint
 from .keys import keyed_identity, validate_scope
 from .outcome import serializer_of
 from .pydantic_sets import parameter_shapes

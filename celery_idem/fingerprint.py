@@ -20,9 +20,7 @@ import contextlib
 import datetime
 import decimal
 import enum
-import functools
 import hashlib
-import inspect
 import json
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -32,102 +30,15 @@ from kombu import serialization
 from kombu.utils import json as kombu_json
 from pydantic import BaseModel
 
-from .errors import ConfigurationError, SerializationError
+from .arguments import bind_arguments, select_key_args
+from .errors import SerializationError
 from .pydantic_sets import Shape, Unordered, model_shape, unordered
 
 # kombu ships no annotations: name the two calls used here with their real shapes.
 kombu_dumps: Callable[..., tuple[str, str, Any]] = serialization.dumps
 kombu_loads: Callable[..., Any] = serialization.loads
 
-__all__ = [
-    "bind_arguments",
-    "canonical_json",
-    "check_key_args",
-    "fingerprint",
-]
-
-
-@functools.lru_cache(maxsize=2048)
-def _signature(func: Callable[..., Any]) -> inspect.Signature:
-    return inspect.signature(func)
-
-
-def bind_arguments(
-    func: Callable[..., Any],
-    args: Sequence[Any] | None,
-    kwargs: Mapping[str, Any] | None,
-    *,
-    skip_first: bool = False,
-) -> dict[str, Any]:
-    """Bind a call to ``func``'s signature with defaults applied, as ``{parameter: value}``.
-
-    Args:
-        func: The task's run function.
-        args: Positional arguments of the call.
-        kwargs: Keyword arguments of the call.
-        skip_first: Drop the first parameter (``self`` of a bound task given as a plain function).
-
-    Raises:
-        TypeError: the arguments do not fit the signature (as Celery's own argument check says).
-    """
-    signature = _signature(func)
-    if skip_first:
-        params = list(signature.parameters.values())[1:]
-        signature = signature.replace(parameters=params)
-    try:
-        bound = signature.bind(*(args or ()), **(kwargs or {}))
-    except TypeError as exc:
-        name = getattr(func, "__qualname__", repr(func))
-        raise TypeError(f"{name}{signature}: {exc}") from None
-    bound.apply_defaults()
-    return dict(bound.arguments)
-
-
-def check_key_args(func: Callable[..., Any], key_args: Sequence[str], *, task_name: str, typed: bool) -> None:
-    """Refuse, at a task's first call, ``key_args`` that name no parameter of ``func`` (unless it
-    takes ``**kwargs``), or any ``key_args`` on a task whose typing is off (calls are not bound).
-
-    Raises:
-        ConfigurationError: saying which names are wrong, or that typing is off, and what to do.
-    """
-    if not typed:
-        raise ConfigurationError(
-            f"task {task_name!r} sets key_args, which picks arguments by parameter name, but its "
-            "typing is off (typing=False, or Celery(strict_typing=False)), so its calls are not bound "
-            "to its signature: remove key_args and pass an idempotency_key, or turn typing back on"
-        )
-    params = _signature(func).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return
-    missing = [name for name in key_args if name not in params]
-    if missing:
-        raise ConfigurationError(
-            f"key_args of task {task_name!r} names {', '.join(map(repr, missing))}, "
-            f"not parameters of {task_name}{_signature(func)}"
-        )
-
-
-def _select(arguments: dict[str, Any], key_args: Iterable[str], func: Callable[..., Any]) -> dict[str, Any]:
-    var_kw = next(
-        (p.name for p in _signature(func).parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None
-    )
-    extra = arguments.get(var_kw, {}) if var_kw else {}
-    selected: dict[str, Any] = {}
-    for name in key_args:
-        if name == var_kw:
-            # Naming the **kwargs parameter itself keys the call on everything it holds.
-            selected[name] = extra
-        elif name in arguments:
-            selected[name] = arguments[name]
-        elif name in extra:
-            selected[name] = extra[name]
-        elif not var_kw:
-            raise ValueError(
-                f"key_args names {name!r}, which is not a parameter of "
-                f"{getattr(func, '__qualname__', func)}{_signature(func)}"
-            )
-        # A key arg that would travel in **kwargs but was not passed is simply absent.
-    return selected
+__all__ = ["canonical_json", "fingerprint"]
 
 
 _TAG = "\x00"  # opens the key of a tagged value; a real dict key that starts with it is escaped
@@ -271,7 +182,7 @@ def fingerprint(
     else:
         arguments = bind_arguments(func, args, kwargs, skip_first=skip_first)
         if key_args is not None:
-            arguments = _select(arguments, key_args, func)
+            arguments = select_key_args(arguments, key_args, func)
     if serializer == "json" and not sets and _plain(arguments):
         # What the worker receives is this very JSON: the round trip and the normalisation change
         # nothing (tests/api/test_fingerprint.py holds this against the long way for any plain value).
