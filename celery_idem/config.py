@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+from .errors import ConfigurationError
 
 __all__ = [
+    "LeftBehind",
+    "invalid_settings",
     "MAX_RESULT_BYTES",
     "MAX_SECONDS",
     "MAX_STORE_TIMEOUT_SECONDS",
@@ -173,3 +177,34 @@ class IdempotencySettings(IdempotencyPolicy):
         elif overrides:
             base.update(overrides)
         return IdempotencyPolicy(**base)
+
+
+class LeftBehind:
+    """Stands in ``app.conf`` for a setting given in code that cannot travel with the app (a Store
+    instance, an object that does not pickle). A process that rebuilds the app from its conf (a
+    pool child started with ``spawn``) finds this instead, and using it is a clear error."""
+
+    def __init__(self, name: str, description: str) -> None:
+        self.name = name
+        self.description = description
+
+    def error(self) -> ConfigurationError:
+        return ConfigurationError(
+            f"celery-idem setting {self.name} was given in code as {self.description}, which cannot travel "
+            "to this process (a pool child started with worker_pool_start_method='spawn' rebuilds the app "
+            f"from app.conf): pass a value that pickles ({'its URL, ' if self.name == 'store' else ''}"
+            f"e.g. Idempotency(app, {self.name}=...)) or set app.conf.idempotency_{self.name}"
+        )
+
+    def __getattr__(self, attribute: str) -> Any:
+        if attribute.startswith("__"):
+            raise AttributeError(attribute)
+        raise self.error()
+
+    def __repr__(self) -> str:
+        return f"<left behind: {self.description}>"
+
+
+def invalid_settings(where: str, error: ValidationError) -> ConfigurationError:
+    problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in error.errors())
+    return ConfigurationError(f"invalid {where}: {problems}")

@@ -15,10 +15,10 @@ from celery import Task
 from pydantic import ValidationError
 
 from . import replacement, signals
-from .config import IdempotencySettings
+from .config import IdempotencySettings, LeftBehind, invalid_settings
 from .errors import ConfigurationError
 from .reconciler import BEAT_ENTRY, TASK_NAME, Reconciler, ReconcileReport
-from .runtime import COUNTERS, INSTALLED_ATTRIBUTE, LeftBehind, Runtime, installed_on, invalid_settings
+from .runtime import COUNTERS, INSTALLED_ATTRIBUTE, Runtime, installed_on
 from .stores import Store
 
 __all__ = ["COUNTERS", "Idempotency"]

@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from .config import IdempotencyPolicy, IdempotencySettings
+from .config import IdempotencyPolicy, IdempotencySettings, LeftBehind, invalid_settings
 from .endings import IDEMPOTENT, Mode
 from .errors import ConfigurationError
 from .heartbeat import Heartbeat
@@ -27,7 +27,7 @@ from .outcome import accepted_content_types, replay
 from .records import IdempotencyRecord, Identity, State
 from .stores import Store, store_from_url
 
-__all__ = ["COUNTERS", "INSTALLED_ATTRIBUTE", "LeftBehind", "Runtime", "installed_on", "invalid_settings"]
+__all__ = ["COUNTERS", "INSTALLED_ATTRIBUTE", "Runtime", "installed_on"]
 
 logger = logging.getLogger("celery_idem")
 
@@ -50,37 +50,6 @@ def installed_on(app: Any) -> Runtime | None:
     """The runtime installed on ``app`` (its :class:`~celery_idem.Idempotency`), or None."""
     installed = app.__dict__.get(INSTALLED_ATTRIBUTE)
     return installed if isinstance(installed, Runtime) else None
-
-
-class LeftBehind:
-    """Stands in ``app.conf`` for a setting given in code that cannot travel with the app (a Store
-    instance, an object that does not pickle). A process that rebuilds the app from its conf (a
-    pool child started with ``spawn``) finds this instead, and using it is a clear error."""
-
-    def __init__(self, name: str, description: str) -> None:
-        self.name = name
-        self.description = description
-
-    def error(self) -> ConfigurationError:
-        return ConfigurationError(
-            f"celery-idem setting {self.name} was given in code as {self.description}, which cannot travel "
-            "to this process (a pool child started with worker_pool_start_method='spawn' rebuilds the app "
-            f"from app.conf): pass a value that pickles ({'its URL, ' if self.name == 'store' else ''}"
-            f"e.g. Idempotency(app, {self.name}=...)) or set app.conf.idempotency_{self.name}"
-        )
-
-    def __getattr__(self, attribute: str) -> Any:
-        if attribute.startswith("__"):
-            raise AttributeError(attribute)
-        raise self.error()
-
-    def __repr__(self) -> str:
-        return f"<left behind: {self.description}>"
-
-
-def invalid_settings(where: str, error: ValidationError) -> ConfigurationError:
-    problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in error.errors())
-    return ConfigurationError(f"invalid {where}: {problems}")
 
 
 class Runtime:
