@@ -6,9 +6,11 @@
 - each public store method (``claim``, ``acquire``, ``renew``, ``complete``, ``fail``, ``release``,
   ``get``, ...) counts its calls against the armed :class:`Plan` objects, per idempotency key;
 - the call a plan picks arms a fault for its own thread, and the fault fires at the DRIVER level,
-  below the store: on Redis in the client's ``execute_command`` (what every script and command goes
-  through), on SQL in SQLAlchemy's cursor events. So the store's own error mapping is what turns
-  the driver's error into what the library sees, exactly as with a real outage.
+  below the store: on Redis in each pooled connection's ``send_command`` (what every script and
+  command goes through, redis-py's command path and the store's own), or the client's
+  ``execute_command`` for a client without a pool (Cluster); on SQL in SQLAlchemy's cursor
+  events. So the store's own error mapping is what turns the driver's error into what the library
+  sees, exactly as with a real outage.
 
 Fault kinds (:class:`Fault`), with the driver error each raises:
 
@@ -39,6 +41,7 @@ threads or solo pool, or give each plan a ``key``, when a fault must fire once p
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import json
@@ -146,6 +149,40 @@ class Injector:
     # ---- Redis: below the store, in the client -------------------------------------------------
 
     def _hook_redis(self, client: Any) -> None:
+        pool = getattr(client, "connection_pool", None)
+        if type(client).__name__ != "Redis" or pool is None:
+            self._hook_redis_client(client)
+            return
+        get = pool.get_connection
+
+        @functools.wraps(get)
+        def get_connection(*args: Any, **kwargs: Any) -> Any:
+            conn = get(*args, **kwargs)
+            hooked = conn.__dict__.setdefault("_fault_injectors", set())  # two stores may share a client
+            if id(self) not in hooked:
+                hooked.add(id(self))
+                self._hook_redis_connection(conn)
+            return conn
+
+        pool.get_connection = get_connection
+
+    def _hook_redis_connection(self, conn: Any) -> None:
+        send = conn.send_command
+
+        def send_command(*args: Any, **options: Any) -> Any:
+            fault = self._take_fault()
+            if fault is None:
+                return send(*args, **options)
+            if fault is Fault.LOST_REPLY:
+                send(*args, **options)  # the server runs it...
+                with contextlib.suppress(Exception):
+                    conn.read_response()
+                conn.disconnect()  # ...and its reply is lost: a read timeout drops the connection
+            raise redis_error(fault)
+
+        conn.send_command = send_command
+
+    def _hook_redis_client(self, client: Any) -> None:
         execute = client.execute_command
 
         def execute_command(*args: Any, **options: Any) -> Any:

@@ -318,3 +318,40 @@ def test_a_full_redis_is_store_unavailable_not_a_raw_error(tmp_path: Path, prefi
     finally:
         node.terminate()
         node.wait(timeout=10)
+
+
+# ---- the connection a transition runs on ----------------------------------------------------------
+
+
+def test_a_flushed_script_cache_is_loaded_again(real_redis: Any) -> None:
+    """A restart, a failover or SCRIPT FLUSH empties the server's scripts: the next transition loads
+    its script again and answers (the store calls scripts by SHA on its pool's connections)."""
+    walked = Identity("", "shop.charge", "before")
+    _walk_one_identity(real_redis, walked)
+    real_redis.client.script_flush()
+    _walk_one_identity(real_redis, Identity("", "shop.charge", "after"))
+
+
+def test_a_reply_that_came_too_late_is_never_read_as_the_next_ones(prefix: str) -> None:
+    """A transition whose reply outlived the store's timeout fails; the reply that arrives later is
+    never taken for the next transition's (its connection is not handed back with it unread)."""
+    require_server("redis")
+    from proxy import Proxy
+
+    proxy = Proxy(6379)
+    store = store_from_url(proxy.url(15), key_prefix=prefix, timeout_seconds=0.3)
+    try:
+        held, waiting = Identity("", "shop.charge", "held"), Identity("", "shop.charge", "waiting")
+        assert store.claim(waiting, FP, "t-w", pending_seconds=60, ttl_seconds=60).decision is Decision.NEW
+        proxy.hold(1.0)
+        with pytest.raises(StoreUnavailableError):
+            store.claim(held, FP, "t-h", pending_seconds=60, ttl_seconds=60)  # carried out late
+        time.sleep(1.2)
+        again = store.claim(waiting, FP, "t-w2", pending_seconds=60, ttl_seconds=60)
+        assert again.decision is Decision.DUPLICATE and again.record is not None
+        assert again.record.key == "waiting" and again.record.task_id == "t-w"
+        late = store.claim(held, FP, "t-h2", pending_seconds=60, ttl_seconds=60)
+        assert late.decision is Decision.DUPLICATE and late.record is not None and late.record.task_id == "t-h"
+    finally:
+        proxy.close()
+        wipe(store)

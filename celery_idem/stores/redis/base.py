@@ -14,7 +14,6 @@ import zlib
 from typing import Any
 
 import redis
-from redis.commands.core import Script
 
 from ...errors import ConfigurationError
 from ...records import IdempotencyRecord, Identity, State
@@ -58,7 +57,7 @@ class RedisBase(Store):
             )
         self.client = client
         self.index_shards = INDEX_SHARDS
-        self._scripts: dict[str, Script] = scripts.register(client)
+        self._scripts: dict[str, scripts.Scripted] = scripts.register(client)
 
     _unavailable = (
         redis.exceptions.ConnectionError,

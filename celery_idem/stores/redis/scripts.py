@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
-from redis.commands.core import Script
+import redis
+from redis.exceptions import NoScriptError
 
 from ...records import ErrorInfo, IdempotencyRecord, State
 
-__all__ = ["NAMES", "record", "register", "source", "text"]
+__all__ = ["NAMES", "Scripted", "record", "register", "source", "text"]
 
 NAMES = ("claim", "acquire", "settle", "release", "renew", "forget", "due", "hand_over", "keep_alive", "alive")
 """Every script, by the name of its file in ``lua/``."""
@@ -29,9 +31,53 @@ def source(name: str) -> str:
     return (lua / "_prelude.lua").read_text("utf-8") + "\n" + (lua / f"{name}.lua").read_text("utf-8")
 
 
-def register(client: Any) -> dict[str, Script]:
-    """Every script, registered on the redis-py ``client`` (sent by SHA, loaded again when missing)."""
-    return {name: client.register_script(source(name)) for name in NAMES}
+class Scripted:
+    """One script on one client, called as ``script(keys=..., args=...)``: by SHA, loaded again when
+    the server answers NOSCRIPT (a restart, a failover, SCRIPT FLUSH), as redis-py's ``Script`` does.
+
+    On a plain client (one server, or a Sentinel master) the call goes straight to a connection of
+    its pool: redis-py's command path (its retry wrapper, with no retries here, and its per-command
+    bookkeeping) cost half the client CPU of a transition. The connection itself is redis-py's, so
+    its timeouts, health checks and its rule that a connection whose send or read failed is
+    disconnected (no unread reply goes back to the pool) all hold. Cluster clients take redis-py's
+    path, which routes by slot.
+    """
+
+    def __init__(self, client: Any, text: str) -> None:
+        self.script = client.register_script(text)
+        self._pool: Any = None
+        self._named = False
+        if type(client) is redis.Redis and getattr(client, "connection", None) is None:
+            self._pool = client.connection_pool
+            # redis-py 5.0 wants the command's name; later ones warn when given any.
+            named = inspect.signature(self._pool.get_connection).parameters.get("command_name")
+            self._named = named is not None and named.default is inspect.Parameter.empty
+
+    def __call__(self, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        if self._pool is None:
+            return self.script(keys=keys, args=args)
+        try:
+            return self._evalsha(keys, args)
+        except NoScriptError:
+            self.script.sha = self.script.registered_client.script_load(self.script.script)
+            return self._evalsha(keys, args)
+
+    def _evalsha(self, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        pool = self._pool
+        conn = pool.get_connection("EVALSHA") if self._named else pool.get_connection()
+        try:
+            conn.send_command("EVALSHA", self.script.sha, len(keys), *keys, *args)
+            return conn.read_response()
+        finally:
+            should_reconnect = getattr(conn, "should_reconnect", None)  # redis-py 7+: a server maintenance
+            if should_reconnect is not None and should_reconnect():
+                conn.disconnect()
+            pool.release(conn)
+
+
+def register(client: Any) -> dict[str, Scripted]:
+    """Every script, registered on the redis-py ``client``."""
+    return {name: Scripted(client, source(name)) for name in NAMES}
 
 
 def text(value: bytes | None) -> str | None:
