@@ -270,7 +270,8 @@ class RedisWire:
     """Counts, on the client side, what redis-py sends while counting (every client in the process).
 
     Every request it writes (``send_packed_command``: one per command, one per pipeline) is a round
-    trip; commands are named where they are issued (``Redis.execute_command``, ``Pipeline.execute``).
+    trip; commands are named where they are sent (a connection's ``send_command``, whichever path
+    called it: redis-py's ``execute_command`` or the Redis store's own), and ``Pipeline.execute``.
     With a ``reader`` (a client of its own) it also reads ``INFO commandstats`` before and after:
     the server's count, which includes the commands Lua scripts run inside the server.
     ``commandstats`` is server-wide, so another client's commands land in it too
@@ -283,13 +284,13 @@ class RedisWire:
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[Tally]:
-        from redis.client import Pipeline, Redis
+        from redis.client import Pipeline
         from redis.connection import AbstractConnection
 
         tally = Tally(round_trips=0)
         originals = {
             (AbstractConnection, "send_packed_command"): AbstractConnection.send_packed_command,
-            (Redis, "execute_command"): Redis.execute_command,
+            (AbstractConnection, "send_command"): AbstractConnection.send_command,
             (Pipeline, "execute"): Pipeline.execute,
         }
 
@@ -297,9 +298,9 @@ class RedisWire:
             tally.round_trips = (tally.round_trips or 0) + 1
             return originals[AbstractConnection, "send_packed_command"](conn, *args, **kwargs)
 
-        def execute_command(client: Any, *args: Any, **kwargs: Any) -> Any:
+        def send_command(conn: Any, *args: Any, **kwargs: Any) -> Any:
             tally.commands[str(args[0]).upper()] += 1
-            return originals[Redis, "execute_command"](client, *args, **kwargs)
+            return originals[AbstractConnection, "send_command"](conn, *args, **kwargs)
 
         def execute(pipe: Any, *args: Any, **kwargs: Any) -> Any:
             for command, _ in pipe.command_stack:
@@ -308,7 +309,7 @@ class RedisWire:
 
         before = commandstats(self.reader) if self.reader else None
         AbstractConnection.send_packed_command = send_packed_command  # type: ignore[method-assign]
-        Redis.execute_command = execute_command  # type: ignore[method-assign]
+        AbstractConnection.send_command = send_command  # type: ignore[method-assign]
         Pipeline.execute = execute  # type: ignore[method-assign]
         try:
             yield tally
