@@ -1,6 +1,7 @@
 """Plain Celery behaviour that IdempotentTask must keep (issue 11: Celery's own t/unit/tasks suite
 run with IdempotentTask as the default task class). Eager mode and units; the worker side of the
-same cases is in tests/worker/test_worker.py.
+same cases is in tests/worker/test_worker_outcomes.py (returned result objects and retries),
+test_worker_duplicates.py (typing=False) and test_worker_control_flow.py (self-replacement).
 
 Each task counts its executions in a list the body appends to: a side effect outside the library.
 """

@@ -3,8 +3,8 @@
 A record claiming pickle is planted straight through each store (as anyone who can write to the store,
 or an earlier ``accept_pickle=True`` deployment, could leave it); unpickling it would create a
 directory. With ``accept_pickle=False`` no reader decodes it: each fails with SerializationError.
-The worker's replay is in tests/worker/test_worker.py, the CLI's in tests/api/test_cli.py, the ledger's in
-tests/recovery/test_ledger.py.
+The worker's replay is in tests/worker/test_worker_outcomes.py, the CLI's in tests/api/test_cli.py, the
+ledger's in tests/recovery/test_ledger_once.py.
 """
 
 from __future__ import annotations

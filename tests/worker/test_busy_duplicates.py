@@ -22,7 +22,7 @@ import redis
 from celery import group
 from conftest import POSTGRES_URL, REDIS_URL, require_server
 from shop import COUNTER_URL, effects_key, make_app
-from test_worker import BACKEND, BROKERS
+from shop_worker import BACKEND, BROKERS
 from workers import Worker, wait_for
 
 from celery_idem import Idempotency

@@ -28,13 +28,13 @@ import pytest
 import redis
 from celery import states
 from celery.result import AsyncResult
-from conftest import REDIS_URL, require_server
+from conftest import REDIS_URL, require_rabbitmq, require_server
 from endings import BROKERS, ENDINGS, VARIANTS, Ending, Seen, docs_block, render, write_docs_block
 from endings_app import executions_key, make_app
 from kombu import Connection
 from shop import COUNTER_URL
-from test_worker import BACKEND, require_rabbitmq
-from test_worker import BROKERS as BROKER_URLS
+from shop_worker import BACKEND
+from shop_worker import BROKERS as BROKER_URLS
 from workers import Worker, wait_for
 
 from celery_idem import Idempotency, State

@@ -23,9 +23,9 @@ import redis
 import sqlalchemy as sa
 from celery import Celery, states
 from celery.contrib.testing.worker import start_worker
-from conftest import REDIS_URL, STORE_KINDS, make_store, require_server, wipe
+from conftest import REDIS_URL, STORE_KINDS, make_store, require_rabbitmq, require_server, wipe
 from shop import COUNTER_URL, effects_key
-from test_worker import BACKEND, BROKERS, GET, require_rabbitmq
+from shop_worker import BACKEND, BROKERS, GET
 from workers import wait_for
 
 from celery_idem import Idempotency, IdempotentTask, PermanentError, RecordGoneError, State

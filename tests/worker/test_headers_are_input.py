@@ -2,7 +2,7 @@
 the task request, so nothing internal may be read from the request. Each case runs a message that
 forges one of the library's own marks, as a worker's pool runs it (Celery's own Request), and shows
 that the mark changes nothing. (The handover token of ``self.replace()`` is the one mark a message
-carries on purpose; the store compares it with the record: tests/worker/test_worker.py forges it too.)"""
+carries on purpose; the store compares it with the record: tests/worker/test_worker_control_flow.py forges it too.)"""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ parent's leases or deferred writes.
 
 The heartbeat beats in real time (lease/3); the store judges leases by the injected fake clock, which
 each beat moves on by lease/3, as real time would. So "the lease outlived its length" is read off the
-store's own clock, never slept for. Through a worker: tests/worker/test_worker.py.
+store's own clock, never slept for. Through a worker: tests/worker/test_worker_running.py.
 """
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 import redis
 from celery.exceptions import TimeLimitExceeded, WorkerLostError
-from conftest import REDIS_URL, require_server
+from conftest import REDIS_URL, require_rabbitmq, require_server
 from shop import COUNTER_URL, effects_key, make_app
-from test_worker import BACKEND, BROKERS, require_rabbitmq
+from shop_worker import BACKEND, BROKERS
 from workers import Worker, wait_for
 
 from celery_idem import Idempotency, State, StoreUnavailableError

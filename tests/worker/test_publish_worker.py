@@ -11,19 +11,19 @@ import time
 from typing import Any
 
 import pytest
-import test_worker
+import shop_worker
 from conftest import REDIS_URL, FakeClock
 from kombu.exceptions import OperationalError
 from shop import make_app
-from test_worker import BACKEND, BROKERS, GET, Shop
+from shop_worker import BACKEND, BROKERS, GET, Shop
 
 from celery_idem import State
 from celery_idem.stores import RedisStore
 from celery_idem.timing import EXPIRY_GRACE_SECONDS
 
-# The same in-process worker over each broker as tests/worker/test_worker.py (one per module).
-shop = test_worker.shop
-key = test_worker.key
+# The in-process worker over each broker of tests/worker/test_worker_*.py (tests/shop_worker.py; one per module).
+shop = shop_worker.shop
+key = shop_worker.key
 
 
 def _until(predicate: Any, seconds: float = GET) -> Any:

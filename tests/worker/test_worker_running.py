@@ -1,0 +1,173 @@
+"""Through a real worker and a real broker, on Redis and again on RabbitMQ: a message that comes while
+an attempt of its call runs. A second message of the identity waits (or retries) and answers with the
+running attempt's outcome, the heartbeat keeping the lease whatever a renewal raises; an attempt fenced
+out while it runs ends with LockLostError; a copy of a running or settled task id never writes that id's
+state; a body calling its own task gets its own id back, or runs it inline as a plain call.
+
+The worker runs in this process (tests/shop_worker.py: start_worker, threads pool, one per broker for
+the module); the store is Redis; executions are counted by the INCR each task body makes
+(tests/shop.py), never by our records.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import pytest
+import redis
+import shop_worker
+from celery import signals
+from shop import effects_key
+from shop_worker import GET, Shop
+from shop_worker import until as _until
+
+from celery_idem import LockLostError, State
+
+shop = shop_worker.shop
+key = shop_worker.key
+
+
+# ---- a second message while the first attempt runs ---------------------------------------------------
+
+
+def test_a_message_for_a_running_identity_waits_and_answers_with_its_outcome(shop: Shop, key: str) -> None:
+    # Given an attempt that runs past its own 3 s lease (the heartbeat keeps renewing it)
+    first = shop.app.send_task("shop.slow", (4,), headers={"idempotency_key": key})
+    _until(lambda: shop.effects("slow", key) == 1)
+    time.sleep(3.2)  # past the first lease: only the heartbeat keeps the attempt's claim alive
+    # When a second message with the key arrives (on_busy="wait")
+    second = shop.app.send_task("shop.slow", (4,), headers={"idempotency_key": key})
+    # Then it does not run, and answers with the first attempt's outcome
+    assert second.get(timeout=GET) == first.get(timeout=GET) == "slept 4"
+    assert shop.effects("slow", key) == 1
+    assert shop.idem.metrics()["busy_waits"] >= 1
+
+
+def test_a_failed_renewal_never_stops_the_heartbeat_on_a_worker(
+    shop: Shop, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a store whose first renewal fails with an error that is not ours (a Redis BUSY)
+    store, failures = shop.idem.store, []
+    renew = store.renew
+
+    def busy_once(*args: Any, **kwargs: Any) -> Any:
+        if not failures:
+            failures.append(1)
+            raise redis.exceptions.ResponseError("BUSY Redis is busy running a script")
+        return renew(*args, **kwargs)
+
+    monkeypatch.setattr(store, "renew", busy_once)
+    errors = shop.idem.metrics()["store_errors"]
+    # When an attempt runs past its 3 s lease, and a second message with the key arrives then
+    first = shop.app.send_task("shop.slow", (4.5,), headers={"idempotency_key": key})
+    _until(lambda: shop.effects("slow", key) == 1)
+    _until(lambda: bool(failures))
+    time.sleep(3.2)  # past the first lease: only renewals after the failed one keep the claim alive
+    second = shop.app.send_task("shop.slow", (4.5,), headers={"idempotency_key": key})
+    # Then the lease held: the body ran once, the second message answers with its outcome
+    assert second.get(timeout=GET) == first.get(timeout=GET) == "slept 4.5"
+    assert shop.effects("slow", key) == 1
+    assert shop.idem.metrics()["store_errors"] > errors
+
+
+def test_on_busy_retry_retries_later_and_then_replays(shop: Shop, key: str) -> None:
+    first = shop.app.send_task("shop.slow_retry", (1.5,), headers={"idempotency_key": key})
+    _until(lambda: shop.effects("slow_retry", key) == 1)
+    second = shop.app.send_task("shop.slow_retry", (1.5,), headers={"idempotency_key": key})
+    assert second.get(timeout=GET) == first.get(timeout=GET) == "slept 1.5"
+    assert shop.effects("slow_retry", key) == 1
+
+
+def test_an_attempt_fenced_out_while_running_ends_with_lock_lost(shop: Shop, key: str) -> None:
+    # Given a running attempt whose record is forgotten under it (an operator's forget)
+    result = shop.task("slow").apply_async((1,), idempotency_key=key)
+    _until(lambda: shop.effects("slow", key) == 1)
+    assert shop.idem.forget("shop.slow", key)
+    # Then its outcome is not stored, and it says so
+    with pytest.raises(LockLostError, match="lost its lease"):
+        result.get(timeout=GET)
+    assert shop.idem.get("shop.slow", key) is None
+    assert shop.effects("slow", key) == 1
+
+
+# ---- one answer per task id: a copy of a running task id --------------------------------------------
+
+
+def test_a_copy_of_a_running_task_id_never_writes_that_ids_state(shop: Shop, key: str) -> None:
+    # Given a running attempt whose policy retries BUSY messages (max_retries=1, lease 1 s)
+    ended: list[tuple[str, str]] = []
+
+    def postrun(sender: Any = None, task_id: Any = None, state: Any = None, **_: Any) -> None:
+        if getattr(sender, "name", None) == "shop.slow_busy_retry":
+            ended.append((task_id, state))
+
+    signals.task_postrun.connect(postrun, weak=False)
+    busy = shop.task("slow_busy_retry")
+    busy.__trace__ = None  # its tracer is rebuilt with this receiver
+    try:
+        first = busy.apply_async((4,), idempotency_key=key, link_error=shop.task("noted").s(tag=key))
+        _until(lambda: shop.effects("slow_busy_retry", key) == 1)
+        # When the broker hands a worker a copy of the same message (same task id) while it runs
+        shop.app.send_task("shop.slow_busy_retry", (4,), task_id=first.id, headers={"idempotency_key": key})
+        # Then the copy never retries nor fails that id: the attempt ends SUCCESS with its value
+        assert first.get(timeout=GET) == "slept 4"
+        _until(lambda: len(ended) == 2)
+    finally:
+        signals.task_postrun.disconnect(postrun)
+    assert sorted(state for _, state in ended) == ["IGNORED", "SUCCESS"]
+    assert shop.app.backend.get_task_meta(first.id)["status"] == "SUCCESS"
+    assert int(shop.counter.get(effects_key(shop.prefix, "shop.noted", key)) or 0) == 0
+    assert shop.effects("slow_busy_retry", key) == 1
+
+
+@pytest.mark.parametrize("how", ["redelivered", "published again under its id"])
+def test_a_copy_of_a_settled_task_id_ends_quietly_and_its_link_runs_once(shop: Shop, key: str, how: str) -> None:
+    # Given a call with a link, completed, its link run once
+    charge, add = shop.task("charge"), shop.task("add")
+    order = int(uuid.uuid4().int % 10**9)
+    first = charge.apply_async((order, 70), idempotency_key=key, link=add.s(1))
+    assert first.get(timeout=GET)["charged"] == 70
+    links = effects_key(shop.prefix, "shop.add", str(order))
+    _until(lambda: shop.counter.get(links) is not None)
+    done = shop.app.backend.get_task_meta(first.id)["date_done"]
+    # When a copy of that message comes (the broker again, or a caller re-sending the same task id)
+    if how == "redelivered":
+        shop.app.send_task(
+            "shop.charge",
+            (order, 70),
+            task_id=first.id,
+            headers={"idempotency_key": key},
+            link=add.s(1),
+            queue=shop.prefix,
+        )
+    else:
+        again = charge.apply_async((order, 70), idempotency_key=key, task_id=first.id, link=add.s(1))
+        assert again.deduplicated and again.id == first.id and again.get(timeout=GET) == first.get()
+    time.sleep(1.5)
+    # Then it ends quietly: the body and the link ran once, and the id's state was not rewritten
+    assert shop.effects("charge", key) == 1
+    assert int(shop.counter.get(links) or 0) == 1, "the link of the one call ran again for a copy of its id"
+    assert shop.app.backend.get_task_meta(first.id)["date_done"] == done
+
+
+# ---- a body calling its own task ---------------------------------------------------------------------
+
+
+def test_a_task_calling_delay_on_itself_gets_its_own_id_back(shop: Shop, key: str) -> None:
+    result = shop.task("again").apply_async((3,), idempotency_key=key)
+    answer = result.get(timeout=GET)
+    assert answer == {"own": result.id, "again": result.id}
+    assert shop.effects("again", key) == 1
+
+
+def test_a_body_that_calls_its_own_task_as_a_function_runs_it_as_a_plain_call(shop: Shop, key: str) -> None:
+    # Given a body that recurses through a direct call of its own task (countdown(n - 1))
+    result = shop.task("countdown").apply_async((2,), idempotency_key=key)
+    # Then each level runs once, inline, and the call completes: the inner calls were not taken for
+    # copies of the running message (which waited, re-published it and stored FAILED(Ignore))
+    assert result.get(timeout=GET) == "done"
+    assert [shop.effects("countdown", f"{key}:{n}") for n in (2, 1, 0)] == [1, 1, 1]
+    record = shop.idem.get("shop.countdown", key)
+    assert record is not None and record.state is State.COMPLETED
