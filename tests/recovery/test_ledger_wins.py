@@ -13,14 +13,17 @@ apps and the ``db`` fixture (SQLite, then PostgreSQL) are tests/ledger_shop.py's
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import ledger_shop
 import pytest
 import sqlalchemy as sa
 from celery import Celery
+from celery.exceptions import Reject, Retry
 from ledger_shop import TASK, Db, body_app
 
 from celery_idem import (
@@ -43,8 +46,11 @@ key = ledger_shop.key
 # ---- the ledger wins ----------------------------------------------------------------------------
 
 
-def committing_then_declining_app(db: Db, calls: list[str], **settings: Any) -> Celery:
-    """An eager app whose task commits its effect through run_once, then raises a permanent error."""
+def committing_then_declining_app(
+    db: Db, calls: list[str], raising: Callable[[int], BaseException] | None = None, **settings: Any
+) -> Celery:
+    """An eager app whose task commits its effect through run_once, then raises a permanent error
+    (or what ``raising`` builds from the order id)."""
     app = Celery("ledger-wins", set_as_current=False)
     app.conf.task_always_eager = True
     app.conf.task_eager_propagates = True
@@ -58,6 +64,8 @@ def committing_then_declining_app(db: Db, calls: list[str], **settings: Any) -> 
             return {"order": order_id, "paid": amount}
 
         db.ledger.run_once(self, effect)
+        if raising is not None:
+            raise raising(order_id)
         raise PermanentError(f"receipt printer on fire for order {order_id}")
 
     return app
@@ -76,6 +84,31 @@ def test_a_permanent_failure_after_the_ledger_committed_completes_the_record_wit
     assert record is not None and record.state is State.COMPLETED
     duplicate = app.tasks[TASK].apply_async((5, 500), idempotency_key=key)
     assert duplicate.deduplicated and duplicate.get() == {"order": 5, "paid": 500}
+    assert len(calls) == 1 and len(db.payment_rows()) == 1
+
+
+@pytest.mark.parametrize(
+    "raising",
+    [
+        lambda order_id: ValueError(f"receipt printer jammed for order {order_id}"),  # retryable: RELEASE
+        lambda order_id: Reject(f"order {order_id}: try elsewhere", requeue=True),  # nothing requeues it
+        lambda order_id: Retry(f"order {order_id}: later"),  # raised by hand: no retry was sent
+    ],
+    ids=["retryable", "reject-requeue-dropped", "retry-by-hand"],
+)
+def test_every_ending_that_frees_the_key_completes_from_the_ledger_once_it_committed(
+    db: Db, key: str, raising: Callable[[int], BaseException]
+) -> None:
+    """The ledger wins over each step that would free the key, whatever ending took it (the endings
+    table, celery_idem.endings): an early-acked requeue and a hand-raised Retry freed it before."""
+    calls: list[str] = []
+    app = committing_then_declining_app(db, calls, raising, ledger=db.ledger, default_failure="retryable")
+    with contextlib.suppress(Exception):
+        app.tasks[TASK].apply_async((7, 700), idempotency_key=key)
+    record = Idempotency.of(app).get(TASK, key)
+    assert record is not None and record.state is State.COMPLETED
+    duplicate = app.tasks[TASK].apply_async((7, 700), idempotency_key=key)
+    assert duplicate.deduplicated and duplicate.get() == {"order": 7, "paid": 700}
     assert len(calls) == 1 and len(db.payment_rows()) == 1
 
 
