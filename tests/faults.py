@@ -19,7 +19,7 @@ kind           Redis (redis-py)                                 SQL (psycopg / s
 =============  ===============================================  ================================
 refused        ConnectionError, command never sent              OperationalError, never sent
 timeout        TimeoutError, command never sent                 QueryCanceled / "database is locked"
-lost_reply     the command RUNS, then TimeoutError              the statement RUNS (autocommit),
+lost_reply     the command RUNS, its reply unread: TimeoutError the statement RUNS (autocommit),
                                                                 then "server closed the connection"
 busy           ``BUSY`` error reply (ResponseError)             -
 readonly       ``READONLY`` error reply (ReadOnlyError)         ReadOnlySqlTransaction (25006) /
@@ -41,7 +41,6 @@ threads or solo pool, or give each plan a ``key``, when a fault must fire once p
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import functools
 import json
@@ -167,20 +166,45 @@ class Injector:
         pool.get_connection = get_connection
 
     def _hook_redis_connection(self, conn: Any) -> None:
+        """Faults fire on the commands a transition sends, never on a (re)connect's handshake or a
+        script's load. A lost
+        reply is left unread on the connection, as one that comes too late is: dropping the
+        connection is the library's job (a connection that kept it would answer the next command
+        with it)."""
         send = conn.send_command
+        for name in ("connect", "connect_check_health"):
+            if hasattr(conn, name):
+                setattr(conn, name, self._in_handshake(getattr(conn, name)))
 
         def send_command(*args: Any, **options: Any) -> Any:
+            if getattr(self._local, "handshake", 0) or str(args[0]).upper().startswith("SCRIPT"):
+                return send(*args, **options)  # plumbing: a connection's handshake, a script's load
             fault = self._take_fault()
             if fault is None:
                 return send(*args, **options)
             if fault is Fault.LOST_REPLY:
-                send(*args, **options)  # the server runs it...
-                with contextlib.suppress(Exception):
-                    conn.read_response()
-                conn.disconnect()  # ...and its reply is lost: a read timeout drops the connection
+                if str(args[0]).upper() == "EVALSHA" and not _script_exists(conn, send, args[1]):
+                    self._rearm(fault)  # NOSCRIPT runs nothing: the try after the script's load loses its reply
+                    return send(*args, **options)
+                send(*args, **options)  # the server runs it; its reply is never read
             raise redis_error(fault)
 
         conn.send_command = send_command
+
+    def _in_handshake(self, connect: Any) -> Any:
+        def handshake(*args: Any, **kwargs: Any) -> Any:
+            self._local.handshake = getattr(self._local, "handshake", 0) + 1
+            try:
+                return connect(*args, **kwargs)
+            finally:
+                self._local.handshake -= 1
+
+        return handshake
+
+    def _rearm(self, fault: Fault) -> None:
+        self._local.fault = fault
+        with self._lock:
+            self._local.plan.fired -= 1
 
     def _hook_redis_client(self, client: Any) -> None:
         execute = client.execute_command
@@ -225,6 +249,11 @@ _REDIS_REPLIES = {
     Fault.READONLY: "READONLY You can't write against a read only replica.",
     Fault.NOREPLICAS: "NOREPLICAS Not enough good replicas to write.",
 }
+
+
+def _script_exists(conn: Any, send: Any, sha: Any) -> bool:
+    send("SCRIPT", "EXISTS", sha)
+    return bool(conn.read_response()[0])
 
 
 def redis_error(fault: Fault) -> BaseException:

@@ -355,3 +355,41 @@ def test_a_reply_that_came_too_late_is_never_read_as_the_next_ones(prefix: str) 
     finally:
         proxy.close()
         wipe(store)
+
+
+def test_a_sentinel_masters_late_reply_is_never_read_as_the_next_ones(tmp_path: Path, prefix: str) -> None:
+    """As above, through Sentinel, whose connections do not drop themselves when a read fails (found by
+    an attack: the next claim of a claimed key read the timed-out claim's late reply and answered NEW)."""
+    import redis
+
+    binary = need_redis_server()
+    main_port, sentinel_port = free_port(), free_port()
+    main = subprocess.Popen(
+        [binary, "--port", str(main_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    config = tmp_path / "sentinel.conf"
+    config.write_text(
+        f"port {sentinel_port}\nbind 127.0.0.1\ndir {tmp_path}\n"
+        f"sentinel monitor late 127.0.0.1 {main_port} 1\nsentinel down-after-milliseconds late 60000\n"
+    )
+    node = subprocess.Popen([binary, str(config), "--sentinel"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: redis.Redis(port=sentinel_port).execute_command("SENTINEL MASTERS"), "sentinel")
+        store = store_from_url(
+            f"redis+sentinel://127.0.0.1:{sentinel_port}/late/0", key_prefix=prefix, timeout_seconds=0.3
+        )
+        held, waiting = Identity("", "shop.charge", "held"), Identity("", "shop.charge", "waiting")
+        assert store.claim(waiting, FP, "t-w", pending_seconds=60, ttl_seconds=60).decision is Decision.NEW
+        redis.Redis(port=main_port).execute_command("CLIENT", "PAUSE", "800", "ALL")  # the server stalls
+        with pytest.raises(StoreUnavailableError):
+            store.claim(held, FP, "t-h", pending_seconds=60, ttl_seconds=60)  # carried out late
+        time.sleep(1.0)
+        again = store.claim(waiting, FP, "t-w2", pending_seconds=60, ttl_seconds=60)
+        assert again.decision is Decision.DUPLICATE and again.record is not None
+        assert again.record.key == "waiting" and again.record.task_id == "t-w"
+    finally:
+        for process in (node, main):
+            process.terminate()
+            process.wait(timeout=10)

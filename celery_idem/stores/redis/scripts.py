@@ -37,9 +37,9 @@ class Scripted:
 
     On a plain client (one server, or a Sentinel master) the call goes straight to a connection of
     its pool: redis-py's command path (its retry wrapper, with no retries here, and its per-command
-    bookkeeping) cost half the client CPU of a transition. The connection itself is redis-py's, so
-    its timeouts, health checks and its rule that a connection whose send or read failed is
-    disconnected (no unread reply goes back to the pool) all hold. Cluster clients take redis-py's
+    bookkeeping) cost half the client CPU of a transition. The connection is redis-py's, with its
+    timeouts and health checks; a call that did not end with its reply read drops it (no unread
+    reply ever goes back to the pool), whatever interrupted it. Cluster clients take redis-py's
     path, which routes by slot.
     """
 
@@ -66,12 +66,20 @@ class Scripted:
         pool = self._pool
         conn = pool.get_connection("EVALSHA") if self._named else pool.get_connection()
         try:
-            conn.send_command("EVALSHA", self.script.sha, len(keys), *keys, *args)
-            return conn.read_response()
-        finally:
-            should_reconnect = getattr(conn, "should_reconnect", None)  # redis-py 7+: a server maintenance
-            if should_reconnect is not None and should_reconnect():
+            try:
+                conn.send_command("EVALSHA", self.script.sha, len(keys), *keys, *args)
+                return conn.read_response()
+            except BaseException:
+                # Whatever stopped it (a timeout, a soft time limit raised mid-read, an error reply):
+                # a reply may be left unread on this connection, and the next transition would read
+                # it as its own. Not every connection class drops itself (Sentinel's does not).
                 conn.disconnect()
+                raise
+            finally:
+                should_reconnect = getattr(conn, "should_reconnect", None)  # redis-py 7+: server maintenance
+                if should_reconnect is not None and should_reconnect():
+                    conn.disconnect()
+        finally:
             pool.release(conn)
 
 
