@@ -120,7 +120,7 @@ def ending_of(
     """
     if isinstance(exc, Retry):
         # self.retry() sent its retry (or, eager, runs it next) and says so by its signature.
-        return Ending.RETRIED if exc.sig is not None else Ending.DROPPED
+        return Ending.RETRIED if getattr(exc, "sig", None) is not None else Ending.DROPPED
     if isinstance(exc, Ignore) and replaced:
         return Ending.REPLACED
     if isinstance(exc, Reject) and exc.requeue:

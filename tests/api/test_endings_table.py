@@ -24,12 +24,20 @@ def permanent(exc: BaseException) -> bool:
 SENT = object()  # the retry's signature: self.retry() sent it
 
 
+class BareRetry(Retry):
+    """A Retry subclass that never called Retry.__init__: it has no signature at all."""
+
+    def __init__(self) -> None:
+        Exception.__init__(self, "bare")
+
+
 @pytest.mark.parametrize(
     ("exc", "replaced", "acks_late", "ending"),
     [
         (Retry(sig=SENT), False, False, Ending.RETRIED),
         (Retry(sig=SENT), True, True, Ending.RETRIED),
         (Retry(), False, True, Ending.DROPPED),  # raised by hand: no retry was sent
+        (BareRetry(), False, False, Ending.DROPPED),
         (Ignore(), True, False, Ending.REPLACED),
         (Ignore(), False, False, Ending.PERMANENT),
         (Reject(requeue=True), False, True, Ending.REQUEUED),
