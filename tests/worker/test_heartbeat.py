@@ -9,6 +9,7 @@ store's own clock, never slept for. Through a worker: tests/worker/test_worker_r
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -410,7 +411,11 @@ def test_short_tasks_in_a_row_do_not_wake_the_thread_each() -> None:
     CountedWake.notified = 0
     try:
         first = heartbeat.add(store, *running(store), 30.0)
-        time.sleep(0.2)  # the thread is up and sleeps until the first lease is due
+        # The thread is up and sleeps until the first lease is due (on a loaded machine, not at once).
+        deadline = time.monotonic() + 10
+        while heartbeat._wakes_at == -math.inf:
+            assert time.monotonic() < deadline, "the heartbeat thread never went to sleep"
+            time.sleep(0.01)
         woken = CountedWake.notified
         for _ in range(50):
             heartbeat.remove(heartbeat.add(store, *running(store), 30.0))
