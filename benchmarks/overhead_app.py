@@ -61,7 +61,8 @@ class Variant:
     @property
     def stores_result(self) -> bool:
         """Whether a run of it writes its result to the result backend (what the benchmark polls)."""
-        return not self.options.get("ignore_result", False)
+        one_write = self.options.get("idempotency", {}).get("results") == "store"
+        return not (self.options.get("ignore_result", False) or one_write)
 
 
 VARIANTS = (
@@ -71,9 +72,19 @@ VARIANTS = (
     Variant("idem_keyless", "IdempotentTask, key-less (argument fingerprint)", "idem"),
     Variant("once", "celery-once `QueueOnce`", "once"),
     Variant("singleton", "celery-singleton `Singleton`", "singleton"),
-    # A celery-idem mode is one more line, e.g. where results go once that setting exists:
-    # Variant("idem_store", "IdempotentTask, results in the store", "idem", keyed=True,
-    #         options={"idempotency": {"results": "store"}}),
+    Variant(
+        "idem_store",
+        'IdempotentTask, `idempotency_key`, `results="store"`',
+        "idem",
+        keyed=True,
+        options={"idempotency": {"results": "store"}},
+    ),
+    Variant(
+        "idem_store_keyless",
+        'IdempotentTask, key-less, `results="store"`',
+        "idem",
+        options={"idempotency": {"results": "store"}},
+    ),
 )
 BY_NAME = {v.name: v for v in VARIANTS}
 NAMES = tuple(BY_NAME)

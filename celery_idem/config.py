@@ -84,6 +84,11 @@ class IdempotencyPolicy(BaseModel):
     stale_action: Literal["release", "requeue"] = Field(
         default="release", description="What the reconciler does with a provably dead attempt."
     )
+    results: Literal["both", "store"] = Field(
+        default="both",
+        description="Where an outcome is written: 'both' (Celery's result backend and the store, as plain "
+        "Celery) or 'store' (the store only: one write per outcome; see docs/results.md).",
+    )
 
     @field_validator(*_DURATIONS)
     @classmethod

@@ -97,6 +97,11 @@ def publish(
     log_decision(claimed.decision, identity, task_id, record)
 
     if claimed.decision is Decision.NEW:
+        if policy.results == "store" and not awaited_id and not _canvas(options):
+            # One write per outcome: the store holds it, and the handle returned here is the only
+            # one this call has, and it reads the store. (A caller that chose the task id or a
+            # canvas waits on that id through a handle that knows no key: Celery writes those.)
+            options.setdefault("ignore_result", True)
         try:
             sent = send(args, kwargs, options)
         except BaseException:
@@ -136,6 +141,13 @@ def publish(
         # caller waits on) instead of running the body.
         return bind_handle(send(args, kwargs, options), identity, idem, deduplicated=True, record=record)
     return bind_handle(task.AsyncResult(record.task_id), identity, idem, deduplicated=True, record=record)
+
+
+def _canvas(options: Mapping[str, Any]) -> bool:
+    """Whether Celery's canvas publishes this call (a chain step, a group or chord member, a link
+    the worker applies): its result is read through the backend by a handle that knows no key."""
+    # A chain's last step carries chain=[]: present, not None.
+    return any(options.get(name) is not None for name in (*_CONTINUATIONS, "parent_id", "root_id", "group_index"))
 
 
 def _handing_over(task: Any, task_id: str | None, identity: Identity) -> bool:

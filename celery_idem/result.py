@@ -3,7 +3,8 @@
 ``.deduplicated`` says whether this call was a duplicate; ``.idempotency_key`` is the key (the
 fingerprint for a key-less call). ``.get()`` answers from the store when the result backend cannot:
 a replayed outcome at once, and a task that keeps no result in the backend (``ignore_result=True``,
-no backend configured) by watching the store.
+``results="store"``, no backend configured) by watching the store: woken by the store's notices
+(Redis, memory), polling with backoff where it sends none (SQL).
 
 A handle answers for its own task id. The store is read by key, and after the key's TTL the record
 under it may be a later call's: a record is this handle's answer only when it names the handle's
@@ -238,18 +239,25 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
         return accepted_content_types(self.app.conf, accept_pickle=False)
 
     def _watch_store(self, timeout: float | None, interval: float) -> IdempotencyRecord:
+        """Wait on the store alone: woken by its notices where it sends them (a look a second
+        stays, for what sends none: an expiry), else polling with backoff up to ``interval``."""
+        assert self.identity is not None and self.idempotency is not None
+        store = self.idempotency.store
         deadline = None if timeout is None else time.monotonic() + timeout
-        pause = 0.01
-        while True:
-            record = self._stored_record()
-            if record is None:
-                raise self._gone()
-            if record.state.settled:
-                return record
-            if deadline is not None and time.monotonic() >= deadline:
-                raise CeleryTimeoutError("The operation timed out.")
-            time.sleep(pause)
-            pause = min(pause * 2, interval)
+        pause = _LONGEST_LOOK if store.notifies else 0.01
+        with store.watch(self.identity) as wait:
+            while True:
+                record = self._stored_record()
+                if record is None:
+                    raise self._gone()
+                if record.state.settled:
+                    return record
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise CeleryTimeoutError("The operation timed out.")
+                wait(pause if left is None else min(pause, left))
+                if not store.notifies:
+                    pause = min(pause * 2, interval)
 
     def _gone(self) -> RecordGoneError:
         # The claim is written before the message is published, and a retry keeps it (PENDING):

@@ -14,7 +14,10 @@ clock and error guard every store has (``core``); the reconciler's and the opera
 from __future__ import annotations
 
 import math
+import time
 from abc import abstractmethod
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from ..errors import ResultTooLargeError
 from ..records import ErrorInfo, IdempotencyRecord, Identity, State, Transition
@@ -177,6 +180,21 @@ class Store(StoreUpkeep):
         """Remove the record in any state; True if there was one. A running attempt is fenced out."""
         with self._guard("forget", identity):
             return self._forget(identity)
+
+    notifies = False
+    """Whether :meth:`watch` wakes its waiter when a record settles or is freed (else it sleeps)."""
+
+    @contextmanager
+    def watch(self, identity: Identity) -> Iterator[Callable[[float], None]]:
+        """Watch ``identity`` while waiting for its outcome: yields ``wait(seconds)``, which returns
+        when the record may have changed (settled, freed, forgotten) or after ``seconds``.
+
+        A notice is a hint, never the answer: the waiter reads the record again after each wait,
+        and a record that expires sends none. Enter the watch before the first read, so a change
+        between that read and the first wait is not missed. Stores that cannot notify (the base,
+        the SQL stores) sleep the whole wait: their waiters poll with backoff.
+        """
+        yield time.sleep
 
     def ping(self) -> None:
         """Round-trip to the store; raises StoreUnavailableError if it does not answer in time."""

@@ -33,6 +33,7 @@ POLICY_DEFAULTS: dict[str, Any] = {
     "permanent": (),
     "default_failure": "retryable",
     "stale_action": "release",
+    "results": "both",  # not in DESIGN §6: where an outcome is written (docs/results.md)
 }
 SETTINGS_DEFAULTS: dict[str, Any] = {
     **POLICY_DEFAULTS,

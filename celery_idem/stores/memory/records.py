@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import bisect
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from ...records import IdempotencyRecord, Identity, State, Transition
 from ..base import Store
@@ -30,6 +32,8 @@ class MemoryRecords(Store):
             key_prefix=key_prefix, timeout_seconds=timeout_seconds, max_result_bytes=max_result_bytes, clock=clock
         )
         self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)  # every write wakes the watchers
+        self._writes = 0  # counts them, so a write between a watcher's read and its wait is seen
         self._by_identity: dict[Identity, IdempotencyRecord] = {}
         # The hidden "keep until" a BUSY answer promised a waiter (stores/rules.py); only live
         # records have one: it is dropped with the record.
@@ -53,6 +57,7 @@ class MemoryRecords(Store):
     def _drop(self, identity: Identity) -> None:
         del self._by_identity[identity]
         self._linger.pop(identity, None)
+        self._wrote()
 
     def _put(
         self, identity: Identity, now: float, base: IdempotencyRecord | None, **fields: object
@@ -69,7 +74,28 @@ class MemoryRecords(Store):
         else:
             record = base.model_copy(update={"updated_at": now, **fields})
         self._by_identity[identity] = record
+        self._wrote()
         return record
+
+    def _wrote(self) -> None:
+        self._writes += 1
+        self._changed.notify_all()
+
+    notifies = True
+
+    @contextmanager
+    def watch(self, identity: Identity) -> Iterator[Callable[[float], None]]:
+        with self._lock:
+            seen = self._writes
+
+        def wait(seconds: float) -> None:
+            nonlocal seen
+            with self._changed:
+                if self._writes == seen:
+                    self._changed.wait(seconds)
+                seen = self._writes
+
+        yield wait
 
     def _get(self, identity: Identity) -> IdempotencyRecord | None:
         with self._lock:

@@ -9,8 +9,12 @@ somewhere else and hide the records written before.
 
 from __future__ import annotations
 
+import logging
 import re
+import time
 import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import redis
@@ -22,6 +26,8 @@ from ..spi import Clock
 from . import scripts
 
 __all__ = ["INDEX_SHARDS", "RedisBase"]
+
+logger = logging.getLogger("celery_idem.store")
 
 INDEX_SHARDS = 16
 """How many hash tags (lease-index shards) records are spread over: part of the key layout, fixed."""
@@ -193,6 +199,52 @@ class RedisBase(Store):
         for record in self._scan():
             counts[record.state] += 1
         return counts
+
+    # ---- notices -------------------------------------------------------------------------------
+
+    notifies = True
+
+    @contextmanager
+    def watch(self, identity: Identity) -> Iterator[Callable[[float], None]]:
+        """Subscribes to the record key's channel, where the scripts that settle, free or remove the
+        record publish (``lua/_prelude.lua``). A subscription that fails, or breaks while waiting,
+        turns the waits into sleeps: the waiter polls, as on a store that cannot notify."""
+        pubsub: Any = None
+        try:
+            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+            pubsub.subscribe(self.keys_for(identity)[0])
+        except Exception as exc:  # noqa: BLE001 - a notice is a hint: without one the waiter polls
+            logger.debug("no notices for %s (%s): polling", identity, exc)
+            pubsub = self._close_quietly(pubsub)
+
+        def wait(seconds: float) -> None:
+            nonlocal pubsub
+            if pubsub is None:
+                time.sleep(seconds)
+                return
+            deadline = time.monotonic() + seconds
+            try:
+                # The subscription's confirmation comes first and reads as None: wait on past it.
+                while pubsub.get_message(timeout=max(deadline - time.monotonic(), 0.0)) is None:
+                    if time.monotonic() >= deadline:
+                        return
+            except Exception as exc:  # noqa: BLE001 - as above: the waiter polls from here on
+                logger.debug("notices for %s broke (%s): polling", identity, exc)
+                pubsub = self._close_quietly(pubsub)
+                time.sleep(max(deadline - time.monotonic(), 0.0))
+
+        try:
+            yield wait
+        finally:
+            self._close_quietly(pubsub)
+
+    @staticmethod
+    def _close_quietly(pubsub: Any) -> None:
+        if pubsub is not None:
+            try:
+                pubsub.close()
+            except Exception:  # noqa: BLE001, S110 - the connection is dropped either way
+                pass
 
     def _server_now(self) -> float:
         if self._injected_clock:

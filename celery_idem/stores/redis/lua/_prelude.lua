@@ -15,6 +15,10 @@
 -- `linger` (hidden: never read back into a record) is the time a BUSY waiter will have looked
 -- again by (acquire.lua); settle.lua keeps the outcome at least until then.
 -- A record whose `expires` has passed is absent, even while Redis still holds the key.
+--
+-- Notices: a script that settles, frees or removes a record PUBLISHes an empty message on the
+-- channel named by the record key (RedisStore.watch subscribes there). A notice is only a hint to
+-- read the record again; with no subscriber a PUBLISH costs the server a dictionary lookup.
 
 local function now_of(arg)
   -- ARGV "now": a number from an injected clock, '' for the server's clock, or '+<seconds>' for the
@@ -45,6 +49,10 @@ end
 
 local function settled(rec)
   return rec.state == 'COMPLETED' or rec.state == 'FAILED'
+end
+
+local function notify(key)
+  redis.call('PUBLISH', key, '')
 end
 
 local function expire_at(key, expires, now)

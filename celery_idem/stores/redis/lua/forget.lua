@@ -6,5 +6,6 @@ local now = now_of(ARGV[1])
 local rec = load(KEYS[1], now)
 redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[2], KEYS[1])
+notify(KEYS[1])
 if rec then return 1 end
 return 0

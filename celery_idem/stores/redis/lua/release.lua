@@ -14,6 +14,7 @@ end
 if ARGV[4] == '' then
   redis.call('DEL', KEYS[1])
   redis.call('ZREM', KEYS[2], KEYS[1])
+  notify(KEYS[1])
   return 'OK'
 end
 local lease = now + tonumber(ARGV[4])
@@ -22,4 +23,5 @@ redis.call('HSET', KEYS[1], 'state', 'PENDING', 'owner', ARGV[5], 'lease', fmt(l
   'updated', fmt(now), 'expires', fmt(expires))
 expire_at(KEYS[1], expires, now)
 redis.call('ZADD', KEYS[2], lease, KEYS[1])
+notify(KEYS[1])
 return 'OK'

@@ -18,4 +18,5 @@ else
 end
 expire_at(KEYS[1], expires, now)
 redis.call('ZREM', KEYS[2], KEYS[1])
+notify(KEYS[1])
 return 'OK'

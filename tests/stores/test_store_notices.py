@@ -1,0 +1,69 @@
+"""A store's notices (``Store.watch``), on every store: a waiter is woken when the record it waits
+on settles, is freed or is removed, where the store sends notices (Redis: a PUBLISH from the
+scripts; memory: a condition); where it cannot (the SQL stores), ``wait`` sleeps its whole time and
+the waiter polls. A notice is only a hint: the waiter reads the record again after every wait.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+
+from celery_idem.records import ErrorInfo, Identity
+from celery_idem.stores import Store
+
+TOKEN = "owner-token"
+NOTIFIED_WAIT, POLLED_WAIT = 30.0, 0.5  # seconds a wait may take without a notice
+
+
+def _end(store: Store, identity: Identity, ending: str) -> None:
+    if ending == "complete":
+        store.complete(identity, TOKEN, b"1")
+    elif ending == "fail":
+        store.fail(identity, TOKEN, ErrorInfo(type="E", module="m", message="no"))
+    elif ending == "release":
+        store.release(identity, TOKEN)
+    else:
+        store.forget(identity)
+
+
+@pytest.mark.parametrize("ending", ["complete", "fail", "release", "forget"])
+def test_a_watcher_is_woken_when_the_record_settles_or_is_freed(store: Store, ending: str) -> None:
+    # Given a running attempt, and a waiter watching its record
+    identity = Identity("", "notices.task", f"w-{uuid.uuid4().hex[:8]}")
+    store.claim(identity, "fp", "tid", pending_seconds=60, ttl_seconds=60)
+    store.acquire(identity, "fp", "tid", lease_seconds=60, ttl_seconds=60, owner=TOKEN)
+    ended = threading.Event()
+
+    def end_it() -> None:
+        time.sleep(0.2)  # the waiter is in its wait by then (or sees the write counted when it enters)
+        _end(store, identity, ending)
+        ended.set()
+
+    with store.watch(identity) as wait:
+        writer = threading.Thread(target=end_it)
+        writer.start()
+        started = time.monotonic()
+        # When the attempt ends while the waiter waits
+        wait(NOTIFIED_WAIT if store.notifies else POLLED_WAIT)
+        waited = time.monotonic() - started
+        writer.join()
+    if store.notifies:
+        # Then the notice wakes it, long before the wait's own end (a generous bound: it tells a
+        # wake-up from a 30 s sleep, nothing about speed)
+        assert ended.is_set() and waited < NOTIFIED_WAIT / 2, waited
+    else:
+        # Or, on a store that cannot notify, the wait is a plain sleep
+        assert waited >= POLLED_WAIT, waited
+
+
+def test_a_watch_with_nothing_to_wait_for_sleeps_its_time_and_never_fails(store: Store) -> None:
+    identity = Identity("", "notices.task", f"none-{uuid.uuid4().hex[:8]}")
+    with store.watch(identity) as wait:
+        started = time.monotonic()
+        wait(0.3)
+        wait(0.3)
+        assert time.monotonic() - started >= 0.55
