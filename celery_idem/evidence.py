@@ -118,4 +118,4 @@ def _settled_by(idem: Runtime, identity: Identity, owner: str) -> bool:
         record = idem.store.get(identity)
     except StoreUnavailableError:
         return False
-    return record is not None and record.state.settled and record.owner == owner
+    return record is not None and record.state.settled and record.held_by(owner)

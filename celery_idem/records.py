@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
-__all__ = ["Decision", "ErrorInfo", "IdempotencyRecord", "Identity", "State", "Transition"]
+__all__ = ["Decision", "ErrorInfo", "IdempotencyRecord", "Identity", "State", "Transition", "owner_digest"]
 
 
 class State(str, enum.Enum):
@@ -100,6 +101,17 @@ class IdempotencyRecord(BaseModel):
     @property
     def identity(self) -> Identity:
         return Identity(self.scope, self.task_name, self.key)
+
+    def held_by(self, token: str) -> bool:
+        """Whether ``token`` is this record's owner: the token itself, or, on a record that keeps
+        only its digest once settled (the Redis store's packed record), that digest."""
+        return self.owner == token or (self.owner.startswith("#") and self.owner == owner_digest(token))
+
+
+def owner_digest(token: str) -> str:
+    """What a compact settled record keeps of its owner token: ``#`` and the first 16 hex digits
+    of its SHA-1 (the Redis store's scripts compute the same with ``redis.sha1hex``)."""
+    return "#" + hashlib.sha1(token.encode("utf-8"), usedforsecurity=False).hexdigest()[:16]
 
 
 @dataclass(frozen=True)

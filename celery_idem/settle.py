@@ -154,7 +154,7 @@ class Settler:
             record = self.idem.store.get(identity)
         except StoreUnavailableError:
             return False
-        return record is not None and record.state.settled and record.owner == owner
+        return record is not None and record.state.settled and record.held_by(owner)
 
     def permanent(self, exc: BaseException) -> bool:
         """Whether a failure is final (stored and replayed) rather than retryable (DESIGN §3)."""

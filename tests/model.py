@@ -234,6 +234,7 @@ class Model:
             content_type=content_type,
             content_encoding=content_encoding,
             lease_expires_at=None,
+            call=None,
             expires_at=self._kept(held),
         )
         return OK
@@ -242,7 +243,9 @@ class Model:
         held = self._owned(identity, token)
         if held is None:
             return LOST
-        self._write(held, state=State.FAILED, error=error, lease_expires_at=None, expires_at=self._kept(held))
+        self._write(
+            held, state=State.FAILED, error=error, lease_expires_at=None, call=None, expires_at=self._kept(held)
+        )
         return OK
 
     def _kept(self, held: Rec) -> float:
@@ -370,7 +373,11 @@ class Timeline:
             found.append(f"identity: model {model.identity}, store {real.identity}")
         if real.call != model.call:
             found.append(f"call: model {model.call!r}, store {real.call!r}")
-        owner_ok = real.owner not in self.tokens if model.owner == MINTED else real.owner == model.owner
+        if model.owner == MINTED:
+            owner_ok = real.owner not in self.tokens
+        else:
+            # A settled record may keep only its owner's digest (the Redis store's packed record)
+            owner_ok = real.owner == model.owner or (model.state not in UNSETTLED and real.held_by(model.owner))
         if not owner_ok:
             found.append(f"owner: model {model.owner!r}, store {real.owner!r}")
         return found

@@ -207,6 +207,8 @@ def test_redis_cluster_runs_every_transition_across_nodes(redis_cluster_url: str
     assert sorted(r.key for r in store.expired_leases(limit=100)) == sorted(i.key for i in stale)
     nodes_used = {store.client.get_node_from_key(store.keys_for(i)[0]).port for i in identities}
     assert len(nodes_used) == 3, "records should spread over all three masters"
+    # the operators' scan reads settled records (strings) and unsettled ones (hashes) on every node
+    assert {r.key for r in store.records(limit=1000)} == {i.key for i in identities + stale}
     assert store.forget(identities[0]) is True
     # every worker process's liveness record is read in one script: one slot, whatever the ids
     processes = [f"{n:016x}" for n in range(50)]

@@ -112,6 +112,7 @@ class MemoryStore(MemoryRecords):
                 content_encoding=outcome.content_encoding,
                 error=outcome.error,
                 lease_expires_at=None,
+                call=None,  # the reconciler requeues unsettled records only: a settled one needs no call
                 expires_at=max(now + record.ttl_seconds, self._linger.get(identity, now)),
             )
             return OK

@@ -25,7 +25,7 @@ from ..base import Store
 from ..spi import Clock
 from . import scripts
 
-__all__ = ["INDEX_SHARDS", "RedisBase"]
+__all__ = ["INDEX_SHARDS", "RedisBase", "identity_of"]
 
 logger = logging.getLogger("celery_idem.store")
 
@@ -147,10 +147,11 @@ class RedisBase(Store):
 
     # ---- plain reads ---------------------------------------------------------------------------
 
-    def _live(self, flat: dict[bytes, bytes]) -> IdempotencyRecord | None:
-        if not flat:
+    def _live(self, stored: Any, identity: Identity | None) -> IdempotencyRecord | None:
+        """The record as read (a packed settled record, a hash's flat list, or nothing), if live."""
+        if not stored:
             return None
-        record = scripts.record([item for pair in flat.items() for item in pair])
+        record = scripts.record(stored, identity)
         # With the server clock Redis expiry removes the key; an injected or shifted clock runs
         # ahead of that expiry, so it is checked here.
         if (self._injected_clock or self._time_offset) and record.expires_at <= self._server_now():
@@ -158,7 +159,7 @@ class RedisBase(Store):
         return record
 
     def _get(self, identity: Identity) -> IdempotencyRecord | None:
-        return self._live(self.client.hgetall(self.keys_for(identity)[0]))
+        return self._live(self._scripts["read"](keys=[self.keys_for(identity)[0]], args=[]), identity)
 
     def _scan(self) -> Any:
         """Every live record of this prefix, in batches (a SCAN over its record keys).
@@ -179,13 +180,27 @@ class RedisBase(Store):
         yield from self._read(batch)
 
     def _read(self, keys: list[Any]) -> Any:
+        """The live records under ``keys``: a pipeline of HGETALL, then one of GET for the keys that
+        hold a settled record (a string: HGETALL answers WRONGTYPE). Plain commands, not a script, so
+        a cluster pipeline routes each by its slot."""
         if not keys:
             return
         pipe = self.client.pipeline(transaction=False)
         for key in keys:
             pipe.hgetall(key)
-        for flat in pipe.execute():
-            record = self._live(flat)
+        stored = dict(zip(keys, pipe.execute(raise_on_error=False), strict=True))
+        packed = [key for key, answer in stored.items() if isinstance(answer, redis.exceptions.ResponseError)]
+        if packed:
+            pipe = self.client.pipeline(transaction=False)
+            for key in packed:
+                pipe.get(key)
+            stored.update(zip(packed, pipe.execute(), strict=True))
+        for key, answer in stored.items():
+            if isinstance(answer, Exception):
+                raise answer
+            if isinstance(answer, dict):
+                answer = [item for pair in answer.items() for item in pair]
+            record = self._live(answer, identity_of(key))
             if record is not None:
                 yield record
 
@@ -257,3 +272,14 @@ class RedisBase(Store):
 
     def close(self) -> None:
         self.client.close()
+
+
+def identity_of(key: bytes) -> Identity:
+    """The identity a record key names: ``{<prefix>:<shard>}:r:<len(scope)>:<scope>:<len(task)>:<task>:<key>``
+    (lengths in characters, :meth:`RedisBase.keys_for`)."""
+    text = key.decode("utf-8")
+    rest = text[text.index("}:r:") + 4 :]
+    size, _, rest = rest.partition(":")
+    scope, rest = rest[: int(size)], rest[int(size) + 1 :]
+    size, _, rest = rest.partition(":")
+    return Identity(scope, rest[: int(size)], rest[int(size) + 1 :])

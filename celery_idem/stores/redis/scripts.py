@@ -10,17 +10,31 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import inspect
+import struct
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
 import redis
 from redis.exceptions import NoScriptError
 
-from ...records import ErrorInfo, IdempotencyRecord, State
+from ...records import ErrorInfo, IdempotencyRecord, Identity, State
 
 __all__ = ["NAMES", "Scripted", "record", "register", "source", "text"]
 
-NAMES = ("claim", "acquire", "settle", "release", "renew", "forget", "due", "hand_over", "keep_alive", "alive")
+NAMES = (
+    "claim",
+    "acquire",
+    "settle",
+    "release",
+    "renew",
+    "forget",
+    "due",
+    "hand_over",
+    "keep_alive",
+    "alive",
+    "read",
+)
 """Every script, by the name of its file in ``lua/``."""
 
 
@@ -93,8 +107,14 @@ def text(value: bytes | None) -> str | None:
     return None if value is None else value.decode("utf-8")
 
 
-def record(flat: Sequence[bytes]) -> IdempotencyRecord:
-    """A record hash, given as a flat field, value, field, value... list."""
+def record(stored: Sequence[bytes] | bytes, identity: Identity | None = None) -> IdempotencyRecord:
+    """A record as a script or a read returns it: a packed settled record (``bytes``; its identity
+    is in its key only, so the caller gives it), or a hash as a flat field, value, ... list."""
+    if isinstance(stored, bytes):
+        if identity is None:
+            raise ValueError("a packed record is read with its identity (it is in the record's key only)")
+        return settled(stored, identity)
+    flat = stored
     fields = {flat[i].decode("utf-8"): flat[i + 1] for i in range(0, len(flat), 2)}
     lease = fields.get("lease")
     error = fields.get("error")
@@ -119,3 +139,51 @@ def record(flat: Sequence[bytes]) -> IdempotencyRecord:
         call=fields.get("call"),
         previous_task_id=text(fields.get("prev")),
     )
+
+
+_HEADER = struct.Struct(">BBBddddH")
+_LENGTH = struct.Struct(">H")
+_PACKED = 1  # the format byte of lua/_prelude.lua's packed settled record
+_DEFAULT_CONTENT = ("application/json", "utf-8")
+
+
+def settled(blob: bytes, identity: Identity) -> IdempotencyRecord:
+    """A packed settled record (format 1, ``lua/_prelude.lua`` says how it is laid out)."""
+    form, state, flags, expires, created, updated, ttl, attempt = _HEADER.unpack_from(blob)
+    if form != _PACKED:
+        raise ValueError(f"a record in an unknown format ({form}): written by a newer celery-idem?")
+    at, strings = _HEADER.size, []
+    for _ in range(6):
+        (size,) = _LENGTH.unpack_from(blob, at)
+        strings.append(blob[_LENGTH.size + at : _LENGTH.size + at + size])
+        at += _LENGTH.size + size
+    fp, task_id, prev, owner, ctype, cenc = strings
+    payload = blob[at:]
+    completed = state == ord("C")
+    if completed and not ctype and not cenc:
+        ctype, cenc = (part.encode("ascii") for part in _DEFAULT_CONTENT)
+    return IdempotencyRecord.model_construct(
+        scope=identity.scope,
+        task_name=identity.task_name,
+        key=identity.key,
+        fingerprint=fp.hex() if flags & 1 else fp.decode("utf-8"),
+        state=State.COMPLETED if completed else State.FAILED,
+        task_id=_task_id(task_id, flags & 2),
+        owner="#" + owner.hex(),
+        attempt=attempt,
+        lease_expires_at=None,
+        created_at=created,
+        updated_at=updated,
+        expires_at=expires,
+        ttl_seconds=ttl,
+        result=payload if completed else None,
+        content_type=ctype.decode("utf-8") if completed else None,
+        content_encoding=cenc.decode("utf-8") if completed else None,
+        error=None if completed else ErrorInfo.model_validate_json(payload),
+        call=None,
+        previous_task_id=_task_id(prev, flags & 4) or None,
+    )
+
+
+def _task_id(stored: bytes, packed: int) -> str:
+    return str(uuid.UUID(bytes=stored)) if packed else stored.decode("utf-8")

@@ -79,7 +79,7 @@ class RedisStore(RedisBase):
         answer = self._scripts[script](keys=self.keys_for(identity), args=args)
         decision = Decision(answer[0].decode("ascii"))
         if decision is not Decision.NEW and decision is not Decision.RUN:
-            return Transition(decision, scripts.record(answer[1]))
+            return Transition(decision, scripts.record(answer[1], identity))
         # Taken: the script wrote what we sent; it answers only what we could not know.
         now = float(answer[1])
         claimed = decision is Decision.NEW

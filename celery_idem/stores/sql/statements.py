@@ -122,6 +122,7 @@ class Statements:
                 content_encoding=p("content_encoding"),
                 error=p("error"),
                 lease_expires_at=None,
+                call=None,  # the reconciler requeues unsettled records only: a settled one needs no call
                 updated_at=now,
                 expires_at=sa.case(
                     (sa.func.coalesce(c.linger_until, 0.0) > now + c.ttl_seconds, c.linger_until),

@@ -9,8 +9,10 @@
 -- gets KEYS[1] = the record hash and KEYS[2] = its shard's lease index (one slot: the same tag);
 -- any other per-identity key a script needs must carry the same {<prefix>:<shard>} tag.
 --
+-- A record is a hash while PENDING or IN_PROGRESS, and a packed string once settled (below).
 -- Record hash fields: scope task key fp state task_id owner attempt lease created updated
--- expires ttl [call] [linger] [result ctype cenc | error]. Times are POSIX seconds with 6 decimals.
+-- expires ttl [call] [linger] [prev]. Times are POSIX seconds with 6 decimals. (A settled record
+-- written before the packed format is a hash too, with [result ctype cenc | error]: still read.)
 -- `call` (the serialized arguments) is kept only for tasks whose stale action is "requeue".
 -- `linger` (hidden: never read back into a record) is the time a BUSY waiter will have looked
 -- again by (acquire.lua); settle.lua keeps the outcome at least until then.
@@ -36,15 +38,81 @@ local function fmt(x)
   return string.format('%.6f', x)
 end
 
+-- The packed settled record (format 1; scripts.py reads it back, settle.lua writes it): a string
+--   '>BBBddddH': format (1), state ('C' COMPLETED or 'F' FAILED), flags, expires, created,
+--   updated, ttl, attempt; then '>H'-length strings: fingerprint, task id, previous task id, owner
+--   digest (the first 8 bytes of SHA-1 of the owner token), content type, content encoding (both
+--   '' for application/json, utf-8); then the payload to the end (the result, or the error JSON).
+-- flags: 1 = the fingerprint is 64 lowercase hex stored as its 32 bytes; 2 = the task id, 4 = the
+-- previous task id, is a lowercase canonical UUID stored as its 16 bytes. Scope, task and key are
+-- in the record's key only; what a settled record no longer needs (lease, call, linger) is gone.
+local PACKED, UUID = 1, '^' .. string.rep('%x', 8) .. ('%-' .. string.rep('%x', 4)):rep(3) .. '%-' .. string.rep('%x', 12) .. '$'
+
+local function to_bytes(hex)
+  return (hex:gsub('..', function(pair) return string.char(tonumber(pair, 16)) end))
+end
+
+local function to_hex(bytes)
+  return (bytes:gsub('.', function(c) return string.format('%02x', string.byte(c)) end))
+end
+
+local function lower_hex(text, pattern)
+  return string.match(text, pattern) ~= nil and not string.find(text, '[A-F]')
+end
+
+local function packed(s)
+  return struct.pack('>H', #s) .. s
+end
+
+local function pack_settled(rec, state, expires, now, payload, ctype, cenc)
+  local flags, fp, task_id, prev = 0, rec.fp, rec.task_id, rec.prev or ''
+  if #fp == 64 and lower_hex(fp, '^%x+$') then flags, fp = flags + 1, to_bytes(fp) end
+  if lower_hex(task_id, UUID) then flags, task_id = flags + 2, to_bytes(task_id:gsub('%-', '')) end
+  if lower_hex(prev, UUID) then flags, prev = flags + 4, to_bytes(prev:gsub('%-', '')) end
+  if ctype == 'application/json' and cenc == 'utf-8' then ctype, cenc = '', '' end
+  return struct.pack('>BBBddddH', PACKED, string.byte(state), flags, expires, tonumber(rec.created), now,
+      tonumber(rec.ttl), tonumber(rec.attempt))
+    .. packed(fp) .. packed(task_id) .. packed(prev) .. packed(to_bytes(string.sub(redis.sha1hex(rec.owner), 1, 16)))
+    .. packed(ctype) .. packed(cenc) .. payload
+end
+
+local function unpack_settled(blob)
+  -- What the scripts read of a settled record: state, fingerprint and task id (as they were
+  -- given), attempt, expiry.
+  local format, state, flags, expires, _, _, _, attempt, at = struct.unpack('>BBBddddH', blob)
+  if format ~= PACKED then error('celery-idem: a record in an unknown format (' .. format .. '): written by a newer version?') end
+  local strings = {}
+  for i = 1, 2 do
+    local size = struct.unpack('>H', blob, at)
+    strings[i] = string.sub(blob, at + 2, at + 1 + size)
+    at = at + 2 + size
+  end
+  local fp, task_id = strings[1], strings[2]
+  if flags % 2 == 1 then fp = to_hex(fp) end
+  if math.floor(flags / 2) % 2 == 1 then
+    local hex = to_hex(task_id)
+    task_id = hex:sub(1, 8) .. '-' .. hex:sub(9, 12) .. '-' .. hex:sub(13, 16) .. '-' .. hex:sub(17, 20) .. '-' .. hex:sub(21)
+  end
+  return {state = (state == 67 and 'COMPLETED') or 'FAILED', fp = fp, task_id = task_id, attempt = attempt, expires = expires}
+end
+
 local function load(key, now)
-  -- Returns the live record as a table plus its flat HGETALL form (or nil), and whether the key
-  -- exists at all (a record past its expiry may still be stored under an injected clock).
-  local flat = redis.call('HGETALL', key)
-  if #flat == 0 then return nil, flat, false end
-  local rec = {}
-  for i = 1, #flat, 2 do rec[flat[i]] = flat[i + 1] end
+  -- Returns the live record as a table plus what a script hands back of it (the flat HGETALL form,
+  -- or the packed string), or nil; and whether the key exists at all (a record past its expiry may
+  -- still be stored under an injected clock).
+  local kind = redis.call('TYPE', key).ok
+  if kind == 'none' then return nil, {}, false end
+  local rec, raw
+  if kind == 'string' then
+    raw = redis.call('GET', key)
+    rec = unpack_settled(raw)
+  else
+    raw = redis.call('HGETALL', key)
+    rec = {}
+    for i = 1, #raw, 2 do rec[raw[i]] = raw[i + 1] end
+  end
   if tonumber(rec.expires) <= now then return nil, {}, true end
-  return rec, flat, true
+  return rec, raw, true
 end
 
 local function settled(rec)
