@@ -49,7 +49,11 @@ end
 local PACKED, UUID = 1, '^' .. string.rep('%x', 8) .. ('%-' .. string.rep('%x', 4)):rep(3) .. '%-' .. string.rep('%x', 12) .. '$'
 
 local function to_bytes(hex)
-  return (hex:gsub('..', function(pair) return string.char(tonumber(pair, 16)) end))
+  -- Eight digits at a time (a fingerprint's 64 take 8 steps; a digit pair at a time took twice the
+  -- server time of the whole conversion). Callers give a multiple of 8 hex digits.
+  local parts = {}
+  for i = 1, #hex, 8 do parts[#parts + 1] = struct.pack('>I4', tonumber(string.sub(hex, i, i + 7), 16)) end
+  return table.concat(parts)
 end
 
 local function to_hex(bytes)
@@ -67,8 +71,8 @@ end
 local function pack_settled(rec, state, expires, now, payload, ctype, cenc)
   local flags, fp, task_id, prev = 0, rec.fp, rec.task_id, rec.prev or ''
   if #fp == 64 and lower_hex(fp, '^%x+$') then flags, fp = flags + 1, to_bytes(fp) end
-  if lower_hex(task_id, UUID) then flags, task_id = flags + 2, to_bytes(task_id:gsub('%-', '')) end
-  if lower_hex(prev, UUID) then flags, prev = flags + 4, to_bytes(prev:gsub('%-', '')) end
+  if lower_hex(task_id, UUID) then flags, task_id = flags + 2, to_bytes((task_id:gsub('%-', ''))) end
+  if lower_hex(prev, UUID) then flags, prev = flags + 4, to_bytes((prev:gsub('%-', ''))) end
   if ctype == 'application/json' and cenc == 'utf-8' then ctype, cenc = '', '' end
   return struct.pack('>BBBddddH', PACKED, string.byte(state), flags, expires, tonumber(rec.created), now,
       tonumber(rec.ttl), tonumber(rec.attempt))

@@ -30,6 +30,26 @@ if rec then
 end
 local lease = now + tonumber(ARGV[5])
 local expires = lease + tonumber(ARGV[6])
+if rec then
+  -- Taken from a claim (or a lapsed attempt): only what changes is written. Scope, task, key,
+  -- fingerprint and created stay; so do `call` (unless this call brings one) and a waiter's `linger`.
+  local fields = {
+    'state', 'IN_PROGRESS', 'task_id', ARGV[3], 'owner', ARGV[4], 'attempt', tostring(attempt),
+    'lease', fmt(lease), 'updated', fmt(now), 'expires', fmt(expires), 'ttl', ARGV[6],
+  }
+  if ARGV[10] ~= '' then
+    table.insert(fields, 'call')
+    table.insert(fields, ARGV[10])
+  end
+  if prev ~= '' then
+    table.insert(fields, 'prev')
+    table.insert(fields, prev)
+  end
+  redis.call('HSET', KEYS[1], unpack(fields))
+  expire_at(KEYS[1], expires, now)
+  redis.call('ZADD', KEYS[2], lease, KEYS[1])
+  return {'RUN', fmt(now), fp, tostring(attempt), fmt(created), call, prev}
+end
 local fields = {
   'scope', ARGV[7], 'task', ARGV[8], 'key', ARGV[9], 'fp', fp, 'state', 'IN_PROGRESS',
   'task_id', ARGV[3], 'owner', ARGV[4], 'attempt', tostring(attempt), 'lease', fmt(lease),
@@ -38,14 +58,6 @@ local fields = {
 if call ~= '' then
   table.insert(fields, 'call')
   table.insert(fields, call)
-end
-if rec and rec.linger then  -- a waiter's mark stays with the record it was given on
-  table.insert(fields, 'linger')
-  table.insert(fields, rec.linger)
-end
-if prev ~= '' then
-  table.insert(fields, 'prev')
-  table.insert(fields, prev)
 end
 write_fresh(KEYS[1], KEYS[2], fields, lease, expires, now, existed)
 return {'RUN', fmt(now), fp, tostring(attempt), fmt(created), call, prev}
