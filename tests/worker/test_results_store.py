@@ -30,7 +30,7 @@ from conftest import STORE_KINDS, make_store, require_server, wipe
 from shop import COUNTER_URL, effects_key
 from shop_worker import BACKEND, BROKERS, GET
 
-from celery_idem import ConfigurationError, Idempotency, IdempotentTask, PermanentError, State
+from celery_idem import ConfigurationError, Idempotency, IdempotentTask, PermanentError, RecordGoneError, State
 from celery_idem.stores import Store
 
 
@@ -52,10 +52,12 @@ def results_app(*, store: Any, prefix: str, results: str) -> Celery:
     counter = redis.Redis.from_url(COUNTER_URL)
 
     @app.task(shared=False, base=IdempotentTask, bind=True, name="results.charge", idempotency={"key_args": ["order"]})
-    def charge(self: Any, order: int, refuse: bool = False) -> dict[str, int]:
+    def charge(self: Any, order: int, refuse: bool = False, flaky: bool = False) -> dict[str, int]:
         n = int(counter.incr(effects_key(prefix, self.name, self.request.idempotency_key)))
         if refuse:
             raise Refused(f"order {order} refused")
+        if flaky:
+            raise ConnectionError(f"order {order}: the provider timed out")  # retryable: frees the key
         return {"order": order, "run": n}
 
     @app.task(shared=False, name="results.total")
@@ -129,6 +131,20 @@ def test_a_final_failure_is_stored_once_and_raised_by_the_handle(one_write: Runn
     assert isinstance(result.get(timeout=GET, propagate=False), Refused)
     assert not in_backend(result.id)
     assert shop.runs(key) == 1
+
+
+def test_a_retryable_failure_frees_the_key_and_the_handle_says_so_at_once(one_write: Running, key: str) -> None:
+    # Given a call whose body fails with a retryable error (no retries left): the key is freed and,
+    # under results="store", nothing keeps the exception
+    shop = one_write
+    result = shop.charge.apply_async((11,), {"flaky": True}, idempotency_key=key)
+    # Then get() raises RecordGoneError once the record is released, well before its timeout
+    with pytest.raises(RecordGoneError, match="retryable error"):
+        result.get(timeout=GET)
+    assert shop.runs(key) == 1 and not in_backend(result.id)
+    # And the key runs again for a new call
+    again = shop.charge.apply_async((11,), idempotency_key=key)
+    assert not again.deduplicated and again.get(timeout=GET) == {"order": 11, "run": 2}
 
 
 def test_a_plain_async_result_of_the_id_hears_nothing_from_the_backend(one_write: Running, key: str) -> None:
