@@ -149,7 +149,13 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
         # Celery ignores AsyncResult's task_name: the identity names the task of a result built here.
         name = self.name or (self.identity.task_name if self.identity is not None else None)
         task = self.app.tasks.get(name) if name else None
-        return not (task is not None and task.ignore_result)
+        if task is None:
+            return True
+        if task.ignore_result:
+            return False
+        # results="store": the store holds every outcome of the task, and the backend may hold none
+        # (a duplicate's handle cannot know how its original was published): wait on the store.
+        return not (self.idempotency is not None and self.idempotency.policy_for(task).results == "store")
 
     def get(self, timeout: float | None = None, propagate: bool = True, interval: float = 0.5, **kwargs: Any) -> Any:
         """The task's outcome: from the stored record when there is one, else from whichever of the

@@ -14,6 +14,7 @@ task are counted on the client side, by the Redis database each connection talks
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -29,8 +30,10 @@ from celery.signals import task_postrun
 from conftest import STORE_KINDS, make_store, require_server, wipe
 from shop import COUNTER_URL, effects_key
 from shop_worker import BACKEND, BROKERS, GET
+from workers import wait_for
 
 from celery_idem import ConfigurationError, Idempotency, IdempotentTask, PermanentError, RecordGoneError, State
+from celery_idem.records import Identity
 from celery_idem.stores import Store
 
 
@@ -52,8 +55,9 @@ def results_app(*, store: Any, prefix: str, results: str) -> Celery:
     counter = redis.Redis.from_url(COUNTER_URL)
 
     @app.task(shared=False, base=IdempotentTask, bind=True, name="results.charge", idempotency={"key_args": ["order"]})
-    def charge(self: Any, order: int, refuse: bool = False, flaky: bool = False) -> dict[str, int]:
+    def charge(self: Any, order: int, refuse: bool = False, flaky: bool = False, hold: float = 0) -> dict[str, int]:
         n = int(counter.incr(effects_key(prefix, self.name, self.request.idempotency_key)))
+        time.sleep(hold)
         if refuse:
             raise Refused(f"order {order} refused")
         if flaky:
@@ -120,6 +124,34 @@ def test_the_outcome_is_written_once_and_every_handle_reads_it_from_the_store(on
     record = Idempotency.of(shop.app).get("results.charge", key)
     assert record is not None and record.state is State.COMPLETED and record.task_id == result.id
     assert not in_backend(result.id)
+
+
+def test_a_waiting_duplicate_listens_to_the_store_not_the_backend(one_write: Running, key: str) -> None:
+    # Given an original that runs for 2 s, and a duplicate of it waiting for its outcome
+    shop = one_write
+    original = shop.charge.apply_async((12,), {"hold": 2}, idempotency_key=key)
+    wait_for(lambda: _state(shop, key) is State.IN_PROGRESS, "the original to start", GET)
+    duplicate = shop.charge.apply_async((12,), {"hold": 2}, idempotency_key=key)
+    assert duplicate.deduplicated and duplicate.id == original.id
+    answers: list[Any] = []
+    waiting = threading.Thread(target=lambda: answers.append(duplicate.get(timeout=GET)))
+    waiting.start()
+    # Then, while it waits, nothing listens for the id on the backend (which will never hear of it);
+    # on Redis the duplicate listens to the record's channel, where settling it is announced
+    backend = redis.Redis.from_url(BACKEND)
+    channel = f"celery-task-meta-{original.id}"
+    if type(shop.store).__name__ == "RedisStore":
+        record_key = shop.store.keys_for(Identity("", "results.charge", key))[0]  # type: ignore[attr-defined]
+        wait_for(lambda: dict(shop.store.client.pubsub_numsub(record_key))[record_key.encode()] >= 1,  # type: ignore[attr-defined]
+                 "the duplicate to listen on the record's channel", GET)  # fmt: skip
+    assert dict(backend.pubsub_numsub(channel))[channel.encode()] == 0
+    waiting.join(GET)
+    assert answers == [{"order": 12, "run": 1}] and shop.runs(key) == 1
+
+
+def _state(shop: Running, key: str) -> State | None:
+    record = Idempotency.of(shop.app).get("results.charge", key)
+    return None if record is None else record.state
 
 
 def test_a_final_failure_is_stored_once_and_raised_by_the_handle(one_write: Running, key: str) -> None:
