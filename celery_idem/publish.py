@@ -97,10 +97,11 @@ def publish(
     log_decision(claimed.decision, identity, task_id, record)
 
     if claimed.decision is Decision.NEW:
-        if policy.results == "store" and not awaited_id and not _canvas(options):
+        if policy.results == "store" and not awaited_id and not _canvas(options) and not _child(task, options):
             # One write per outcome: the store holds it, and the handle returned here is the only
-            # one this call has, and it reads the store. (A caller that chose the task id or a
-            # canvas waits on that id through a handle that knows no key: Celery writes those.)
+            # one this call has, and it reads the store. (A caller that chose the task id, a canvas,
+            # or a running task whose children Celery records wait on that id through handles that
+            # know no key: Celery writes those.)
             options.setdefault("ignore_result", True)
         try:
             sent = send(args, kwargs, options)
@@ -122,7 +123,7 @@ def publish(
     # store holds the record under exactly the token it carries (a forged one matches nothing). It
     # may carry other arguments than the record's (a poll one try later): the same attempt chain.
     token = headers.get(HANDOVER_HEADER)
-    handed = isinstance(token, str) and token == record.owner and task_id == record.task_id
+    handed = isinstance(token, str) and record.held_by(token) and task_id == record.task_id
     if claimed.decision is Decision.MISMATCH and not handed:
         idem.count("mismatches")
         raise calls.mismatch(identity, record)
@@ -148,6 +149,12 @@ def _canvas(options: Mapping[str, Any]) -> bool:
     the worker applies): its result is read through the backend by a handle that knows no key."""
     # A chain's last step carries chain=[]: present, not None.
     return any(options.get(name) is not None for name in (*_CONTINUATIONS, "parent_id", "root_id", "group_index"))
+
+
+def _child(task: Any, options: Mapping[str, Any]) -> bool:
+    """Whether Celery records this call in the running task's children (``parent.children``,
+    ``collect()``): a call made inside a task body on a worker, unless ``add_to_parent=False``."""
+    return options.get("add_to_parent", True) is not False and task.app.current_worker_task is not None
 
 
 def _handing_over(task: Any, task_id: str | None, identity: Identity) -> bool:

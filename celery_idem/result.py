@@ -153,9 +153,14 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
             return True
         if task.ignore_result:
             return False
-        # results="store": the store holds every outcome of the task, and the backend may hold none
-        # (a duplicate's handle cannot know how its original was published): wait on the store.
-        return not (self.idempotency is not None and self.idempotency.policy_for(task).results == "store")
+        # results="store": a duplicate's handle cannot know whether its original was written to the
+        # backend (most are not), but the store holds every outcome: it waits on the store. The
+        # handle of a call of its own knows (``ignored``, above): one its producer kept out of the
+        # backend waits on the store, one written there (a chosen task id, a call published
+        # unprotected while the store was down) waits on both.
+        return not (
+            self.deduplicated and self.idempotency is not None and self.idempotency.policy_for(task).results == "store"
+        )
 
     def get(self, timeout: float | None = None, propagate: bool = True, interval: float = 0.5, **kwargs: Any) -> Any:
         """The task's outcome: from the stored record when there is one, else from whichever of the
@@ -304,6 +309,24 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
         return str(super().state)
 
     status = state
+
+    @property
+    def result(self) -> Any:
+        """The outcome without waiting, as Celery's ``result`` (the exception for a failure; None
+        while there is none): the backend first, as for ``state``, the store where the backend has
+        nothing (``results="store"``, ``ignore_result``, expired) or the ledger overrules it."""
+        if self._record is None and self._backend_keeps_results() and str(super().state) == states.SUCCESS:
+            return super().result
+        record = self._record if self._record is not None else self._settled_record_or_none()
+        if record is not None:
+            return self._answer(record, propagate=False)
+        return super().result if self._backend_keeps_results() else None
+
+    info = result
+
+    def wait(self, timeout: float | None = None, propagate: bool = True, interval: float = 0.5, **kwargs: Any) -> Any:
+        """``get()`` (Celery's ``wait`` is its ``get`` bound before this class overrides it)."""
+        return self.get(timeout=timeout, propagate=propagate, interval=interval, **kwargs)
 
     def ready(self) -> bool:
         return bool(self.state in states.READY_STATES)

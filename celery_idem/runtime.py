@@ -23,6 +23,7 @@ from .endings import IDEMPOTENT, Mode
 from .errors import ConfigurationError
 from .heartbeat import Heartbeat
 from .keys import keyed_identity
+from .once import computed_once
 from .outcome import accepted_content_types, replay
 from .records import IdempotencyRecord, Identity, State
 from .stores import Store, store_from_url
@@ -73,7 +74,7 @@ class Runtime:
 
     # ---- settings and policies -----------------------------------------------------------------
 
-    @functools.cached_property
+    @computed_once
     def settings(self) -> IdempotencySettings:
         """Resolved on first use, so ``app.conf`` may still change after tasks are defined."""
         known = IdempotencySettings.model_fields
@@ -104,14 +105,14 @@ class Runtime:
     def _liveness_seconds(self) -> float:
         return self.settings.liveness_seconds
 
-    @functools.cached_property
+    @computed_once
     def accepted_content_types(self) -> frozenset[str]:
         """The content types a stored outcome may be decoded from, everywhere this app reads the
         store (replays, ``get()``, the CLI, the ledger): the app's accepted serializers; pickle
         only with ``accept_pickle=True``."""
         return accepted_content_types(self.app.conf, accept_pickle=self.settings.accept_pickle)
 
-    @functools.cached_property
+    @functools.partial(computed_once, on_lost=lambda store: store.close())
     def store(self) -> Store:
         """The store, built once from the ``store`` setting."""
         settings = self.settings

@@ -78,3 +78,35 @@ def test_installing_the_extension_twice_on_one_app_registers_no_task_twice() -> 
     Idempotency(app)
     Idempotency(app, ttl_seconds=60)
     assert "celery_idem.replaced" in app.tasks
+
+
+def test_threads_that_first_use_a_fresh_app_at_once_all_get_through() -> None:
+    # A threaded web server's first requests: several threads publish through an app nobody has
+    # used yet. Celery loads the app's configuration under its lock and calls the extension back
+    # (its beat entry reads the settings); the extension's settings read app.conf. With a lock held
+    # around the settings' first computation (functools.cached_property on Python 3.11), the two
+    # locks were taken in opposite orders and the threads deadlocked.
+    import threading
+
+    for attempt in range(20):
+        app = Celery(f"fresh{attempt}", broker="memory://", backend="cache+memory://", set_as_current=False)
+        Idempotency(app, store="memory://")
+
+        @app.task(base=IdempotentTask, name="fresh.charge", shared=False)
+        def charge(order: int) -> int:
+            return order
+
+        start = threading.Barrier(4)
+        done: list[int] = []
+
+        def call(n: int, task: Any = charge, start: Any = start, done: list[int] = done) -> None:
+            start.wait()
+            task.apply_async((n,), idempotency_key=f"k{n}")
+            done.append(n)
+
+        threads = [threading.Thread(target=call, args=(n,), daemon=True) for n in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(20)
+        assert sorted(done) == [0, 1, 2, 3], f"attempt {attempt}: threads stuck in a fresh app's first use"

@@ -63,6 +63,7 @@ def _settle(
         pytest.param("fp-a", "task-1", None, id="other-text"),
         pytest.param(HEX_FP[:-1], CELERY_ID.replace("-", ""), None, id="near-misses"),
         pytest.param("f" * 300, "t" * 200, None, id="long-values"),
+        pytest.param(HEX_FP, "t" * 70_000, "p" * 65_536, id="ids-past-a-two-byte-length"),
         pytest.param(HEX_FP, CELERY_ID, str(uuid.uuid4()), id="previous-task-id-uuid"),
         pytest.param(HEX_FP, CELERY_ID, "earlier-attempt", id="previous-task-id-text"),
     ],
@@ -92,6 +93,21 @@ def test_a_settled_record_reads_back_exactly_as_settled(
     assert redis_store.acquire(identity, fp, "x", lease_seconds=60, ttl_seconds=600).decision is Decision.REPLAY
     # The scan the operators' commands read finds it with its identity, from the key alone
     assert [r for r in redis_store.records() if r.identity == identity] == [record]
+
+
+def test_an_attempt_count_past_two_bytes_reads_back(redis_store: Store) -> None:
+    # A task retried without bound (max_retries=None) counts its attempts past 65,535
+    identity = Identity("", "shop.poll", "many-attempts")
+    redis_store.claim(identity, HEX_FP, CELERY_ID, pending_seconds=60, ttl_seconds=600)
+    taken = redis_store.acquire(identity, HEX_FP, CELERY_ID, lease_seconds=60, ttl_seconds=600)
+    assert taken.record is not None
+    redis_store.client.hset(redis_store.keys_for(identity)[0], "attempt", "70000")  # type: ignore[attr-defined]
+    assert redis_store.complete(identity, taken.record.owner, b"1").ok
+    record = redis_store.get(identity)
+    assert record is not None and record.attempt == 70_000
+    # and the chain rule (a retry of the settled task id, other arguments) still sees an attempt that ran
+    again = redis_store.acquire(identity, "c" * 64, CELERY_ID, lease_seconds=60, ttl_seconds=600, retry=True)
+    assert again.decision is Decision.REPLAY
 
 
 def test_a_failure_and_another_content_type_read_back(redis_store: Store) -> None:
@@ -140,3 +156,28 @@ def test_a_record_in_an_unknown_format_is_an_error_never_a_guess(redis_store: St
         redis_store.claim(identity, HEX_FP, "x", pending_seconds=60, ttl_seconds=600)
     with pytest.raises(Exception, match="unknown format"):
         redis_store.get(identity)
+
+
+def test_a_scan_reads_a_record_that_changed_type_between_its_reads(redis_store: Store, tmp_path: Any) -> None:
+    # Given a settled record (a string) that is forgotten and claimed again (a hash) by another
+    # process between the scan's read of hashes and its read of strings
+    identity = Identity("", "shop.charge", "changes-type")
+    _settle(redis_store, identity, HEX_FP, CELERY_ID)
+    other = make_store("redis", tmp_path, redis_store.key_prefix)
+    client: Any = redis_store.client  # type: ignore[attr-defined]
+    pipelines, real = [0], client.pipeline
+
+    def pipeline(*args: Any, **kwargs: Any) -> Any:
+        pipelines[0] += 1
+        if pipelines[0] == 2:
+            other.forget(identity)
+            other.claim(identity, HEX_FP, "another-call", pending_seconds=60, ttl_seconds=600)
+        return real(*args, **kwargs)
+
+    client.pipeline = pipeline
+    try:
+        # Then the scan answers with the record as it stands, instead of failing the operators' list
+        assert [(r.task_id, r.state) for r in redis_store.records()] == [("another-call", State.PENDING)]
+    finally:
+        client.pipeline = real
+        other.close()

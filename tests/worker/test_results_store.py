@@ -28,6 +28,7 @@ from celery.contrib.testing.worker import start_worker
 from celery.result import AsyncResult
 from celery.signals import task_postrun
 from conftest import STORE_KINDS, make_store, require_server, wipe
+from services import free_port
 from shop import COUNTER_URL, effects_key
 from shop_worker import BACKEND, BROKERS, GET
 from workers import wait_for
@@ -63,6 +64,11 @@ def results_app(*, store: Any, prefix: str, results: str) -> Celery:
         if flaky:
             raise ConnectionError(f"order {order}: the provider timed out")  # retryable: frees the key
         return {"order": order, "run": n}
+
+    @app.task(shared=False, name="results.fan_out")
+    def fan_out(order: int) -> str:
+        charge.apply_async((order,), idempotency_key=f"child-{prefix}-{order}")
+        return "spawned"
 
     @app.task(shared=False, name="results.total")
     def total(values: Any) -> Any:
@@ -115,6 +121,8 @@ def test_the_outcome_is_written_once_and_every_handle_reads_it_from_the_store(on
     # Then its handle answers from the store, state and ready() too
     assert result.get(timeout=GET) == {"order": 7, "run": 1}
     assert result.state == states.SUCCESS and result.ready() and result.successful()
+    # as do Celery's other ways to read it: result, info, wait()
+    assert result.result == result.info == result.wait(timeout=GET) == {"order": 7, "run": 1}
     # And a duplicate's handle answers the same, without running the body again
     duplicate = shop.charge.apply_async((7,), idempotency_key=key)
     assert duplicate.deduplicated and duplicate.id == result.id
@@ -161,6 +169,7 @@ def test_a_final_failure_is_stored_once_and_raised_by_the_handle(one_write: Runn
         result.get(timeout=GET)
     assert result.state == states.FAILURE and result.failed()
     assert isinstance(result.get(timeout=GET, propagate=False), Refused)
+    assert isinstance(result.result, Refused) and isinstance(result.info, Refused)
     assert not in_backend(result.id)
     assert shop.runs(key) == 1
 
@@ -206,8 +215,38 @@ def test_a_caller_that_chose_the_task_id_is_answered_through_the_backend(one_wri
     shop = one_write
     task_id = str(uuid.uuid4())
     result = shop.charge.apply_async((10,), idempotency_key=key, task_id=task_id)
-    assert result.get(timeout=GET)["order"] == 10
     assert AsyncResult(task_id, app=shop.app).get(timeout=GET)["order"] == 10
+    # and its own handle, first asked once the record's TTL has passed, still answers: from the
+    # backend, which holds the outcome longer than the store
+    shop.store.advance_clock_for_tests(2 * 86400)
+    assert Idempotency.of(shop.app).get("results.charge", key) is None
+    assert result.get(timeout=GET)["order"] == 10
+
+
+def test_a_call_made_inside_a_running_task_is_answered_through_its_parents_children(one_write: Running) -> None:
+    # Celery records a call made in a task body in the parent's children (parent.children,
+    # collect()): handles that know no key, read from the backend, which under "store" is written
+    shop = one_write
+    parent = shop.app.tasks["results.fan_out"].delay(13)
+    assert parent.get(timeout=GET) == "spawned"
+    assert [child.get(timeout=GET)["order"] for child in parent.children] == [13]
+
+
+def test_a_call_published_unprotected_while_the_store_is_down_is_answered_through_the_backend() -> None:
+    require_server("redis")
+    down = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    prefix = f"d{uuid.uuid4().hex[:10]}"
+    app = Celery("results-down", broker=BROKERS["redis"], backend=BACKEND, set_as_current=False)
+    app.conf.update(task_default_queue=prefix, worker_hijack_root_logger=False, broker_connection_retry_on_startup=True)
+    Idempotency(app, store=down, results="store", on_store_error="proceed", store_timeout_seconds=0.2)
+
+    @app.task(shared=False, base=IdempotentTask, name="results.down")
+    def multiply(x: int, y: int) -> int:
+        return x * y
+
+    with start_worker(app, pool="threads", concurrency=1, perform_ping_check=False, shutdown_timeout=20):
+        result = multiply.apply_async((6, 7), idempotency_key="k-down")
+        assert result.get(timeout=GET) == 42
 
 
 # ---- round trips per task --------------------------------------------------------------------------

@@ -134,3 +134,35 @@ def test_a_handover_whose_reply_was_lost_is_taken_back_by_the_kept_message_at_on
     finally:
         signals.before_task_publish.disconnect(app.__dict__["_test_publishing"])
         idem.disconnect()
+
+
+def test_a_chain_step_handed_a_record_that_settled_since_is_published_on_a_store_that_keeps_a_digest(
+    tmp_path: Any,
+) -> None:
+    # Given a record handed to a chain step's token, settled under that token since (the reconciler
+    # settles it with the owner it holds), on the Redis store, which keeps only the owner's digest
+    from conftest import make_store, wipe
+
+    from celery_idem.protocol import HANDOVER_HEADER, KEY_HEADER
+    from celery_idem.records import Identity
+
+    store = make_store("redis", tmp_path, "handed-digest")
+    app = Celery("handed-digest", set_as_current=False, broker="memory://", backend="cache+memory://")
+    Idempotency(app, store=store)
+
+    @app.task(shared=False, base=IdempotentTask, name="poll")
+    def poll(n: int) -> int:
+        return n
+
+    identity, token, task_id = Identity("", "poll", "job-1"), "handover-token-1", "6f1c2e8a-1111-4222-8333-444455556666"
+    fp = poll.idempotency_handler.fingerprint((1,), {})
+    store.claim(identity, fp, task_id, pending_seconds=60, ttl_seconds=600)
+    store.acquire(identity, fp, task_id, lease_seconds=60, ttl_seconds=600, owner=token)
+    assert store.complete(identity, token, b"1").ok
+    try:
+        # When the step before it publishes the step, with other arguments (a poll one try later)
+        result = poll.apply_async((2,), task_id=task_id, headers={HANDOVER_HEADER: token, KEY_HEADER: "job-1"})
+        # Then it is the same attempt chain: published (the worker replays the outcome), not refused
+        assert result.id == task_id and result.deduplicated
+    finally:
+        wipe(store)

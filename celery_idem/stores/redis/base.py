@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -63,6 +64,7 @@ class RedisBase(Store):
             )
         self.client = client
         self.index_shards = INDEX_SHARDS
+        self._watch_slots = threading.BoundedSemaphore(_watch_slots(client))
         self._scripts: dict[str, scripts.Scripted] = scripts.register(client)
 
     _unavailable = (
@@ -181,23 +183,28 @@ class RedisBase(Store):
 
     def _read(self, keys: list[Any]) -> Any:
         """The live records under ``keys``: a pipeline of HGETALL, then one of GET for the keys that
-        hold a settled record (a string: HGETALL answers WRONGTYPE). Plain commands, not a script, so
-        a cluster pipeline routes each by its slot."""
-        if not keys:
-            return
-        pipe = self.client.pipeline(transaction=False)
-        for key in keys:
-            pipe.hgetall(key)
-        stored = dict(zip(keys, pipe.execute(raise_on_error=False), strict=True))
-        packed = [key for key, answer in stored.items() if isinstance(answer, redis.exceptions.ResponseError)]
-        if packed:
+        hold a settled record (a string: HGETALL answers WRONGTYPE), and so on while a key changed
+        type between two reads (settled, or gone and claimed again): a scan is no snapshot, and a
+        key still changing after a few reads is left out. Plain commands, not a script, so a
+        cluster pipeline routes each by its slot."""
+        found: dict[Any, Any] = {}
+        todo = {key: "hash" for key in keys}
+        for _ in range(4):
+            if not todo:
+                break
             pipe = self.client.pipeline(transaction=False)
-            for key in packed:
-                pipe.get(key)
-            stored.update(zip(packed, pipe.execute(), strict=True))
-        for key, answer in stored.items():
-            if isinstance(answer, Exception):
-                raise answer
+            for key, kind in todo.items():
+                pipe.hgetall(key) if kind == "hash" else pipe.get(key)
+            changed: dict[Any, str] = {}
+            for (key, kind), answer in zip(todo.items(), pipe.execute(raise_on_error=False), strict=True):
+                if isinstance(answer, redis.exceptions.ResponseError) and str(answer).startswith("WRONGTYPE"):
+                    changed[key] = "string" if kind == "hash" else "hash"
+                elif isinstance(answer, Exception):
+                    raise answer
+                else:
+                    found[key] = answer
+            todo = changed
+        for key, answer in found.items():
             if isinstance(answer, dict):
                 answer = [item for pair in answer.items() for item in pair]
             record = self._live(answer, identity_of(key))
@@ -225,9 +232,11 @@ class RedisBase(Store):
         record publish (``lua/_prelude.lua``). A subscription that fails, or breaks while waiting,
         turns the waits into sleeps: the waiter polls, as on a store that cannot notify."""
         pubsub: Any = None
+        slot = self._watch_slots.acquire(blocking=False)  # else the waiter polls: the pool is not its own
         try:
-            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-            pubsub.subscribe(self.keys_for(identity)[0])
+            if slot:
+                pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+                pubsub.subscribe(self.keys_for(identity)[0])
         except Exception as exc:  # noqa: BLE001 - a notice is a hint: without one the waiter polls
             logger.debug("no notices for %s (%s): polling", identity, exc)
             pubsub = self._close_quietly(pubsub)
@@ -252,6 +261,8 @@ class RedisBase(Store):
             yield wait
         finally:
             self._close_quietly(pubsub)
+            if slot:
+                self._watch_slots.release()
 
     @staticmethod
     def _close_quietly(pubsub: Any) -> None:
@@ -272,6 +283,17 @@ class RedisBase(Store):
 
     def close(self) -> None:
         self.client.close()
+
+
+WATCHES = 32
+"""At most this many waiting handles of one store subscribe at once (each holds a connection of the
+store's pool while it waits); more wait by polling. A bounded pool (``?max_connections=N``) lends
+at most half of its connections to them."""
+
+
+def _watch_slots(client: Any) -> int:
+    bound = getattr(getattr(client, "connection_pool", None), "max_connections", None)
+    return min(WATCHES, bound // 2) if isinstance(bound, int) else WATCHES
 
 
 def identity_of(key: bytes) -> Identity:

@@ -141,8 +141,8 @@ def record(stored: Sequence[bytes] | bytes, identity: Identity | None = None) ->
     )
 
 
-_HEADER = struct.Struct(">BBBddddH")
-_LENGTH = struct.Struct(">H")
+_HEADER = struct.Struct(">BBBddddI")
+_LONG = struct.Struct(">I")  # a string's length when its one-byte length says 255
 _PACKED = 1  # the format byte of lua/_prelude.lua's packed settled record
 _DEFAULT_CONTENT = ("application/json", "utf-8")
 
@@ -154,9 +154,11 @@ def settled(blob: bytes, identity: Identity) -> IdempotencyRecord:
         raise ValueError(f"a record in an unknown format ({form}): written by a newer celery-idem?")
     at, strings = _HEADER.size, []
     for _ in range(6):
-        (size,) = _LENGTH.unpack_from(blob, at)
-        strings.append(blob[_LENGTH.size + at : _LENGTH.size + at + size])
-        at += _LENGTH.size + size
+        size, at = blob[at], at + 1
+        if size == 255:
+            (size,), at = _LONG.unpack_from(blob, at), at + _LONG.size
+        strings.append(blob[at : at + size])
+        at += size
     fp, task_id, prev, owner, ctype, cenc = strings
     payload = blob[at:]
     completed = state == ord("C")

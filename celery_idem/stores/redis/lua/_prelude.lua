@@ -39,8 +39,9 @@ local function fmt(x)
 end
 
 -- The packed settled record (format 1; scripts.py reads it back, settle.lua writes it): a string
---   '>BBBddddH': format (1), state ('C' COMPLETED or 'F' FAILED), flags, expires, created,
---   updated, ttl, attempt; then '>H'-length strings: fingerprint, task id, previous task id, owner
+--   '>BBBddddI4': format (1), state ('C' COMPLETED or 'F' FAILED), flags, expires, created,
+--   updated, ttl, attempt; then length-prefixed strings (a length under 255 in one byte, else 255
+--   and the length in four): fingerprint, task id, previous task id, owner
 --   digest (the first 8 bytes of SHA-1 of the owner token), content type, content encoding (both
 --   '' for application/json, utf-8); then the payload to the end (the result, or the error JSON).
 -- flags: 1 = the fingerprint is 64 lowercase hex stored as its 32 bytes; 2 = the task id, 4 = the
@@ -65,7 +66,8 @@ local function lower_hex(text, pattern)
 end
 
 local function packed(s)
-  return struct.pack('>H', #s) .. s
+  if #s < 255 then return struct.pack('>B', #s) .. s end
+  return struct.pack('>BI4', 255, #s) .. s
 end
 
 local function pack_settled(rec, state, expires, now, payload, ctype, cenc)
@@ -74,7 +76,7 @@ local function pack_settled(rec, state, expires, now, payload, ctype, cenc)
   if lower_hex(task_id, UUID) then flags, task_id = flags + 2, to_bytes((task_id:gsub('%-', ''))) end
   if lower_hex(prev, UUID) then flags, prev = flags + 4, to_bytes((prev:gsub('%-', ''))) end
   if ctype == 'application/json' and cenc == 'utf-8' then ctype, cenc = '', '' end
-  return struct.pack('>BBBddddH', PACKED, string.byte(state), flags, expires, tonumber(rec.created), now,
+  return struct.pack('>BBBddddI4', PACKED, string.byte(state), flags, expires, tonumber(rec.created), now,
       tonumber(rec.ttl), tonumber(rec.attempt))
     .. packed(fp) .. packed(task_id) .. packed(prev) .. packed(to_bytes(string.sub(redis.sha1hex(rec.owner), 1, 16)))
     .. packed(ctype) .. packed(cenc) .. payload
@@ -83,13 +85,15 @@ end
 local function unpack_settled(blob)
   -- What the scripts read of a settled record: state, fingerprint and task id (as they were
   -- given), attempt, expiry.
-  local format, state, flags, expires, _, _, _, attempt, at = struct.unpack('>BBBddddH', blob)
+  local format, state, flags, expires, _, _, _, attempt, at = struct.unpack('>BBBddddI4', blob)
   if format ~= PACKED then error('celery-idem: a record in an unknown format (' .. format .. '): written by a newer version?') end
   local strings = {}
   for i = 1, 2 do
-    local size = struct.unpack('>H', blob, at)
-    strings[i] = string.sub(blob, at + 2, at + 1 + size)
-    at = at + 2 + size
+    local size
+    size, at = struct.unpack('>B', blob, at)
+    if size == 255 then size, at = struct.unpack('>I4', blob, at) end
+    strings[i] = string.sub(blob, at, at + size - 1)
+    at = at + size
   end
   local fp, task_id = strings[1], strings[2]
   if flags % 2 == 1 then fp = to_hex(fp) end
