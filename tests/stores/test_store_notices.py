@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from typing import Any
 
 import pytest
 
@@ -67,3 +68,25 @@ def test_a_watch_with_nothing_to_wait_for_sleeps_its_time_and_never_fails(store:
         wait(0.3)
         wait(0.3)
         assert time.monotonic() - started >= 0.55
+
+
+def test_waiting_handles_never_take_the_connections_a_bounded_redis_pool_keeps_for_claims(tmp_path: Any) -> None:
+    # Given a Redis store whose pool holds 4 connections, and 4 handles waiting on records at once
+    from contextlib import ExitStack
+
+    from conftest import REDIS_URL, make_store, wipe  # noqa: F401 - make_store checks the server
+
+    from celery_idem.stores import store_from_url
+
+    make_store("redis", tmp_path, "probe").close()
+    store = store_from_url(f"{REDIS_URL}?max_connections=4", key_prefix=f"pool{uuid.uuid4().hex[:8]}")
+    try:
+        with ExitStack() as watching:
+            waits = [watching.enter_context(store.watch(Identity("", "notices.task", f"w{n}"))) for n in range(4)]
+            for wait in waits:
+                wait(0.01)
+            # Then the store still claims: the waits subscribed on at most half of the pool
+            claimed = store.claim(Identity("", "notices.task", "fresh"), "fp", "t", pending_seconds=60, ttl_seconds=60)
+            assert claimed.decision.value == "NEW"
+    finally:
+        wipe(store)
