@@ -97,11 +97,13 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
         self._record: IdempotencyRecord | None = None
         self._created_at: float | None = None  # of the record this call was handed at publish
         self._ledger_entry: Any = _UNASKED
+        self._original_id: str | None = None  # the task id of the record this call was handed
         if record is not None:
             self._handed(record)
 
     def _handed(self, record: IdempotencyRecord) -> None:
         self._created_at = record.created_at
+        self._original_id = record.task_id
         if record.state.settled:
             self._record = record
 
@@ -153,13 +155,17 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
             return True
         if task.ignore_result:
             return False
-        # results="store": a duplicate's handle cannot know whether its original was written to the
-        # backend (most are not), but the store holds every outcome: it waits on the store. The
-        # handle of a call of its own knows (``ignored``, above): one its producer kept out of the
-        # backend waits on the store, one written there (a chosen task id, a call published
-        # unprotected while the store was down) waits on both.
+        # results="store": a duplicate handed the original's own task id cannot know whether the
+        # original was written to the backend (most are not), but the store holds every outcome: it
+        # waits on the store. Every other handle knows (``ignored``, above): one its producer kept
+        # out of the backend waits on the store; one written there (a chosen task id, a duplicate
+        # published anyway under its own id, a call published unprotected while the store was
+        # down) waits on both.
         return not (
-            self.deduplicated and self.idempotency is not None and self.idempotency.policy_for(task).results == "store"
+            self.deduplicated
+            and self.id == self._original_id
+            and self.idempotency is not None
+            and self.idempotency.policy_for(task).results == "store"
         )
 
     def get(self, timeout: float | None = None, propagate: bool = True, interval: float = 0.5, **kwargs: Any) -> Any:
@@ -255,8 +261,8 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
         assert self.identity is not None and self.idempotency is not None
         store = self.idempotency.store
         deadline = None if timeout is None else time.monotonic() + timeout
-        pause = _LONGEST_LOOK if store.notifies else 0.01
         with store.watch(self.identity) as wait:
+            pause = _LONGEST_LOOK if wait.notices else 0.01
             while True:
                 record = self._stored_record()
                 if record is None:
@@ -267,7 +273,7 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
                 if left is not None and left <= 0:
                     raise CeleryTimeoutError("The operation timed out.")
                 wait(pause if left is None else min(pause, left))
-                if not store.notifies:
+                if not wait.notices:
                     pause = min(pause * 2, interval)
 
     def _gone(self) -> RecordGoneError:

@@ -19,7 +19,7 @@ from ..errors import ConfigurationError, IdempotencyError, StoreUnavailableError
 from ..records import Decision, ErrorInfo, IdempotencyRecord, Identity, State, Transition
 from .base import Store
 from .memory import MemoryStore
-from .spi import Clock, Fence, Settlement
+from .spi import Clock, Fence, Settlement, Wait
 
 if TYPE_CHECKING:
     from .redis import RedisStore
@@ -41,6 +41,7 @@ __all__ = [
     "State",
     "Store",
     "Transition",
+    "Wait",
     "store_from_url",
 ]
 

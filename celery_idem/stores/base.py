@@ -16,16 +16,16 @@ from __future__ import annotations
 import math
 import time
 from abc import abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 from ..errors import ResultTooLargeError
 from ..records import ErrorInfo, IdempotencyRecord, Identity, State, Transition
 from .core import positive
-from .spi import Clock, Fence, Settlement, new_token
+from .spi import Clock, Fence, Settlement, Wait, new_token
 from .upkeep import StoreUpkeep
 
-__all__ = ["Clock", "Fence", "Settlement", "Store", "new_token"]
+__all__ = ["Clock", "Fence", "Settlement", "Store", "Wait", "new_token"]
 
 
 class Store(StoreUpkeep):
@@ -185,16 +185,17 @@ class Store(StoreUpkeep):
     """Whether :meth:`watch` wakes its waiter when a record settles or is freed (else it sleeps)."""
 
     @contextmanager
-    def watch(self, identity: Identity) -> Iterator[Callable[[float], None]]:
-        """Watch ``identity`` while waiting for its outcome: yields ``wait(seconds)``, which returns
-        when the record may have changed (settled, freed, forgotten) or after ``seconds``.
+    def watch(self, identity: Identity) -> Iterator[Wait]:
+        """Watch ``identity`` while waiting for its outcome: yields a :class:`Wait`; ``wait(seconds)``
+        returns when the record may have changed (settled, freed, forgotten) or after ``seconds``.
 
         A notice is a hint, never the answer: the waiter reads the record again after each wait,
         and a record that expires sends none. Enter the watch before the first read, so a change
         between that read and the first wait is not missed. Stores that cannot notify (the base,
-        the SQL stores) sleep the whole wait: their waiters poll with backoff.
+        the SQL stores) sleep the whole wait (``wait.notices`` is False): their waiters poll with
+        backoff, as do the waiters of a store that could not subscribe this one.
         """
-        yield time.sleep
+        yield Wait(time.sleep, notices=False)
 
     def ping(self) -> None:
         """Round-trip to the store; raises StoreUnavailableError if it does not answer in time."""

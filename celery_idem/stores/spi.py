@@ -11,7 +11,7 @@ from typing import Literal, NamedTuple
 
 from ..records import ErrorInfo, State
 
-__all__ = ["Clock", "Fence", "Settlement", "new_token"]
+__all__ = ["Clock", "Fence", "Settlement", "Wait", "new_token"]
 
 Clock = Callable[[], float]
 """An injected clock, in seconds (tests); a store otherwise reads its server's time."""
@@ -27,6 +27,18 @@ class Settlement(NamedTuple):
     content_type: str | None = None
     content_encoding: str | None = None
     error: ErrorInfo | None = None
+
+
+class Wait:
+    """What :meth:`Store.watch` yields: call it with seconds to wait that long, or less if a notice
+    comes; ``notices`` says whether one can (False: a plain sleep, so the waiter backs off)."""
+
+    def __init__(self, wait: Callable[[float], None], *, notices: bool) -> None:
+        self._wait = wait
+        self.notices = notices
+
+    def __call__(self, seconds: float) -> None:
+        self._wait(seconds)
 
 
 def new_token() -> str:

@@ -49,6 +49,7 @@ def test_a_watcher_is_woken_when_the_record_settles_or_is_freed(store: Store, en
         writer.start()
         started = time.monotonic()
         # When the attempt ends while the waiter waits
+        assert wait.notices is store.notifies
         wait(NOTIFIED_WAIT if store.notifies else POLLED_WAIT)
         waited = time.monotonic() - started
         writer.join()
@@ -88,5 +89,60 @@ def test_waiting_handles_never_take_the_connections_a_bounded_redis_pool_keeps_f
             # Then the store still claims: the waits subscribed on at most half of the pool
             claimed = store.claim(Identity("", "notices.task", "fresh"), "fp", "t", pending_seconds=60, ttl_seconds=60)
             assert claimed.decision.value == "NEW"
+    finally:
+        wipe(store)
+
+
+class _Interrupted(BaseException):
+    """What gevent.Timeout, eventlet.Timeout and KeyboardInterrupt are: not an Exception."""
+
+
+def test_a_watch_interrupted_while_it_subscribes_gives_its_slot_back(tmp_path: Any) -> None:
+    from conftest import make_store, wipe
+
+    from celery_idem.stores.redis.base import WATCHES
+
+    store: Any = make_store("redis", tmp_path, f"slots{uuid.uuid4().hex[:8]}")
+    real = store.client.pubsub
+
+    class Interrupting:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.inner = real(*args, **kwargs)
+
+        def subscribe(self, *channels: Any) -> None:
+            raise _Interrupted
+
+        def close(self) -> None:
+            self.inner.close()
+
+    try:
+        # Given more interrupted subscriptions than there are slots
+        store.client.pubsub = Interrupting
+        for n in range(WATCHES + 1):
+            with pytest.raises(_Interrupted), store.watch(Identity("", "notices.task", f"i{n}")):
+                pass
+        store.client.pubsub = real
+        # Then a watch still subscribes: every slot came back
+        with store.watch(Identity("", "notices.task", "after")) as wait:
+            assert wait.notices
+    finally:
+        store.client.pubsub = real
+        wipe(store)
+
+
+def test_a_watch_without_a_slot_says_so_and_its_waiter_backs_off(tmp_path: Any) -> None:
+    from conftest import REDIS_URL, make_store, wipe
+
+    from celery_idem.stores import store_from_url
+
+    make_store("redis", tmp_path, "probe").close()
+    store = store_from_url(f"{REDIS_URL}?max_connections=2", key_prefix=f"one{uuid.uuid4().hex[:8]}")
+    try:
+        # Given a pool of 2 (one slot for watches), taken by a first waiter
+        with store.watch(Identity("", "notices.task", "first")) as first:
+            assert first.notices
+            # Then a second waiter's watch says no notice will end its waits (it polls from 10 ms up)
+            with store.watch(Identity("", "notices.task", "second")) as second:
+                assert not second.notices
     finally:
         wipe(store)

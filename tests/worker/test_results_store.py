@@ -223,6 +223,22 @@ def test_a_caller_that_chose_the_task_id_is_answered_through_the_backend(one_wri
     assert result.get(timeout=GET)["order"] == 10
 
 
+def test_a_duplicate_published_under_its_own_id_is_answered_for_that_id(one_write: Running, key: str) -> None:
+    # Given a duplicate published anyway under a task id its caller chose (its own message, written
+    # to the backend), whose original's record is then freed (a retryable failure) before the copy
+    # runs and succeeds: here on a queue no worker reads, the copy's outcome written as Celery would
+    shop = one_write
+    held = f"{shop.prefix}-held"
+    shop.charge.apply_async((14,), idempotency_key=key, queue=held)
+    mine = str(uuid.uuid4())
+    duplicate = shop.charge.apply_async((14,), idempotency_key=key, task_id=mine, queue=held)
+    assert duplicate.deduplicated and duplicate.id == mine
+    assert Idempotency.of(shop.app).forget("results.charge", key)
+    shop.app.backend.store_result(mine, {"order": 14, "run": 2}, states.SUCCESS)
+    # Then its handle answers for its own task id, from the backend, instead of "gone"
+    assert duplicate.get(timeout=GET) == {"order": 14, "run": 2}
+
+
 def test_a_call_made_inside_a_running_task_is_answered_through_its_parents_children(one_write: Running) -> None:
     # Celery records a call made in a task body in the parent's children (parent.children,
     # collect()): handles that know no key, read from the backend, which under "store" is written

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 from ...records import IdempotencyRecord, Identity, State, Transition
 from ..base import Store
 from ..rules import LOST, OK, UNSETTLED
-from ..spi import Clock
+from ..spi import Clock, Wait
 
 __all__ = ["MemoryRecords"]
 
@@ -84,7 +84,7 @@ class MemoryRecords(Store):
     notifies = True
 
     @contextmanager
-    def watch(self, identity: Identity) -> Iterator[Callable[[float], None]]:
+    def watch(self, identity: Identity) -> Iterator[Wait]:
         with self._lock:
             seen = self._writes
 
@@ -95,7 +95,7 @@ class MemoryRecords(Store):
                     self._changed.wait(seconds)
                 seen = self._writes
 
-        yield wait
+        yield Wait(wait, notices=True)
 
     def _get(self, identity: Identity) -> IdempotencyRecord | None:
         with self._lock:

@@ -14,7 +14,7 @@ import re
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -23,7 +23,7 @@ import redis
 from ...errors import ConfigurationError
 from ...records import IdempotencyRecord, Identity, State
 from ..base import Store
-from ..spi import Clock
+from ..spi import Clock, Wait
 from . import scripts
 
 __all__ = ["INDEX_SHARDS", "RedisBase", "identity_of"]
@@ -227,19 +227,14 @@ class RedisBase(Store):
     notifies = True
 
     @contextmanager
-    def watch(self, identity: Identity) -> Iterator[Callable[[float], None]]:
+    def watch(self, identity: Identity) -> Iterator[Wait]:
         """Subscribes to the record key's channel, where the scripts that settle, free or remove the
         record publish (``lua/_prelude.lua``). A subscription that fails, or breaks while waiting,
-        turns the waits into sleeps: the waiter polls, as on a store that cannot notify."""
+        or finds every slot taken (``WATCHES``) turns the waits into sleeps: the waiter polls, as on
+        a store that cannot notify. The slot and the connection are given back however it ends."""
         pubsub: Any = None
-        slot = self._watch_slots.acquire(blocking=False)  # else the waiter polls: the pool is not its own
-        try:
-            if slot:
-                pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-                pubsub.subscribe(self.keys_for(identity)[0])
-        except Exception as exc:  # noqa: BLE001 - a notice is a hint: without one the waiter polls
-            logger.debug("no notices for %s (%s): polling", identity, exc)
-            pubsub = self._close_quietly(pubsub)
+        slot = False
+        holder = Wait(time.sleep, notices=False)
 
         def wait(seconds: float) -> None:
             nonlocal pubsub
@@ -255,10 +250,20 @@ class RedisBase(Store):
             except Exception as exc:  # noqa: BLE001 - as above: the waiter polls from here on
                 logger.debug("notices for %s broke (%s): polling", identity, exc)
                 pubsub = self._close_quietly(pubsub)
+                holder.notices = False
                 time.sleep(max(deadline - time.monotonic(), 0.0))
 
         try:
-            yield wait
+            slot = self._watch_slots.acquire(blocking=False)  # else it polls: the pool is not its own
+            if slot:
+                try:
+                    pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+                    pubsub.subscribe(self.keys_for(identity)[0])
+                    holder = Wait(wait, notices=True)
+                except Exception as exc:  # noqa: BLE001 - a notice is a hint: without one the waiter polls
+                    logger.debug("no notices for %s (%s): polling", identity, exc)
+                    pubsub = self._close_quietly(pubsub)
+            yield holder
         finally:
             self._close_quietly(pubsub)
             if slot:
