@@ -100,7 +100,7 @@ class _Interrupted(BaseException):
 def test_a_watch_interrupted_while_it_subscribes_gives_its_slot_back(tmp_path: Any) -> None:
     from conftest import make_store, wipe
 
-    from celery_idem.stores.redis.base import WATCHES
+    from celery_idem.stores.redis.notices import WATCHES
 
     store: Any = make_store("redis", tmp_path, f"slots{uuid.uuid4().hex[:8]}")
     real = store.client.pubsub

@@ -9,10 +9,7 @@ somewhere else and hide the records written before.
 
 from __future__ import annotations
 
-import logging
 import re
-import threading
-import time
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,11 +21,9 @@ from ...errors import ConfigurationError
 from ...records import IdempotencyRecord, Identity, State
 from ..base import Store
 from ..spi import Clock, Wait
-from . import scripts
+from . import notices, scripts
 
 __all__ = ["INDEX_SHARDS", "RedisBase", "identity_of"]
-
-logger = logging.getLogger("celery_idem.store")
 
 INDEX_SHARDS = 16
 """How many hash tags (lease-index shards) records are spread over: part of the key layout, fixed."""
@@ -64,7 +59,7 @@ class RedisBase(Store):
             )
         self.client = client
         self.index_shards = INDEX_SHARDS
-        self._watch_slots = threading.BoundedSemaphore(_watch_slots(client))
+        self._watch_slots = notices.slots(client)
         self._scripts: dict[str, scripts.Scripted] = scripts.register(client)
 
     _unavailable = (
@@ -182,11 +177,9 @@ class RedisBase(Store):
         yield from self._read(batch)
 
     def _read(self, keys: list[Any]) -> Any:
-        """The live records under ``keys``: a pipeline of HGETALL, then one of GET for the keys that
-        hold a settled record (a string: HGETALL answers WRONGTYPE), and so on while a key changed
-        type between two reads (settled, or gone and claimed again): a scan is no snapshot, and a
-        key still changing after a few reads is left out. Plain commands, not a script, so a
-        cluster pipeline routes each by its slot."""
+        """The live records under ``keys``: HGETALL, then GET where a key holds a settled record (a
+        string: WRONGTYPE), again while a key changes type between reads (a scan is no snapshot).
+        Plain pipelined commands, so a cluster pipeline routes each by its slot."""
         found: dict[Any, Any] = {}
         todo = {key: "hash" for key in keys}
         for _ in range(4):
@@ -194,7 +187,7 @@ class RedisBase(Store):
                 break
             pipe = self.client.pipeline(transaction=False)
             for key, kind in todo.items():
-                pipe.hgetall(key) if kind == "hash" else pipe.get(key)
+                (pipe.hgetall if kind == "hash" else pipe.get)(key)
             changed: dict[Any, str] = {}
             for (key, kind), answer in zip(todo.items(), pipe.execute(raise_on_error=False), strict=True):
                 if isinstance(answer, redis.exceptions.ResponseError) and str(answer).startswith("WRONGTYPE"):
@@ -228,54 +221,9 @@ class RedisBase(Store):
 
     @contextmanager
     def watch(self, identity: Identity) -> Iterator[Wait]:
-        """Subscribes to the record key's channel, where the scripts that settle, free or remove the
-        record publish (``lua/_prelude.lua``). A subscription that fails, or breaks while waiting,
-        or finds every slot taken (``WATCHES``) turns the waits into sleeps: the waiter polls, as on
-        a store that cannot notify. The slot and the connection are given back however it ends."""
-        pubsub: Any = None
-        slot = False
-        holder = Wait(time.sleep, notices=False)
-
-        def wait(seconds: float) -> None:
-            nonlocal pubsub
-            if pubsub is None:
-                time.sleep(seconds)
-                return
-            deadline = time.monotonic() + seconds
-            try:
-                # The subscription's confirmation comes first and reads as None: wait on past it.
-                while pubsub.get_message(timeout=max(deadline - time.monotonic(), 0.0)) is None:
-                    if time.monotonic() >= deadline:
-                        return
-            except Exception as exc:  # noqa: BLE001 - as above: the waiter polls from here on
-                logger.debug("notices for %s broke (%s): polling", identity, exc)
-                pubsub = self._close_quietly(pubsub)
-                holder.notices = False
-                time.sleep(max(deadline - time.monotonic(), 0.0))
-
-        try:
-            slot = self._watch_slots.acquire(blocking=False)  # else it polls: the pool is not its own
-            if slot:
-                try:
-                    pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-                    pubsub.subscribe(self.keys_for(identity)[0])
-                    holder = Wait(wait, notices=True)
-                except Exception as exc:  # noqa: BLE001 - a notice is a hint: without one the waiter polls
-                    logger.debug("no notices for %s (%s): polling", identity, exc)
-                    pubsub = self._close_quietly(pubsub)
-            yield holder
-        finally:
-            self._close_quietly(pubsub)
-            if slot:
-                self._watch_slots.release()
-
-    @staticmethod
-    def _close_quietly(pubsub: Any) -> None:
-        if pubsub is not None:
-            try:
-                pubsub.close()
-            except Exception:  # noqa: BLE001, S110 - the connection is dropped either way
-                pass
+        """Subscribes to the record key's channel (:mod:`~celery_idem.stores.redis.notices`)."""
+        with notices.watch(self.client, self.keys_for(identity)[0], self._watch_slots, identity) as wait:
+            yield wait
 
     def _server_now(self) -> float:
         if self._injected_clock:
@@ -288,17 +236,6 @@ class RedisBase(Store):
 
     def close(self) -> None:
         self.client.close()
-
-
-WATCHES = 32
-"""At most this many waiting handles of one store subscribe at once (each holds a connection of the
-store's pool while it waits); more wait by polling. A bounded pool (``?max_connections=N``) lends
-at most half of its connections to them."""
-
-
-def _watch_slots(client: Any) -> int:
-    bound = getattr(getattr(client, "connection_pool", None), "max_connections", None)
-    return min(WATCHES, bound // 2) if isinstance(bound, int) else WATCHES
 
 
 def identity_of(key: bytes) -> Identity:
