@@ -181,9 +181,6 @@ class Store(StoreUpkeep):
         with self._guard("forget", identity):
             return self._forget(identity)
 
-    notifies = False
-    """Whether :meth:`watch` wakes its waiter when a record settles or is freed (else it sleeps)."""
-
     @contextmanager
     def watch(self, identity: Identity) -> Iterator[Wait]:
         """Watch ``identity`` while waiting for its outcome: yields a :class:`Wait`; ``wait(seconds)``

@@ -81,8 +81,6 @@ class MemoryRecords(Store):
         self._writes += 1
         self._changed.notify_all()
 
-    notifies = True
-
     @contextmanager
     def watch(self, identity: Identity) -> Iterator[Wait]:
         with self._lock:

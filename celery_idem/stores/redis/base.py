@@ -217,8 +217,6 @@ class RedisBase(Store):
 
     # ---- notices -------------------------------------------------------------------------------
 
-    notifies = True
-
     @contextmanager
     def watch(self, identity: Identity) -> Iterator[Wait]:
         """Subscribes to the record key's channel (:mod:`~celery_idem.stores.redis.notices`)."""
