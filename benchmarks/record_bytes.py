@@ -124,8 +124,9 @@ def measure_redis(url: str, prefix: str, n: int, private: bool) -> dict[str, Any
 def measure_sql(kind: str, url: str, prefix: str, n: int) -> dict[str, Any]:
     import sqlalchemy as sa
 
+    # A table of the run's own, so its rows take the default namespace, as an app's rows do.
     table = f"celery_idem_rb_{prefix}"
-    store = store_from_url(url, key_prefix=prefix, table_name=table, liveness_table_name=f"{table}_liveness")
+    store = store_from_url(url, key_prefix="idem", table_name=table, liveness_table_name=f"{table}_liveness")
     engine = store.engine  # type: ignore[attr-defined]
     auto = engine.execution_options(isolation_level="AUTOCOMMIT")
 

@@ -3,6 +3,7 @@ when an older celery-idem made the table."""
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -11,8 +12,9 @@ import pytest
 import sqlalchemy as sa
 from conftest import POSTGRES_URL, require_server
 
-from celery_idem.records import Decision, Identity
-from celery_idem.stores.sql import SQLStore, records_table
+from celery_idem.records import Decision, Identity, State
+from celery_idem.stores.sql import SQLStore, codec, migrate, records_table
+from celery_idem.stores.sql.engine import server_clock
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -74,3 +76,302 @@ def test_a_schema_another_process_creates_object_by_object_meanwhile_is_created_
             for table in (name, f"{name}_live"):
                 connection.exec_driver_sql(f"DROP TABLE IF EXISTS {table}")
         other.dispose()
+
+
+# ---- layout 1 (every field as text, the identity as the key) moves to layout 2 on first use -----------
+
+
+def layout_1_table(name: str) -> sa.Table:
+    """The records table as celery-idem 0.x up to layout 1 made it (frozen here: the package no
+    longer builds it)."""
+    return sa.Table(
+        name,
+        sa.MetaData(),
+        sa.Column("namespace", sa.String(64), primary_key=True),
+        sa.Column("scope", sa.String(255), primary_key=True),
+        sa.Column("task_name", sa.String(255), primary_key=True),
+        sa.Column("key", sa.String(255), primary_key=True),
+        sa.Column("fingerprint", sa.String(64), nullable=False),
+        sa.Column("state", sa.String(16), nullable=False),
+        sa.Column("task_id", sa.String(255), nullable=False),
+        sa.Column("owner", sa.String(64), nullable=False),
+        sa.Column("attempt", sa.Integer, nullable=False),
+        sa.Column("lease_expires_at", sa.Double, nullable=True),
+        sa.Column("created_at", sa.Double, nullable=False),
+        sa.Column("updated_at", sa.Double, nullable=False),
+        sa.Column("expires_at", sa.Double, nullable=False),
+        sa.Column("ttl_seconds", sa.Double, nullable=False),
+        sa.Column("result", sa.LargeBinary, nullable=True),
+        sa.Column("content_type", sa.String(128), nullable=True),
+        sa.Column("content_encoding", sa.String(64), nullable=True),
+        sa.Column("error", sa.Text, nullable=True),
+        sa.Column("call", sa.LargeBinary, nullable=True),
+        sa.Column("linger_until", sa.Double, nullable=True),
+        sa.Column("previous_task_id", sa.String(255), nullable=True),
+        sa.Index(f"ix_{name}_lease", "namespace", "lease_expires_at"),
+        sa.Index(f"ix_{name}_expires", "expires_at"),
+    )
+
+
+def layout_1_rows(now: float) -> list[dict[str, Any]]:
+    task_id, other = str(uuid.uuid4()), str(uuid.uuid4())
+    base = {"namespace": "idem", "scope": "", "task_name": "shop.charge", "attempt": 1, "created_at": now - 5}
+    base |= {"updated_at": now - 1, "ttl_seconds": 600.0, "result": None, "content_type": None}
+    base |= {"content_encoding": None, "error": None, "call": None, "linger_until": None, "previous_task_id": None}
+    fp = "ab" * 32
+    return [
+        base
+        | {"key": "claimed", "fingerprint": fp, "state": "PENDING", "task_id": task_id, "attempt": 0}
+        | {"owner": uuid.uuid4().hex, "lease_expires_at": now + 60, "expires_at": now + 660, "call": b"[[1], {}]"},
+        base
+        | {"key": "running", "fingerprint": fp, "state": "IN_PROGRESS", "task_id": other, "owner": "a" * 32}
+        | {"lease_expires_at": now + 30, "expires_at": now + 630, "previous_task_id": task_id, "linger_until": now + 3},
+        base
+        | {"key": "paid", "fingerprint": fp, "state": "COMPLETED", "task_id": "my-own-task-id", "owner": "b" * 32}
+        | {"lease_expires_at": None, "expires_at": now + 599, "result": b'{"ok": true}'}
+        | {"content_type": "application/json", "content_encoding": "utf-8"},
+        base
+        | {"key": "refused", "fingerprint": "a custom fingerprint", "state": "FAILED", "task_id": other}
+        | {"owner": "c" * 32, "lease_expires_at": None, "expires_at": now + 599, "result": b"\x80\x04K\x01."}
+        | {"content_type": "application/x-python-serialize", "content_encoding": "binary"}
+        | {"error": '{"type": "ValueError", "module": "builtins", "message": "no", "args": ["no"]}'},
+        base
+        | {"key": "gone", "fingerprint": fp, "state": "COMPLETED", "task_id": other, "owner": "d" * 32}
+        | {"lease_expires_at": None, "expires_at": now - 1},
+        base
+        | {"namespace": "other", "key": "paid", "fingerprint": fp, "state": "COMPLETED", "task_id": other}
+        | {"owner": "e" * 32, "lease_expires_at": None, "expires_at": now + 599},
+    ]
+
+
+def make_layout_1(engine: sa.Engine, name: str) -> list[dict[str, Any]]:
+    old = layout_1_table(name)
+    old.metadata.create_all(engine)
+    with engine.begin() as connection:
+        now = float(connection.execute(sa.select(server_clock(engine.dialect.name))).scalar_one())
+        rows = layout_1_rows(now)
+        connection.execute(sa.insert(old), rows)
+    return rows
+
+
+def drop(engine: sa.Engine, *names: str) -> None:
+    with engine.begin() as connection:
+        for name in names:
+            connection.exec_driver_sql(f"DROP TABLE IF EXISTS {name}")
+
+
+def test_a_layout_1_table_moves_to_layout_2_on_first_use_with_every_live_record_as_it_was(engine: sa.Engine) -> None:
+    # Given a records table an older release made, holding live records in every state, one expired
+    # record, and one of another namespace
+    name = f"idem_l1_{uuid.uuid4().hex[:8]}"
+    rows = make_layout_1(engine, name)
+    by_key = {(row["namespace"], row["key"]): row for row in rows}
+    store = SQLStore(engine, table_name=name, liveness_table_name=f"{name}_live")
+    others = SQLStore(engine, table_name=name, liveness_table_name=f"{name}_live", key_prefix="other")
+    try:
+        # When this release's store first uses it
+        got = {key: store.get(Identity("", "shop.charge", key)) for key in ("claimed", "running", "paid", "refused")}
+        # Then the table is in layout 2 and the old one is gone
+        columns = {c["name"] for c in sa.inspect(engine).get_columns(name)}
+        assert "id" in columns and not sa.inspect(engine).has_table(f"{name}_layout1")
+        # And every live record reads back as it was (a settled one keeps its owner's digest and
+        # no call, as this release's settlement writes it)
+        for key, record in got.items():
+            old = by_key[("idem", key)]
+            assert record is not None, key
+            for field in ("fingerprint", "task_id", "attempt", "lease_expires_at", "created_at", "updated_at"):
+                assert getattr(record, field) == old[field], (key, field)
+            assert (record.state.value, record.expires_at, record.ttl_seconds) == (
+                old["state"],
+                old["expires_at"],
+                old["ttl_seconds"],
+            )
+            assert (record.result, record.content_type, record.content_encoding) == (
+                old["result"],
+                old["content_type"],
+                old["content_encoding"],
+            )
+            assert record.previous_task_id == old["previous_task_id"]
+            assert record.held_by(old["owner"]), key
+        assert got["claimed"].call == b"[[1], {}]" and got["refused"].error is not None
+        assert got["refused"].error.type == "ValueError"
+        # ... the expired one is absent, the other namespace's record is its own
+        assert store.get(Identity("", "shop.charge", "gone")) is None
+        assert others.get(Identity("", "shop.charge", "paid")).task_id == by_key[("other", "paid")]["task_id"]
+        assert store.count_by_state() == {State.PENDING: 1, State.IN_PROGRESS: 1, State.COMPLETED: 1, State.FAILED: 1}
+        # And the moved records still answer to their fences: the running attempt's owner settles it,
+        # the claim's task id frees it, and a duplicate of the paid call is a replay
+        running = Identity("", "shop.charge", "running")
+        assert store.complete(running, "a" * 32, result=b"1", content_type="application/json").decision is Decision.OK
+        assert store.get(running).state is State.COMPLETED
+        claimed = Identity("", "shop.charge", "claimed")
+        assert store.release(claimed, by_key[("idem", "claimed")]["task_id"], fence="task_id").decision is Decision.OK
+        assert store.get(claimed) is None
+        replay = store.claim(Identity("", "shop.charge", "paid"), "ab" * 32, "t2", pending_seconds=60, ttl_seconds=60)
+        assert replay.decision is Decision.REPLAY
+    finally:
+        store.close()
+        others.close()
+        drop(engine, name, f"{name}_layout1", f"{name}_live")
+
+
+def test_stores_that_first_use_a_layout_1_table_at_once_move_it_once(engine: sa.Engine) -> None:
+    # Given a layout 1 table, and four stores (each its own pool) that start at once
+    name = f"idem_l1r_{uuid.uuid4().hex[:8]}"
+    make_layout_1(engine, name)
+    stores = [
+        SQLStore(sa.create_engine(engine.url), table_name=name, liveness_table_name=f"{name}_live") for _ in range(4)
+    ]
+    barrier = threading.Barrier(len(stores))
+    answers: list[Any] = []
+
+    def first_use(store: SQLStore) -> None:
+        barrier.wait()
+        try:
+            answers.append(store.get(Identity("", "shop.charge", "paid")))
+        except BaseException as exc:  # noqa: BLE001 - reported to the test thread
+            answers.append(exc)
+
+    try:
+        threads = [threading.Thread(target=first_use, args=(store,)) for store in stores]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        # Then every store answered with the moved record, and the table holds each live row once
+        assert [type(answer).__name__ for answer in answers] == ["IdempotencyRecord"] * 4, answers
+        assert stores[0].count_by_state() == {
+            State.PENDING: 1,
+            State.IN_PROGRESS: 1,
+            State.COMPLETED: 1,
+            State.FAILED: 1,
+        }
+    finally:
+        for store in stores:
+            store.close()
+        drop(engine, name, f"{name}_layout1", f"{name}_live")
+
+
+@pytest.mark.parametrize("dies_at", ["INSERT", "CREATE INDEX", "DROP TABLE"])
+def test_a_move_that_fails_midway_leaves_layout_1_whole_and_the_next_use_moves_it(
+    engine: sa.Engine, monkeypatch: pytest.MonkeyPatch, dies_at: str
+) -> None:
+    # Given a layout 1 table, moved one row at a time on SQLite, and a process that dies at a step
+    # of the move: copying rows (SQLite: the third), building the new indexes, dropping the old table
+    name = f"idem_l1f_{uuid.uuid4().hex[:8]}"
+    make_layout_1(engine, name)
+    monkeypatch.setattr(migrate, "BATCH", 1)
+    store = SQLStore(engine, table_name=name, liveness_table_name=f"{name}_live")
+    seen: list[str] = []
+    nth = 3 if dies_at == "INSERT" and engine.dialect.name == "sqlite" else 1
+
+    @sa.event.listens_for(store.engine, "before_cursor_execute")
+    def dies(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        if statement.lstrip().upper().startswith(dies_at):
+            seen.append(statement)
+            if len(seen) == nth:
+                raise RuntimeError("the process died here")
+
+    try:
+        # When the first use fails there
+        with pytest.raises(Exception, match="the process died here"):
+            store.get(Identity("", "shop.charge", "paid"))
+        # Then nothing of the move is left: the table is layout 1 with every row
+        inspector = sa.inspect(engine)
+        assert "id" not in {c["name"] for c in inspector.get_columns(name)}
+        assert not inspector.has_table(f"{name}_layout1")
+        with engine.connect() as connection:
+            assert connection.execute(sa.text(f"SELECT count(*) FROM {name}")).scalar_one() == 6
+        # And the next use moves it
+        sa.event.remove(store.engine, "before_cursor_execute", dies)
+        assert store.get(Identity("", "shop.charge", "paid")).state is State.COMPLETED
+        assert store.count_by_state()[State.COMPLETED] == 1
+    finally:
+        store.close()
+        drop(engine, name, f"{name}_layout1", f"{name}_live")
+
+
+TRICKY = [
+    "ab" * 32,  # a SHA-256 hex digest: packed
+    "AB" * 32,  # upper case: text
+    "a" * 63,
+    "x" * 31,  # 0xFF + 31 bytes is a packed length (32): one more 0xFF
+    "y" * 32,
+    "t" * 15,
+    "t" * 16,
+    "o" * 7,
+    "o" * 8,
+    "",
+    "é" * 16,
+    "#0123456789abcdef",  # an owner digest: packed
+    "#0123456789ABCDEF",
+    "0123456789abcdef" * 2,  # an owner token: packed
+    "6f1c0b52-5a7e-4b9e-9c55-0e0f3d0b7a11",  # a task id: packed
+    "6F1C0B52-5A7E-4B9E-9C55-0E0F3D0B7A11",
+    "6f1c0b52-5a7e-4b9e-9c55-0e0f3d0b7a11\n",
+    "ab" * 31 + "\n",
+    "zero\x00byte",
+]
+
+
+def test_postgresql_packs_moved_rows_exactly_as_the_codec_does() -> None:
+    # Given a layout 1 PostgreSQL table whose rows carry every awkward value in every packed field
+    # (PostgreSQL moves rows in SQL: these expressions restate codec.py, and must agree with it)
+    require_server("postgresql")
+    engine = sa.create_engine(POSTGRES_URL)
+    name = f"idem_l1c_{uuid.uuid4().hex[:8]}"
+    old = layout_1_table(name)
+    old.metadata.create_all(engine)
+    values = [value for value in TRICKY if "\x00" not in value]  # PostgreSQL text holds no NUL
+    states = ["PENDING", "IN_PROGRESS", "COMPLETED", "FAILED"]
+    with engine.begin() as connection:
+        now = float(connection.execute(sa.select(server_clock("postgresql"))).scalar_one())
+        rows = [
+            {"namespace": "idem", "scope": value[:8], "task_name": "shop.é", "key": f"k{i}", "fingerprint": value[:64]}
+            | {"state": states[i % 4], "task_id": value, "owner": value, "attempt": 1, "lease_expires_at": None}
+            | {"created_at": now, "updated_at": now, "expires_at": now + 60, "ttl_seconds": 60.0}
+            | {"result": None, "content_type": ["application/json", "", None][i % 3], "content_encoding": "utf-8"}
+            | {"error": None, "call": b"c", "linger_until": None, "previous_task_id": value if i % 2 else None}
+            for i, value in enumerate(values)
+        ]
+        connection.execute(sa.insert(old), rows)
+    store = SQLStore(engine, table_name=name, liveness_table_name=f"{name}_live")
+    try:
+        # When the store moves them
+        store.create_schema()
+        # Then every packed column holds exactly the codec's bytes, and every row reads back as written
+        new = store.table
+        with engine.connect() as connection:
+            moved = {row.key: row for row in connection.execute(sa.select(new))}
+        assert len(moved) == len(rows)
+        for row in rows:
+            got = moved[row["key"]]
+            assert got.id == codec.identity_id("idem", row["scope"], row["task_name"], row["key"]), row
+            assert bytes(got.fingerprint) == codec.FINGERPRINT.pack(row["fingerprint"]), row
+            assert bytes(got.task_id) == codec.TASK_ID.pack(row["task_id"]), row
+            assert bytes(got.owner) == codec.OWNER.pack(row["owner"]), row
+            assert got.previous_task_id == codec.TASK_ID.pack_optional(row["previous_task_id"]), row
+            assert got.state == codec.STATE_CODES[State(row["state"])]
+            assert got.content_type == codec.content_type(row["content_type"]), row
+            assert (got.call is None) == (row["state"] in ("COMPLETED", "FAILED"))
+            record = store.get(Identity(row["scope"], row["task_name"], row["key"]))
+            assert record is not None and record.fingerprint == row["fingerprint"]
+            assert (record.task_id, record.owner, record.previous_task_id) == (
+                row["task_id"],
+                row["owner"],
+                row["previous_task_id"],
+            )
+    finally:
+        store.close()
+        drop(engine, name, f"{name}_layout1", f"{name}_live")
+        engine.dispose()
+
+
+@pytest.mark.parametrize("packing", ["FINGERPRINT", "TASK_ID", "OWNER"])
+def test_the_codec_reads_back_every_string_and_no_two_strings_share_an_encoding(packing: str) -> None:
+    # Given every awkward string, in each packed field
+    field = getattr(codec, packing)
+    encoded = {value: field.pack(value) for value in TRICKY}
+    # Then each reads back as itself, and no two encode alike (SQL equality is string equality)
+    assert all(field.unpack(raw) == value for value, raw in encoded.items())
+    assert len(set(encoded.values())) == len(TRICKY)

@@ -20,11 +20,13 @@ import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 
 from ...errors import ConfigurationError
-from ...records import ErrorInfo, IdempotencyRecord, Identity, State
+from ...records import ErrorInfo, IdempotencyRecord, Identity
 from ..base import Store
 from ..deadline import Watchdog, socket_of
 from ..spi import Clock
+from . import codec
 from .engine import private_engine, server_clock
+from .migrate import upgrade_layout
 from .schema import add_columns, create_all, liveness_table, records_table
 from .statements import INSERTS, Statements
 
@@ -129,9 +131,11 @@ class SQLBase(Statements, Store):
         super().advance_clock_for_tests(seconds)
 
     def create_schema(self) -> None:
-        """Create the table and its indexes if they are missing, and add the nullable columns a
-        newer celery-idem brought to an older table (safe to call from many processes)."""
+        """Create the table and its indexes if they are missing, move a table an older celery-idem
+        made to this release's layout (:mod:`~celery_idem.stores.sql.migrate`), and add the nullable
+        columns a newer celery-idem brought to an older table (safe to call from many processes)."""
         with self._guard("create_schema"):
+            upgrade_layout(self._autocommit, self.table)
             create_all(self.metadata, self.engine)
             self._add_missing_columns()
         self._schema_ready = True
@@ -161,7 +165,8 @@ class SQLBase(Statements, Store):
 
     def _params(self, identity: Identity, **more: Any) -> dict[str, Any]:
         scope, task_name, key = identity
-        named = {"ns": self.key_prefix, "scope": scope, "task_name": task_name, "key": key, **more}
+        row_id = codec.identity_id(self.key_prefix, scope, task_name, key)
+        named = {"id": row_id, "ns": self.key_prefix, "scope": scope, "task_name": task_name, "key": key, **more}
         return {f"p_{name}": value for name, value in named.items()} | self._clock_params()
 
     def _record(self, row: Any) -> IdempotencyRecord:
@@ -169,10 +174,10 @@ class SQLBase(Statements, Store):
             key=row.key,
             scope=row.scope,
             task_name=row.task_name,
-            fingerprint=row.fingerprint,
-            state=State(row.state),
-            task_id=row.task_id,
-            owner=row.owner,
+            fingerprint=codec.FINGERPRINT.unpack(row.fingerprint),
+            state=codec.state_of(row.state),
+            task_id=codec.TASK_ID.unpack(row.task_id),
+            owner=codec.OWNER.unpack(row.owner),
             attempt=row.attempt,
             lease_expires_at=row.lease_expires_at,
             created_at=row.created_at,
@@ -180,11 +185,11 @@ class SQLBase(Statements, Store):
             expires_at=row.expires_at,
             ttl_seconds=row.ttl_seconds,
             result=bytes(row.result) if row.result is not None else None,
-            content_type=row.content_type,
-            content_encoding=row.content_encoding,
+            content_type=codec.read_content_type(row.content_type),
+            content_encoding=codec.read_content_encoding(row.content_encoding),
             error=ErrorInfo.model_validate_json(row.error) if row.error else None,
             call=bytes(row.call) if row.call is not None else None,
-            previous_task_id=row.previous_task_id,
+            previous_task_id=codec.TASK_ID.unpack_optional(row.previous_task_id),
         )
 
     def _server_now(self) -> float:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 
-__all__ = ["DATA", "TIMES", "add_columns", "create_all", "liveness_table", "records_table"]
+__all__ = ["DATA", "LAYOUT", "TIMES", "add_columns", "create_all", "liveness_table", "records_table"]
 
+LAYOUT = 2  # the records table's layout: 2 is the compact row (codec.py); 1 kept every field as text
 DATA = (
     "fingerprint",
     "state",
@@ -26,36 +27,51 @@ TIMES = ("lease_expires_at", "created_at", "updated_at", "expires_at")
 
 
 def records_table(metadata: sa.MetaData, name: str = "celery_idem_records") -> sa.Table:
-    """The records table. ``namespace`` is the store's key_prefix, so apps can share one table."""
+    """The records table (layout 2, see :mod:`~celery_idem.stores.sql.codec`). ``namespace`` is
+    the store's key_prefix, so apps can share one table.
+
+    The columns are in the order that packs a PostgreSQL row tightest: the 8-byte numbers first (a
+    settled row's lease and waiter mark are NULL, which takes no space), then the 4- and 2-byte
+    ones, then the variable-length ones.
+    """
     return sa.Table(
         name,
         metadata,
-        sa.Column("namespace", sa.String(64), primary_key=True),
-        sa.Column("scope", sa.String(255), primary_key=True),
-        sa.Column("task_name", sa.String(255), primary_key=True),
-        sa.Column("key", sa.String(255), primary_key=True),
-        sa.Column("fingerprint", sa.String(64), nullable=False),
-        sa.Column("state", sa.String(16), nullable=False),
-        sa.Column("task_id", sa.String(255), nullable=False),
-        sa.Column("owner", sa.String(64), nullable=False),
-        sa.Column("attempt", sa.Integer, nullable=False),
-        sa.Column("lease_expires_at", sa.Double, nullable=True),
         sa.Column("created_at", sa.Double, nullable=False),
         sa.Column("updated_at", sa.Double, nullable=False),
         sa.Column("expires_at", sa.Double, nullable=False),
         sa.Column("ttl_seconds", sa.Double, nullable=False),
-        sa.Column("result", sa.LargeBinary, nullable=True),
-        sa.Column("content_type", sa.String(128), nullable=True),
-        sa.Column("content_encoding", sa.String(64), nullable=True),
-        sa.Column("error", sa.Text, nullable=True),
-        sa.Column("call", sa.LargeBinary, nullable=True),  # kept only for stale_action="requeue"
+        sa.Column("lease_expires_at", sa.Double, nullable=True),
         # Hidden (never read into a record): when a BUSY waiter will have looked again by; an
         # outcome is kept at least until then (stores/rules.py, "A waiting duplicate gets its answer").
         sa.Column("linger_until", sa.Double, nullable=True),
-        sa.Column("previous_task_id", sa.String(255), nullable=True),  # an attempt taken over past its lease
-        # The reconciler's index: unsettled records by lease expiry (settled rows hold NULL).
-        sa.Index(f"ix_{name}_lease", "namespace", "lease_expires_at"),
-        sa.Index(f"ix_{name}_expires", "expires_at"),
+        sa.Column("id", sa.Uuid, nullable=False),  # codec.identity_id
+        sa.Column("attempt", sa.Integer, nullable=False),
+        sa.Column("state", sa.SmallInteger, nullable=False),  # codec.STATE_CODES
+        sa.Column("namespace", sa.String(64), nullable=False),
+        sa.Column("scope", sa.String(255), nullable=False),
+        sa.Column("task_name", sa.String(255), nullable=False),
+        sa.Column("key", sa.String(255), nullable=False),
+        sa.Column("fingerprint", sa.LargeBinary, nullable=False),  # codec.FINGERPRINT
+        sa.Column("task_id", sa.LargeBinary, nullable=False),  # codec.TASK_ID
+        sa.Column("owner", sa.LargeBinary, nullable=False),  # codec.OWNER; its digest once settled
+        sa.Column("result", sa.LargeBinary, nullable=True),
+        sa.Column("content_type", sa.String(128), nullable=True),  # '' for application/json
+        sa.Column("content_encoding", sa.String(64), nullable=True),  # '' for utf-8
+        sa.Column("error", sa.Text, nullable=True),
+        sa.Column("call", sa.LargeBinary, nullable=True),  # kept only for stale_action="requeue"
+        sa.Column("previous_task_id", sa.LargeBinary, nullable=True),  # an attempt taken over past its lease
+        sa.PrimaryKeyConstraint("id", name=f"pk_{name}"),
+        # The reconciler's index: unsettled records by lease expiry. Settled rows hold NULL and
+        # have no entry; a query on ``lease_expires_at <= :now`` implies the predicate.
+        sa.Index(
+            f"ix_{name}_due",
+            "namespace",
+            "lease_expires_at",
+            postgresql_where=sa.text("lease_expires_at IS NOT NULL"),
+            sqlite_where=sa.text("lease_expires_at IS NOT NULL"),
+        ),
+        sa.Index(f"ix_{name}_expiry", "expires_at"),  # the purge's
     )
 
 

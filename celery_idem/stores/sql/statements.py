@@ -12,11 +12,13 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from ...records import State
 from ..rules import UNSETTLED
+from .codec import STATE_CODES
 from .schema import DATA, TIMES
 
 __all__ = ["INSERTS", "Statements"]
 
-_UNSETTLED = [s.value for s in UNSETTLED]
+_UNSETTLED = [STATE_CODES[s] for s in UNSETTLED]
+_PENDING, _IN_PROGRESS = STATE_CODES[State.PENDING], STATE_CODES[State.IN_PROGRESS]
 # Both dialects' insert() has on_conflict_do_update and .excluded; the generic Insert has neither.
 INSERTS: dict[str, Callable[[sa.Table], Any]] = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
 
@@ -36,7 +38,10 @@ class Statements:
             # Parameters are prefixed: SQLAlchemy reserves column names for INSERT/UPDATE values.
             return sa.bindparam(f"p_{name}")
 
-        pk = sa.and_(c.namespace == p("ns"), c.scope == p("scope"), c.task_name == p("task_name"), c.key == p("key"))
+        # The row's key is the identity's hash; the identity itself is checked too, so a colliding
+        # one is never read or taken (an upsert on it finds a row it may not take: held, fail closed).
+        ours = sa.and_(c.namespace == p("ns"), c.scope == p("scope"), c.task_name == p("task_name"), c.key == p("key"))
+        pk = sa.and_(c.id == p("id"), ours)
         unsettled = c.state.in_(_UNSETTLED)
         absent = c.expires_at <= now
 
@@ -48,6 +53,7 @@ class Statements:
                 "expires_at": now + p("lease") + p("ttl_seconds"),
             }
             ins = insert(t).values(
+                id=p("id"),
                 namespace=p("ns"),
                 scope=p("scope"),
                 task_name=p("task_name"),
@@ -56,14 +62,12 @@ class Statements:
                 **times,
             )
             # A takeover keeps the task id of the attempt it takes (stores/rules.py: taken_over).
-            previous = sa.case(
-                (absent, None), (c.state == State.IN_PROGRESS.value, c.task_id), else_=c.previous_task_id
-            )
+            previous = sa.case((absent, None), (c.state == _IN_PROGRESS, c.task_id), else_=c.previous_task_id)
             changes = {name: ins.excluded[name] for name in (*DATA, *TIMES)} | {"previous_task_id": previous}
             # A live record keeps a BUSY waiter's mark whoever takes it over; an absent one has none.
             changes["linger_until"] = sa.case((absent, sa.null()), else_=c.linger_until)
             statement: sa.Executable = ins.on_conflict_do_update(
-                index_elements=[c.namespace, c.scope, c.task_name, c.key], set_=changes | special, where=take
+                index_elements=[c.id], set_=changes | special, where=sa.and_(ours, take)
             ).returning(c.fingerprint, c.attempt, c.call, c.previous_task_id, *(c[name] for name in TIMES))
             return statement
 
@@ -74,9 +78,7 @@ class Statements:
         # acquire takes an absent record, a PENDING one, or an IN_PROGRESS one whose lease ran out,
         # if it is the same call or the same attempt chain (a Celery retry under the record's task
         # id); the chain keeps the caller's fingerprint and counts its attempts.
-        runnable = sa.or_(
-            c.state == State.PENDING.value, sa.and_(c.state == State.IN_PROGRESS.value, c.lease_expires_at <= now)
-        )
+        runnable = sa.or_(c.state == _PENDING, sa.and_(c.state == _IN_PROGRESS, c.lease_expires_at <= now))
         retry = sa.bindparam("p_retry", type_=sa.Integer)
         chain = sa.and_(retry == 1, c.task_id == p("task_id"), c.attempt > 0)  # no retry before an attempt ran
         same = sa.or_(c.fingerprint == p("fingerprint"), chain)
@@ -95,7 +97,7 @@ class Statements:
         look = now + p("next_look")
         self._busy_sql = (
             sa.update(t)
-            .where(pk, c.expires_at > now, c.state == State.IN_PROGRESS.value, c.lease_expires_at > now, same)
+            .where(pk, c.expires_at > now, c.state == _IN_PROGRESS, c.lease_expires_at > now, same)
             .values(linger_until=sa.case((sa.func.coalesce(c.linger_until, 0.0) > look, c.linger_until), else_=look))
             .returning(*t.c)
         )
@@ -109,7 +111,7 @@ class Statements:
             if fence == "task_id":
                 # The task id frees only what that delivery may still hold: a claim, or an attempt
                 # past its lease. A live attempt under the same id is a copy running elsewhere.
-                return sa.and_(held, sa.or_(c.state == State.PENDING.value, expired_lease))
+                return sa.and_(held, sa.or_(c.state == _PENDING, expired_lease))
             return held
 
         self._settle_sql = (
@@ -123,6 +125,7 @@ class Statements:
                 error=p("error"),
                 lease_expires_at=None,
                 call=None,  # the reconciler requeues unsettled records only: a settled one needs no call
+                owner=p("digest"),  # all a settled record needs of its owner: who settled it (held_by)
                 updated_at=now,
                 expires_at=sa.case(
                     (sa.func.coalesce(c.linger_until, 0.0) > now + c.ttl_seconds, c.linger_until),
@@ -136,7 +139,7 @@ class Statements:
             fence: sa.update(t)
             .where(owned(fence), only_expired)
             .values(
-                state=State.PENDING.value,
+                state=_PENDING,
                 owner=p("new_owner"),
                 lease_expires_at=now + p("lease"),
                 updated_at=now,
@@ -148,12 +151,12 @@ class Statements:
         renewed = sa.case((c.lease_expires_at > now + p("lease"), c.lease_expires_at), else_=now + p("lease"))
         self._renew_sql = (
             sa.update(t)
-            .where(owned("owner"), c.state == State.IN_PROGRESS.value)
+            .where(owned("owner"), c.state == _IN_PROGRESS)
             .values(lease_expires_at=renewed, updated_at=now, expires_at=renewed + c.ttl_seconds)
         )
         self._hand_over_sql = (
             sa.update(t)
-            .where(owned("owner"), c.state == State.IN_PROGRESS.value)
+            .where(owned("owner"), c.state == _IN_PROGRESS)
             .values(
                 owner=p("new_owner"),
                 lease_expires_at=now + p("lease"),
@@ -172,8 +175,8 @@ class Statements:
         # PostgreSQL re-checks the DELETE's own condition on a row it waited for, so a row that a
         # claim or acquire revived meanwhile is kept.
         expired = sa.and_(c.namespace == p("ns"), c.expires_at <= now)
-        doomed = sa.select(c.namespace, c.scope, c.task_name, c.key).where(expired).limit(p("limit"))
-        self._purge_sql = sa.delete(t).where(expired, sa.tuple_(c.namespace, c.scope, c.task_name, c.key).in_(doomed))
+        doomed = sa.select(c.id).where(expired).limit(p("limit"))
+        self._purge_sql = sa.delete(t).where(expired, c.id.in_(doomed))
         self._now_sql = sa.select(now)
         self._build_liveness_statements(insert)
 

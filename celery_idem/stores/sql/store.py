@@ -20,9 +20,10 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 
-from ...records import Decision, IdempotencyRecord, Identity, State, Transition
+from ...records import Decision, IdempotencyRecord, Identity, State, Transition, owner_digest
 from ..rules import LOST, OK, classify
 from ..spi import Fence, Settlement
+from . import codec
 from .base import one_or_none, rowcount, rows
 from .engine import engine_from_url
 from .upkeep import SQLUpkeep
@@ -77,11 +78,12 @@ class SQLStore(SQLUpkeep):
         next_look: float = 0.0,
         retry: bool = False,
     ) -> Transition:
+        state = State.PENDING if claiming else State.IN_PROGRESS
         values = {
-            "fingerprint": fingerprint,
-            "state": (State.PENDING if claiming else State.IN_PROGRESS).value,
-            "task_id": task_id,
-            "owner": owner,
+            "fingerprint": codec.FINGERPRINT.pack(fingerprint),
+            "state": codec.STATE_CODES[state],
+            "task_id": codec.TASK_ID.pack(task_id),
+            "owner": codec.OWNER.pack(owner),
             "attempt": 0 if claiming else 1,
             "ttl_seconds": ttl,
             "result": None,
@@ -97,12 +99,20 @@ class SQLStore(SQLUpkeep):
             if taken is not None:
                 # The row as written: the database computed its times, kept a chain's fingerprint
                 # and (a run without a call) the claim's call.
-                written = taken._asdict() | {"call": None if taken.call is None else bytes(taken.call)}
                 record = IdempotencyRecord(
                     scope=identity.scope,
                     task_name=identity.task_name,
                     key=identity.key,
-                    **(values | {"state": State(values["state"])} | written),
+                    state=state,
+                    task_id=task_id,
+                    owner=owner,
+                    ttl_seconds=ttl,
+                    **taken._asdict()
+                    | {
+                        "fingerprint": codec.FINGERPRINT.unpack(taken.fingerprint),
+                        "call": None if taken.call is None else bytes(taken.call),
+                        "previous_task_id": codec.TASK_ID.unpack_optional(taken.previous_task_id),
+                    },
                 )
                 return Transition(Decision.NEW if claiming else Decision.RUN, record)
             if not claiming:
@@ -155,11 +165,12 @@ class SQLStore(SQLUpkeep):
         state, result, content_type, content_encoding, error = outcome
         params = self._params(
             identity,
-            token=token,
-            state=state.value,
+            token=codec.OWNER.pack(token),
+            digest=codec.OWNER.pack(owner_digest(token)),
+            state=codec.STATE_CODES[state],
             result=result,
-            content_type=content_type,
-            content_encoding=content_encoding,
+            content_type=codec.content_type(content_type),
+            content_encoding=codec.content_encoding(content_encoding),
             error=error.model_dump_json() if error else None,
         )
         return OK if self._run(self._settle_sql, params, rowcount) == 1 else LOST
@@ -167,18 +178,21 @@ class SQLStore(SQLUpkeep):
     def _release(
         self, identity: Identity, fence: Fence, token: str, lease: float | None, new_owner: str, expired_only: bool
     ) -> Transition:
-        params = self._params(identity, token=token, expired_only=expired_only)
+        packed = (codec.OWNER if fence == "owner" else codec.TASK_ID).pack(token)
+        params = self._params(identity, token=packed, expired_only=expired_only)
         if lease is None:
             return OK if self._run(self._delete_sql[fence], params, rowcount) == 1 else LOST
-        params.update(p_lease=lease, p_new_owner=new_owner)
+        params.update(p_lease=lease, p_new_owner=codec.OWNER.pack(new_owner))
         return OK if self._run(self._pending_sql[fence], params, rowcount) == 1 else LOST
 
     def _renew(self, identity: Identity, token: str, lease: float) -> Transition:
-        params = self._params(identity, token=token, lease=lease)
+        params = self._params(identity, token=codec.OWNER.pack(token), lease=lease)
         return OK if self._run(self._renew_sql, params, rowcount) == 1 else LOST
 
     def _hand_over(self, identity: Identity, token: str, new_owner: str, lease: float) -> Transition:
-        params = self._params(identity, token=token, new_owner=new_owner, lease=lease)
+        params = self._params(
+            identity, token=codec.OWNER.pack(token), new_owner=codec.OWNER.pack(new_owner), lease=lease
+        )
         return OK if self._run(self._hand_over_sql, params, rowcount) == 1 else LOST
 
     # ---- reads ------------------------------------------------------------------------------------

@@ -1,0 +1,186 @@
+"""Moving a records table an older celery-idem made (layout 1: every field as text, the identity as
+the primary key) to this release's compact row (layout 2, :mod:`~celery_idem.stores.sql.codec`).
+
+The store calls :func:`upgrade_layout` before it creates its schema, so the first process of the
+new release to use the table moves it, once, in one transaction: the old table is renamed, the new
+one created under the old name, the live rows copied (each field packed as the store writes it;
+expired rows are absent to every operation and are left behind), and the old table dropped. The
+transaction holds the table's exclusive lock (PostgreSQL) or the database's write lock (SQLite)
+from its first statement, so a process that starts meanwhile waits, then finds layout 2 and moves
+nothing; a crash anywhere rolls the whole move back. Processes of the old release must be stopped
+first: their statements name layout 1's columns (docs/stores.md, "Upgrading").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import sqlalchemy as sa
+
+from ...records import State
+from . import codec
+from .engine import server_clock
+
+__all__ = ["BATCH", "upgrade_layout"]
+
+BATCH = 1000  # rows read and written at a time (keyset pages over the old primary key)
+_OLD_KEY = ("namespace", "scope", "task_name", "key")
+_SETTLED = {State.COMPLETED.value, State.FAILED.value}
+
+
+def upgrade_layout(engine: sa.Engine, table: sa.Table) -> int | None:
+    """Move ``table`` from layout 1 to ``table``'s layout if the database holds layout 1; the
+    number of rows moved, or None when there was nothing to move. ``engine`` runs in autocommit:
+    the transaction is opened here, by hand (SQLite's driver would commit DDL on its own)."""
+    if not _is_layout_1(sa.inspect(engine), table.name):
+        return None
+    sqlite = engine.dialect.name == "sqlite"
+    with engine.connect() as connection:
+        connection.exec_driver_sql("BEGIN IMMEDIATE" if sqlite else "BEGIN")
+        try:
+            if not sqlite:
+                # No store timeout for the move: a large table takes its time, and a process that
+                # starts meanwhile waits for the lock, then finds the new layout.
+                connection.exec_driver_sql("SET LOCAL statement_timeout = 0")
+                connection.exec_driver_sql("SET LOCAL lock_timeout = 0")
+                quoted = engine.dialect.identifier_preparer.quote(table.name)
+                connection.exec_driver_sql(f"LOCK TABLE {quoted} IN ACCESS EXCLUSIVE MODE")
+            moved = _move(connection, table) if _is_layout_1(sa.inspect(connection), table.name) else None
+            connection.exec_driver_sql("COMMIT")
+        except BaseException:
+            connection.exec_driver_sql("ROLLBACK")
+            raise
+    return moved
+
+
+def _is_layout_1(inspector: Any, name: str) -> bool:
+    if not inspector.has_table(name):
+        return False
+    columns = {column["name"] for column in inspector.get_columns(name)}
+    return "id" not in columns and "fingerprint" in columns
+
+
+def _move(connection: sa.Connection, table: sa.Table) -> int:
+    preparer = connection.dialect.identifier_preparer
+    old_name = f"{table.name}_layout1"
+    connection.exec_driver_sql(f"ALTER TABLE {preparer.quote(table.name)} RENAME TO {preparer.quote(old_name)}")
+    old = sa.Table(old_name, sa.MetaData(), autoload_with=connection)
+    # The old table's indexes keep their names (SQLite's are database-wide): the new ones differ.
+    # They are built once the rows are in: one sort each, not an insert per row.
+    connection.execute(sa.schema.CreateTable(table))
+    if connection.dialect.name == "postgresql":
+        moved = _copy_in_postgresql(connection, old, table)
+    else:
+        moved = 0
+        for batch in _live_rows(connection, old):
+            connection.execute(sa.insert(table), [_packed(row) for row in batch])
+            moved += len(batch)
+    for index in table.indexes:
+        index.create(connection)
+    old.drop(connection)
+    return moved
+
+
+# PostgreSQL packs the rows itself, in one INSERT ... SELECT (a table of millions of rows moves in
+# minutes, not hours of Python round trips). The expressions restate codec.py in SQL:
+# tests/stores/test_sql_schema.py holds them against it, value by value.
+_TEXT = "'\\xff'::bytea"
+
+
+def _text_form(value: sa.ColumnElement[Any], *packed_lengths: int) -> sa.ColumnElement[Any]:
+    utf8 = sa.func.convert_to(value, "UTF8")
+    text = sa.literal_column(_TEXT).op("||")(utf8)
+    return sa.case(
+        (sa.func.octet_length(text).in_(packed_lengths), text.op("||")(sa.literal_column(_TEXT))), else_=text
+    )
+
+
+def _hex(value: sa.ColumnElement[Any]) -> sa.ColumnElement[Any]:
+    return sa.func.decode(value, "hex")
+
+
+def _matches(value: sa.ColumnElement[Any], pattern: str) -> sa.ColumnElement[bool]:
+    return value.op("~")(f"^{pattern}$")
+
+
+_UUID_PATTERN = "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+
+
+def _task_id(value: sa.ColumnElement[Any]) -> sa.ColumnElement[Any]:
+    return sa.case((_matches(value, _UUID_PATTERN), _hex(sa.func.replace(value, "-", ""))), else_=_text_form(value, 16))
+
+
+def _identity_hash(old: sa.Table) -> sa.ColumnElement[Any]:
+    parts: list[sa.ColumnElement[Any]] = []
+    for name in _OLD_KEY:
+        utf8 = sa.func.convert_to(old.c[name], "UTF8")
+        parts += [sa.func.int4send(sa.func.octet_length(utf8)), utf8]
+    joined = parts[0]
+    for part in parts[1:]:
+        joined = joined.op("||")(part)
+    return sa.cast(sa.func.encode(sa.func.substring(sa.func.sha256(joined), 1, 16), "hex"), sa.Uuid)
+
+
+def _copy_in_postgresql(connection: sa.Connection, old: sa.Table, table: sa.Table) -> int:
+    c = old.c
+
+    def column(name: str) -> sa.ColumnElement[Any]:
+        return c[name] if name in c else sa.null()  # a column older tables lack
+
+    settled = c.state.in_(sorted(_SETTLED))
+    packed: dict[str, sa.ColumnElement[Any]] = {
+        "id": _identity_hash(old),
+        "state": sa.case(*((c.state == state.value, code) for state, code in codec.STATE_CODES.items())),
+        "fingerprint": sa.case(
+            (_matches(c.fingerprint, "[0-9a-f]{64}"), _hex(c.fingerprint)), else_=_text_form(c.fingerprint, 32)
+        ),
+        "task_id": _task_id(c.task_id),
+        "owner": sa.case(
+            (_matches(c.owner, "[0-9a-f]{32}"), _hex(c.owner)),
+            (_matches(c.owner, "#[0-9a-f]{16}"), _hex(sa.func.substr(c.owner, 2))),
+            else_=_text_form(c.owner, 8, 16),
+        ),
+        "previous_task_id": _task_id(column("previous_task_id")),
+        "content_type": sa.case((c.content_type == "application/json", ""), else_=c.content_type),
+        "content_encoding": sa.case((c.content_encoding == "utf-8", ""), else_=c.content_encoding),
+        "call": sa.case((settled, sa.null()), else_=column("call")),
+        "linger_until": column("linger_until"),
+    }
+    names = [column.name for column in table.columns]
+    select = sa.select(*(packed[name] if name in packed else c[name] for name in names)).where(
+        c.expires_at > server_clock("postgresql")
+    )
+    return int(connection.execute(sa.insert(table).from_select(names, select)).rowcount)
+
+
+def _live_rows(connection: sa.Connection, old: sa.Table) -> Iterator[list[dict[str, Any]]]:
+    key = [old.c[name] for name in _OLD_KEY]
+    now = server_clock(connection.dialect.name)
+    query = sa.select(old).where(old.c.expires_at > now).order_by(*key).limit(BATCH)
+    page = connection.execute(query).mappings().all()
+    while page:
+        yield [dict(row) for row in page]
+        last = tuple(page[-1][name] for name in _OLD_KEY)
+        page = connection.execute(query.where(sa.tuple_(*key) > sa.tuple_(*last))).mappings().all()
+
+
+def _packed(row: dict[str, Any]) -> dict[str, Any]:
+    """A layout 1 row as layout 2 keeps it (SQLite; PostgreSQL moves its rows in SQL). A settled row
+    drops its call, as a settlement in this release does, and keeps its whole owner token (which
+    ``held_by`` reads as well as a digest); a column older still (added since) may be absent."""
+    settled = row["state"] in _SETTLED
+    return {
+        "id": codec.identity_id(row["namespace"], row["scope"], row["task_name"], row["key"]),
+        **{name: row[name] for name in ("namespace", "scope", "task_name", "key", "attempt", "result", "error")},
+        **{name: row[name] for name in ("created_at", "updated_at", "expires_at", "ttl_seconds", "lease_expires_at")},
+        "linger_until": row.get("linger_until"),
+        "state": codec.STATE_CODES[State(row["state"])],
+        "fingerprint": codec.FINGERPRINT.pack(row["fingerprint"]),
+        "task_id": codec.TASK_ID.pack(row["task_id"]),
+        "owner": codec.OWNER.pack(row["owner"]),
+        "previous_task_id": codec.TASK_ID.pack_optional(row.get("previous_task_id")),
+        "content_type": codec.content_type(row["content_type"]),
+        "content_encoding": codec.content_encoding(row["content_encoding"]),
+        "call": None if settled else row.get("call"),
+    }
