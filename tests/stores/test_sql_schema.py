@@ -4,6 +4,7 @@ when an older celery-idem made the table."""
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -12,6 +13,7 @@ import pytest
 import sqlalchemy as sa
 from conftest import POSTGRES_URL, require_server
 
+from celery_idem.errors import ConfigurationError, StoreUnavailableError
 from celery_idem.records import Decision, Identity, State
 from celery_idem.stores.sql import SQLStore, codec, migrate, records_table
 from celery_idem.stores.sql.engine import server_clock
@@ -351,7 +353,7 @@ def test_postgresql_packs_moved_rows_exactly_as_the_codec_does() -> None:
             assert bytes(got.task_id) == codec.TASK_ID.pack(row["task_id"]), row
             assert bytes(got.owner) == codec.OWNER.pack(row["owner"]), row
             assert got.previous_task_id == codec.TASK_ID.pack_optional(row["previous_task_id"]), row
-            assert got.state == codec.STATE_CODES[State(row["state"])]
+            assert got.state_code == codec.STATE_CODES[State(row["state"])]
             assert got.content_type == codec.content_type(row["content_type"]), row
             assert (got.call is None) == (row["state"] in ("COMPLETED", "FAILED"))
             record = store.get(Identity(row["scope"], row["task_name"], row["key"]))
@@ -375,3 +377,90 @@ def test_the_codec_reads_back_every_string_and_no_two_strings_share_an_encoding(
     # Then each reads back as itself, and no two encode alike (SQL equality is string equality)
     assert all(field.unpack(raw) == value for value, raw in encoded.items())
     assert len(set(encoded.values())) == len(TRICKY)
+
+
+@pytest.mark.parametrize("lacks", ["call", "linger_until", "previous_task_id"])
+def test_a_layout_1_table_older_still_without_a_later_column_moves_too(engine: sa.Engine, lacks: str) -> None:
+    # Given a layout 1 table made before one of its nullable columns existed (PostgreSQL moves rows
+    # in SQL: the missing column's NULL must have the new column's type)
+    name = f"idem_l1o_{uuid.uuid4().hex[:8]}"
+    old = layout_1_table(name)
+    old._columns.remove(old.c[lacks])  # type: ignore[attr-defined]
+    old.metadata.create_all(engine)
+    with engine.begin() as connection:
+        now = float(connection.execute(sa.select(server_clock(engine.dialect.name))).scalar_one())
+        rows = [{k: v for k, v in row.items() if k != lacks} for row in layout_1_rows(now)]
+        connection.execute(sa.insert(old), rows)
+    store = SQLStore(engine, table_name=name, liveness_table_name=f"{name}_live")
+    try:
+        # When this release first uses it, then it moved, with every live record
+        assert store.count_by_state() == {State.PENDING: 1, State.IN_PROGRESS: 1, State.COMPLETED: 1, State.FAILED: 1}
+        record = store.get(Identity("", "shop.charge", "claimed"))
+        assert record is not None and record.call == (None if lacks == "call" else b"[[1], {}]")
+    finally:
+        store.close()
+        drop(engine, name, f"{name}_layout1", f"{name}_live")
+
+
+def test_a_table_left_in_the_way_of_the_move_is_named_as_a_configuration_error(engine: sa.Engine) -> None:
+    # Given a layout 1 table, and a table already holding the name the move gives the old one
+    name = f"idem_l1w_{uuid.uuid4().hex[:8]}"
+    make_layout_1(engine, name)
+    with engine.begin() as connection:
+        connection.exec_driver_sql(f"CREATE TABLE {name}_layout1 (x integer)")
+    store = SQLStore(engine, table_name=name, liveness_table_name=f"{name}_live")
+    try:
+        # Then the first use says what to do (no waiting would fix it: not an outage)
+        with pytest.raises(ConfigurationError, match=f"{name}_layout1, the name the move gives the old table"):
+            store.get(Identity("", "shop.charge", "paid"))
+    finally:
+        store.close()
+        drop(engine, name, f"{name}_layout1", f"{name}_live")
+
+
+def test_a_move_waits_for_the_table_lock_no_longer_than_the_store_timeout() -> None:
+    # Given a layout 1 PostgreSQL table that another session holds (an operator's transaction left
+    # open after a SELECT)
+    require_server("postgresql")
+    engine = sa.create_engine(POSTGRES_URL)
+    name = f"idem_l1l_{uuid.uuid4().hex[:8]}"
+    make_layout_1(engine, name)
+    store = SQLStore(engine, table_name=name, liveness_table_name=f"{name}_live", timeout_seconds=1)
+    holder = engine.connect()
+    try:
+        holder.execute(sa.text(f"SELECT count(*) FROM {name}"))
+        # When this release first uses the table, the call is an outage within about its timeout
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailableError, match="lock timeout"):
+            store.get(Identity("", "shop.charge", "paid"))
+        assert time.monotonic() - started < 10
+        # ... and once the other session is done, the next call moves the table
+        holder.rollback()
+        assert store.get(Identity("", "shop.charge", "paid")).state is State.COMPLETED
+    finally:
+        holder.close()
+        store.close()
+        drop(engine, name, f"{name}_layout1", f"{name}_live")
+        engine.dispose()
+
+
+def test_a_statement_of_the_older_release_fails_on_layout_2_instead_of_matching_nothing(engine: sa.Engine) -> None:
+    # Given a layout 2 table with a running attempt
+    name = f"idem_l2_{uuid.uuid4().hex[:8]}"
+    store = SQLStore(engine, table_name=name, liveness_table_name=f"{name}_live")
+    identity = Identity("", "shop.charge", "k")
+    owner = store.acquire(identity, "f" * 64, "t1", lease_seconds=60, ttl_seconds=60).record.owner
+    try:
+        # When a process of the older release still running settles it as layout 1 did (its owner
+        # and task id as text, judged by `state`), then the statement fails: an outage to that
+        # process, not a LOST that drops an outcome whose effect happened
+        old_settle = (
+            f"UPDATE {name} SET result = :r WHERE namespace = 'idem' AND key = 'k' AND owner = :o "
+            "AND state IN ('PENDING', 'IN_PROGRESS')"
+        )
+        missing = 'no such column: state|column "state" does not exist'
+        with pytest.raises(sa.exc.DBAPIError, match=missing), engine.begin() as connection:
+            connection.execute(sa.text(old_settle), {"r": b"1", "o": owner})
+    finally:
+        store.close()
+        drop(engine, name, f"{name}_live")

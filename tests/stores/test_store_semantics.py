@@ -315,6 +315,22 @@ def test_complete_with_my_token_stores_the_result_with_ttl_from_now(store: Store
     assert record.expires_at == pytest.approx(clock() + TTL_S, abs=1e-3)
 
 
+@pytest.mark.parametrize(
+    ("content_type", "content_encoding"),
+    [("application/json", "utf-8"), ("", ""), ("application/x-msgpack", "binary"), ("application/json", "")],
+)
+def test_a_result_reads_back_with_exactly_the_content_type_and_encoding_it_was_stored_with(
+    store: Store, content_type: str, content_encoding: str
+) -> None:
+    # A store that keeps the common ones short must still tell them from every other (an empty
+    # content type is refused by the safe decoder; read as JSON, it would be decoded)
+    owner = running(store)
+    assert store.complete(ID, owner, b"", content_type=content_type, content_encoding=content_encoding).ok
+    record = store.get(ID)
+    assert record is not None and record.result == b""
+    assert (record.content_type, record.content_encoding) == (content_type, content_encoding)
+
+
 def test_fail_with_my_token_stores_the_error(store: Store) -> None:
     owner = running(store)
     error = ErrorInfo(type="CardDeclined", module="shop.errors", message="card declined", args=["card declined", 402])

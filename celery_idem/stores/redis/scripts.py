@@ -162,7 +162,7 @@ def settled(blob: bytes, identity: Identity) -> IdempotencyRecord:
     fp, task_id, prev, owner, ctype, cenc = strings
     payload = blob[at:]
     completed = state == ord("C")
-    if completed and not ctype and not cenc:
+    if completed and not ctype and not cenc and not flags & 8:  # flag 8: the caller's own empty pair
         ctype, cenc = (part.encode("ascii") for part in _DEFAULT_CONTENT)
     return IdempotencyRecord.model_construct(
         scope=identity.scope,

@@ -135,7 +135,7 @@ class SQLBase(Statements, Store):
         made to this release's layout (:mod:`~celery_idem.stores.sql.migrate`), and add the nullable
         columns a newer celery-idem brought to an older table (safe to call from many processes)."""
         with self._guard("create_schema"):
-            upgrade_layout(self._autocommit, self.table)
+            upgrade_layout(self._autocommit, self.table, self.timeout_seconds)
             create_all(self.metadata, self.engine)
             self._add_missing_columns()
         self._schema_ready = True
@@ -175,7 +175,7 @@ class SQLBase(Statements, Store):
             scope=row.scope,
             task_name=row.task_name,
             fingerprint=codec.FINGERPRINT.unpack(row.fingerprint),
-            state=codec.state_of(row.state),
+            state=codec.state_of(row.state_code),
             task_id=codec.TASK_ID.unpack(row.task_id),
             owner=codec.OWNER.unpack(row.owner),
             attempt=row.attempt,
@@ -185,8 +185,8 @@ class SQLBase(Statements, Store):
             expires_at=row.expires_at,
             ttl_seconds=row.ttl_seconds,
             result=bytes(row.result) if row.result is not None else None,
-            content_type=codec.read_content_type(row.content_type),
-            content_encoding=codec.read_content_encoding(row.content_encoding),
+            content_type=codec.read_content_type(row.content_type, row.result),
+            content_encoding=codec.read_content_encoding(row.content_encoding, row.result),
             error=ErrorInfo.model_validate_json(row.error) if row.error else None,
             call=bytes(row.call) if row.call is not None else None,
             previous_task_id=codec.TASK_ID.unpack_optional(row.previous_task_id),

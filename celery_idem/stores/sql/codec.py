@@ -14,7 +14,8 @@ fewest bytes that still read back exactly:
   ``0xFF`` + its UTF-8 (+ one more ``0xFF`` where that length is a packed one). UTF-8 never holds
   the byte ``0xFF``, and a packed form has a length of its own, so the encoding is one-to-one:
   comparing encodings in SQL compares the strings;
-- the content type and encoding of a JSON result in UTF-8, nearly every result, are ``''``.
+- the content type and encoding of a JSON result in UTF-8, nearly every result, are NULL (a row
+  without a result has NULL too, and reads back None).
 """
 
 from __future__ import annotations
@@ -127,16 +128,18 @@ OWNER = Packing(_hex_form(32), _hex_form(16, "#"))
 
 
 def content_type(value: str | None) -> str | None:
-    return "" if value == _JSON else value
+    """What the row keeps of a result's content type: NULL for JSON (a row without a result has
+    NULL too, and reads back None)."""
+    return None if value == _JSON else value
 
 
 def content_encoding(value: str | None) -> str | None:
-    return "" if value == _UTF8 else value
+    return None if value == _UTF8 else value
 
 
-def read_content_type(value: str | None) -> str | None:
-    return _JSON if value == "" else value
+def read_content_type(value: str | None, result: bytes | None) -> str | None:
+    return _JSON if value is None and result is not None else value
 
 
-def read_content_encoding(value: str | None) -> str | None:
-    return _UTF8 if value == "" else value
+def read_content_encoding(value: str | None, result: bytes | None) -> str | None:
+    return _UTF8 if value is None and result is not None else value

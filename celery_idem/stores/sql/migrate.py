@@ -6,18 +6,21 @@ new release to use the table moves it, once, in one transaction: the old table i
 one created under the old name, the live rows copied (each field packed as the store writes it;
 expired rows are absent to every operation and are left behind), and the old table dropped. The
 transaction holds the table's exclusive lock (PostgreSQL) or the database's write lock (SQLite)
-from its first statement, so a process that starts meanwhile waits, then finds layout 2 and moves
-nothing; a crash anywhere rolls the whole move back. Processes of the old release must be stopped
-first: their statements name layout 1's columns (docs/stores.md, "Upgrading").
+from its first statement, so a process that starts meanwhile fails to take it within its timeout (an
+outage to that call, tried again), then finds layout 2 and moves nothing; a crash anywhere rolls the
+whole move back. Processes of the old release must be stopped first: their statements name layout
+1's ``state`` column and fail on layout 2 (docs/stores.md, "Upgrading").
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
 import sqlalchemy as sa
 
+from ...errors import ConfigurationError
 from ...records import State
 from . import codec
 from .engine import server_clock
@@ -29,23 +32,36 @@ _OLD_KEY = ("namespace", "scope", "task_name", "key")
 _SETTLED = {State.COMPLETED.value, State.FAILED.value}
 
 
-def upgrade_layout(engine: sa.Engine, table: sa.Table) -> int | None:
+def upgrade_layout(engine: sa.Engine, table: sa.Table, timeout: float) -> int | None:
     """Move ``table`` from layout 1 to ``table``'s layout if the database holds layout 1; the
     number of rows moved, or None when there was nothing to move. ``engine`` runs in autocommit:
-    the transaction is opened here, by hand (SQLite's driver would commit DDL on its own)."""
-    if not _is_layout_1(sa.inspect(engine), table.name):
+    the transaction is opened here, by hand (SQLite's driver would commit DDL on its own).
+
+    Taking the lock waits at most ``timeout`` (the store's; its engine's busy timeout on SQLite):
+    a session holding the table (another mover, a long transaction of an operator) makes this
+    store call an outage, tried again on the next call, never a wait without end that would also
+    queue every other reader of the table behind it. The copy itself takes as long as it takes.
+    """
+    inspector = sa.inspect(engine)
+    if not _is_layout_1(inspector, table.name):
         return None
+    if inspector.has_table(f"{table.name}_layout1"):
+        raise ConfigurationError(
+            f"the records table {table.name!r} has celery-idem's old layout and must be moved, but a table "
+            f"{table.name}_layout1, the name the move gives the old table, exists already: drop or rename it"
+        )
     sqlite = engine.dialect.name == "sqlite"
     with engine.connect() as connection:
         connection.exec_driver_sql("BEGIN IMMEDIATE" if sqlite else "BEGIN")
         try:
             if not sqlite:
-                # No store timeout for the move: a large table takes its time, and a process that
-                # starts meanwhile waits for the lock, then finds the new layout.
+                # No statement timeout for the move: a large table takes its time. A process that
+                # starts meanwhile fails to take the lock within its timeout, and tries again.
                 connection.exec_driver_sql("SET LOCAL statement_timeout = 0")
-                connection.exec_driver_sql("SET LOCAL lock_timeout = 0")
+                connection.exec_driver_sql(f"SET LOCAL lock_timeout = {max(1, math.ceil(timeout * 1000))}")
                 quoted = engine.dialect.identifier_preparer.quote(table.name)
                 connection.exec_driver_sql(f"LOCK TABLE {quoted} IN ACCESS EXCLUSIVE MODE")
+                connection.exec_driver_sql("SET LOCAL lock_timeout = 0")  # the lock is ours: the move waits on nothing
             moved = _move(connection, table) if _is_layout_1(sa.inspect(connection), table.name) else None
             connection.exec_driver_sql("COMMIT")
         except BaseException:
@@ -125,13 +141,16 @@ def _identity_hash(old: sa.Table) -> sa.ColumnElement[Any]:
 def _copy_in_postgresql(connection: sa.Connection, old: sa.Table, table: sa.Table) -> int:
     c = old.c
 
+    def null(name: str) -> sa.ColumnElement[Any]:
+        return sa.cast(sa.null(), table.c[name].type)  # typed: a bare NULL in a CASE is text
+
     def column(name: str) -> sa.ColumnElement[Any]:
-        return c[name] if name in c else sa.null()  # a column older tables lack
+        return c[name] if name in c else null(name)  # a column older tables lack
 
     settled = c.state.in_(sorted(_SETTLED))
     packed: dict[str, sa.ColumnElement[Any]] = {
         "id": _identity_hash(old),
-        "state": sa.case(*((c.state == state.value, code) for state, code in codec.STATE_CODES.items())),
+        "state_code": sa.case(*((c.state == state.value, code) for state, code in codec.STATE_CODES.items())),
         "fingerprint": sa.case(
             (_matches(c.fingerprint, "[0-9a-f]{64}"), _hex(c.fingerprint)), else_=_text_form(c.fingerprint, 32)
         ),
@@ -141,10 +160,12 @@ def _copy_in_postgresql(connection: sa.Connection, old: sa.Table, table: sa.Tabl
             (_matches(c.owner, "#[0-9a-f]{16}"), _hex(sa.func.substr(c.owner, 2))),
             else_=_text_form(c.owner, 8, 16),
         ),
-        "previous_task_id": _task_id(column("previous_task_id")),
-        "content_type": sa.case((c.content_type == "application/json", ""), else_=c.content_type),
-        "content_encoding": sa.case((c.content_encoding == "utf-8", ""), else_=c.content_encoding),
-        "call": sa.case((settled, sa.null()), else_=column("call")),
+        "previous_task_id": _task_id(c.previous_task_id) if "previous_task_id" in c else null("previous_task_id"),
+        "content_type": sa.case((c.content_type == "application/json", null("content_type")), else_=c.content_type),
+        "content_encoding": sa.case(
+            (c.content_encoding == "utf-8", null("content_encoding")), else_=c.content_encoding
+        ),
+        "call": sa.case((settled, null("call")), else_=column("call")),
         "linger_until": column("linger_until"),
     }
     names = [column.name for column in table.columns]
@@ -175,7 +196,7 @@ def _packed(row: dict[str, Any]) -> dict[str, Any]:
         **{name: row[name] for name in ("namespace", "scope", "task_name", "key", "attempt", "result", "error")},
         **{name: row[name] for name in ("created_at", "updated_at", "expires_at", "ttl_seconds", "lease_expires_at")},
         "linger_until": row.get("linger_until"),
-        "state": codec.STATE_CODES[State(row["state"])],
+        "state_code": codec.STATE_CODES[State(row["state"])],
         "fingerprint": codec.FINGERPRINT.pack(row["fingerprint"]),
         "task_id": codec.TASK_ID.pack(row["task_id"]),
         "owner": codec.OWNER.pack(row["owner"]),

@@ -11,7 +11,7 @@ __all__ = ["DATA", "LAYOUT", "TIMES", "add_columns", "create_all", "liveness_tab
 LAYOUT = 2  # the records table's layout: 2 is the compact row (codec.py); 1 kept every field as text
 DATA = (
     "fingerprint",
-    "state",
+    "state_code",
     "task_id",
     "owner",
     "attempt",
@@ -32,7 +32,9 @@ def records_table(metadata: sa.MetaData, name: str = "celery_idem_records") -> s
 
     The columns are in the order that packs a PostgreSQL row tightest: the 8-byte numbers first (a
     settled row's lease and waiter mark are NULL, which takes no space), then the 4- and 2-byte
-    ones, then the variable-length ones.
+    ones, then the variable-length ones. The state is ``state_code``, not layout 1's ``state``: every
+    statement of an older release that judges a record names ``state``, so a process of that release
+    left running fails loudly on this table (an outage) rather than match nothing and lose its writes.
     """
     return sa.Table(
         name,
@@ -47,7 +49,7 @@ def records_table(metadata: sa.MetaData, name: str = "celery_idem_records") -> s
         sa.Column("linger_until", sa.Double, nullable=True),
         sa.Column("id", sa.Uuid, nullable=False),  # codec.identity_id
         sa.Column("attempt", sa.Integer, nullable=False),
-        sa.Column("state", sa.SmallInteger, nullable=False),  # codec.STATE_CODES
+        sa.Column("state_code", sa.SmallInteger, nullable=False),  # codec.STATE_CODES
         sa.Column("namespace", sa.String(64), nullable=False),
         sa.Column("scope", sa.String(255), nullable=False),
         sa.Column("task_name", sa.String(255), nullable=False),

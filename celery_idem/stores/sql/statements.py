@@ -42,7 +42,7 @@ class Statements:
         # one is never read or taken (an upsert on it finds a row it may not take: held, fail closed).
         ours = sa.and_(c.namespace == p("ns"), c.scope == p("scope"), c.task_name == p("task_name"), c.key == p("key"))
         pk = sa.and_(c.id == p("id"), ours)
-        unsettled = c.state.in_(_UNSETTLED)
+        unsettled = c.state_code.in_(_UNSETTLED)
         absent = c.expires_at <= now
 
         def upsert(take: sa.ColumnElement[bool], special: dict[str, Any]) -> sa.Executable:
@@ -62,7 +62,7 @@ class Statements:
                 **times,
             )
             # A takeover keeps the task id of the attempt it takes (stores/rules.py: taken_over).
-            previous = sa.case((absent, None), (c.state == _IN_PROGRESS, c.task_id), else_=c.previous_task_id)
+            previous = sa.case((absent, None), (c.state_code == _IN_PROGRESS, c.task_id), else_=c.previous_task_id)
             changes = {name: ins.excluded[name] for name in (*DATA, *TIMES)} | {"previous_task_id": previous}
             # A live record keeps a BUSY waiter's mark whoever takes it over; an absent one has none.
             changes["linger_until"] = sa.case((absent, sa.null()), else_=c.linger_until)
@@ -78,7 +78,7 @@ class Statements:
         # acquire takes an absent record, a PENDING one, or an IN_PROGRESS one whose lease ran out,
         # if it is the same call or the same attempt chain (a Celery retry under the record's task
         # id); the chain keeps the caller's fingerprint and counts its attempts.
-        runnable = sa.or_(c.state == _PENDING, sa.and_(c.state == _IN_PROGRESS, c.lease_expires_at <= now))
+        runnable = sa.or_(c.state_code == _PENDING, sa.and_(c.state_code == _IN_PROGRESS, c.lease_expires_at <= now))
         retry = sa.bindparam("p_retry", type_=sa.Integer)
         chain = sa.and_(retry == 1, c.task_id == p("task_id"), c.attempt > 0)  # no retry before an attempt ran
         same = sa.or_(c.fingerprint == p("fingerprint"), chain)
@@ -97,7 +97,7 @@ class Statements:
         look = now + p("next_look")
         self._busy_sql = (
             sa.update(t)
-            .where(pk, c.expires_at > now, c.state == _IN_PROGRESS, c.lease_expires_at > now, same)
+            .where(pk, c.expires_at > now, c.state_code == _IN_PROGRESS, c.lease_expires_at > now, same)
             .values(linger_until=sa.case((sa.func.coalesce(c.linger_until, 0.0) > look, c.linger_until), else_=look))
             .returning(*t.c)
         )
@@ -111,14 +111,14 @@ class Statements:
             if fence == "task_id":
                 # The task id frees only what that delivery may still hold: a claim, or an attempt
                 # past its lease. A live attempt under the same id is a copy running elsewhere.
-                return sa.and_(held, sa.or_(c.state == _PENDING, expired_lease))
+                return sa.and_(held, sa.or_(c.state_code == _PENDING, expired_lease))
             return held
 
         self._settle_sql = (
             sa.update(t)
             .where(owned("owner"))
             .values(
-                state=p("state"),
+                state_code=p("state"),
                 result=p("result"),
                 content_type=p("content_type"),
                 content_encoding=p("content_encoding"),
@@ -139,7 +139,7 @@ class Statements:
             fence: sa.update(t)
             .where(owned(fence), only_expired)
             .values(
-                state=_PENDING,
+                state_code=_PENDING,
                 owner=p("new_owner"),
                 lease_expires_at=now + p("lease"),
                 updated_at=now,
@@ -151,12 +151,12 @@ class Statements:
         renewed = sa.case((c.lease_expires_at > now + p("lease"), c.lease_expires_at), else_=now + p("lease"))
         self._renew_sql = (
             sa.update(t)
-            .where(owned("owner"), c.state == _IN_PROGRESS)
+            .where(owned("owner"), c.state_code == _IN_PROGRESS)
             .values(lease_expires_at=renewed, updated_at=now, expires_at=renewed + c.ttl_seconds)
         )
         self._hand_over_sql = (
             sa.update(t)
-            .where(owned("owner"), c.state == _IN_PROGRESS)
+            .where(owned("owner"), c.state_code == _IN_PROGRESS)
             .values(
                 owner=p("new_owner"),
                 lease_expires_at=now + p("lease"),

@@ -81,7 +81,7 @@ class SQLStore(SQLUpkeep):
         state = State.PENDING if claiming else State.IN_PROGRESS
         values = {
             "fingerprint": codec.FINGERPRINT.pack(fingerprint),
-            "state": codec.STATE_CODES[state],
+            "state_code": codec.STATE_CODES[state],
             "task_id": codec.TASK_ID.pack(task_id),
             "owner": codec.OWNER.pack(owner),
             "attempt": 0 if claiming else 1,

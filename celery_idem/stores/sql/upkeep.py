@@ -44,7 +44,7 @@ class SQLUpkeep(SQLBase):
         c = self.table.c
         query = sa.select(self.table).where(self._live_rows())
         if state is not None:
-            query = query.where(c.state == codec.STATE_CODES[state])
+            query = query.where(c.state_code == codec.STATE_CODES[state])
         if task_name is not None:
             query = query.where(c.task_name == task_name)
         query = query.order_by(c.updated_at.desc()).limit(limit)
@@ -52,5 +52,5 @@ class SQLUpkeep(SQLBase):
 
     def _count_by_state(self) -> dict[State, int]:
         c = self.table.c
-        query = sa.select(c.state, sa.func.count()).where(self._live_rows()).group_by(c.state)
+        query = sa.select(c.state_code, sa.func.count()).where(self._live_rows()).group_by(c.state_code)
         return {codec.state_of(state): int(n) for state, n in self._run(query, self._clock_params(), rows)}

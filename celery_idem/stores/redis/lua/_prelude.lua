@@ -45,7 +45,8 @@ end
 --   digest (the first 8 bytes of SHA-1 of the owner token), content type, content encoding (both
 --   '' for application/json, utf-8); then the payload to the end (the result, or the error JSON).
 -- flags: 1 = the fingerprint is 64 lowercase hex stored as its 32 bytes; 2 = the task id, 4 = the
--- previous task id, is a lowercase canonical UUID stored as its 16 bytes. Scope, task and key are
+-- previous task id, is a lowercase canonical UUID stored as its 16 bytes; 8 = an empty content
+-- type and encoding are the caller's own (without it, two empty ones stand for the default). Scope, task and key are
 -- in the record's key only; what a settled record no longer needs (lease, call, linger) is gone.
 local PACKED, UUID = 1, '^' .. string.rep('%x', 8) .. ('%-' .. string.rep('%x', 4)):rep(3) .. '%-' .. string.rep('%x', 12) .. '$'
 
@@ -75,7 +76,8 @@ local function pack_settled(rec, state, expires, now, payload, ctype, cenc)
   if #fp == 64 and lower_hex(fp, '^%x+$') then flags, fp = flags + 1, to_bytes(fp) end
   if lower_hex(task_id, UUID) then flags, task_id = flags + 2, to_bytes((task_id:gsub('%-', ''))) end
   if lower_hex(prev, UUID) then flags, prev = flags + 4, to_bytes((prev:gsub('%-', ''))) end
-  if ctype == 'application/json' and cenc == 'utf-8' then ctype, cenc = '', '' end
+  if ctype == 'application/json' and cenc == 'utf-8' then ctype, cenc = '', ''
+  elseif ctype == '' and cenc == '' then flags = flags + 8 end  -- a caller's own empty pair, not the default
   return struct.pack('>BBBddddI4', PACKED, string.byte(state), flags, expires, tonumber(rec.created), now,
       tonumber(rec.ttl), tonumber(rec.attempt))
     .. packed(fp) .. packed(task_id) .. packed(prev) .. packed(to_bytes(string.sub(redis.sha1hex(rec.owner), 1, 16)))
