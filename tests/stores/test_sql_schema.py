@@ -464,3 +464,30 @@ def test_a_statement_of_the_older_release_fails_on_layout_2_instead_of_matching_
     finally:
         store.close()
         drop(engine, name, f"{name}_live")
+
+
+def test_two_identities_whose_hashes_collide_never_read_or_take_each_others_row(
+    engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a store where every identity hashes alike (a collision, which 128 bits make unreachable
+    # by chance or by search), and a record of one identity
+    name = f"idem_col_{uuid.uuid4().hex[:8]}"
+    monkeypatch.setattr(codec, "identity_id", lambda *_: uuid.UUID(int=7))
+    store = SQLStore(engine, table_name=name, liveness_table_name=f"{name}_live")
+    paid, other = Identity("", "shop.charge", "paid"), Identity("", "shop.charge", "other")
+    try:
+        owner = store.acquire(paid, "f" * 64, "t1", lease_seconds=60, ttl_seconds=60).record.owner
+        # Then the other identity reads nothing, cannot take the row (fail closed: an outage), and
+        # cannot write or free it; the record stays its own identity's
+        assert store.get(other) is None
+        with pytest.raises(StoreUnavailableError, match="changed hands"):
+            store.claim(other, "f" * 64, "t2", pending_seconds=60, ttl_seconds=60)
+        assert store.complete(other, owner, b"1").decision is Decision.LOST
+        assert store.release(other, "t1", fence="task_id").decision is Decision.LOST
+        assert store.forget(other) is False
+        record = store.get(paid)
+        assert record is not None and record.key == "paid" and record.state is State.IN_PROGRESS
+        assert store.complete(paid, owner, b"1").decision is Decision.OK
+    finally:
+        store.close()
+        drop(engine, name, f"{name}_live")
