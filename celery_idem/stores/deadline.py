@@ -15,6 +15,7 @@ import contextlib
 import heapq
 import itertools
 import logging
+import math
 import os
 import socket
 import threading
@@ -36,6 +37,7 @@ class Watchdog:
         self._tickets = itertools.count()
         self._wake = threading.Condition()
         self._pid = 0
+        self._wakes_at = math.inf  # when the watchdog thread looks next, by itself (monotonic)
 
     @contextlib.contextmanager
     def guard(self, fd: int | None, seconds: float) -> Iterator[None]:
@@ -49,10 +51,17 @@ class Watchdog:
                 self._pid = os.getpid()
                 self._due.clear()
                 self._live.clear()
+                self._wakes_at = math.inf
                 threading.Thread(target=self._run, name="celery-idem-sql-deadline", daemon=True).start()
-            heapq.heappush(self._due, (time.monotonic() + seconds, ticket, fd))
+            deadline = time.monotonic() + seconds
+            heapq.heappush(self._due, (deadline, ticket, fd))
             self._live.add(ticket)
-            self._wake.notify()
+            if deadline < self._wakes_at:
+                # Only a deadline before the thread's next look needs it awake: calls under one
+                # timeout come due in the order they start, so a steady stream wakes it about once
+                # a deadline, not once a statement (a thread switch and the GIL each time).
+                self._wakes_at = deadline
+                self._wake.notify()
         try:
             yield
         finally:
@@ -68,11 +77,13 @@ class Watchdog:
                 while self._due and self._due[0][1] not in self._live:
                     heapq.heappop(self._due)  # finished in time
                 if not self._due:
+                    self._wakes_at = math.inf  # a new call notifies
                     self._wake.wait(timeout=60)
                     continue
                 deadline, ticket, fd = self._due[0]
                 wait = deadline - time.monotonic()
                 if wait > 0:
+                    self._wakes_at = deadline
                     self._wake.wait(timeout=wait)
                     continue
                 heapq.heappop(self._due)

@@ -151,8 +151,9 @@ def test_a_purge_never_deletes_a_row_revived_while_it_waited_for_the_lock(prefix
         store.claim(identity, FP, "t1", pending_seconds=10, ttl_seconds=10)
         clock.advance(60)
         table, engine = store.table, store.engine  # type: ignore[attr-defined]
-        # When a claim revives it in a transaction that still holds the row lock
-        with engine.connect() as reviver:
+        # When a claim revives it in a transaction that still holds the row lock (the store's own
+        # engine runs in autocommit: this connection opens a transaction of its own)
+        with engine.connect().execution_options(isolation_level="READ COMMITTED") as reviver:
             reviver.execute(
                 sa.update(table)
                 .where(table.c.namespace == prefix, table.c.key == "revived")
@@ -168,6 +169,7 @@ def test_a_purge_never_deletes_a_row_revived_while_it_waited_for_the_lock(prefix
                 deadline = time.monotonic() + 20
                 while not watcher.execute(blocked, {"pid": pid}).scalar() and time.monotonic() < deadline:
                     time.sleep(0.02)
+                assert watcher.execute(blocked, {"pid": pid}).scalar(), "the purge never waited on the row lock"
             reviver.commit()
         purge.join(timeout=30)
         # Then the purge re-checks the expiry on the revived row and keeps it

@@ -108,9 +108,8 @@ class SQLBase(Statements, Store):
             raise ConfigurationError(f"SQLStore runs on PostgreSQL and SQLite; got the {engine.dialect.name!r} dialect")
         if len(key_prefix) > 64:
             raise ConfigurationError(f"key_prefix must be at most 64 characters for SQLStore; got {len(key_prefix)}")
-        self.engine = private_engine(engine, self.timeout_seconds)
+        self.engine = private_engine(engine, self.timeout_seconds)  # in autocommit mode
         self._deadline = self.timeout_seconds + _DEADLINE_MARGIN_SECONDS
-        self._autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
         self.metadata = sa.MetaData()
         self.table = records_table(self.metadata, table_name)
         self.liveness = liveness_table(self.metadata, liveness_table_name)
@@ -135,7 +134,7 @@ class SQLBase(Statements, Store):
         made to this release's layout (:mod:`~celery_idem.stores.sql.migrate`), and add the nullable
         columns a newer celery-idem brought to an older table (safe to call from many processes)."""
         with self._guard("create_schema"):
-            upgrade_layout(self._autocommit, self.table, self.timeout_seconds)
+            upgrade_layout(self.engine, self.table, self.timeout_seconds)
             create_all(self.metadata, self.engine)
             self._add_missing_columns()
         self._schema_ready = True
@@ -153,7 +152,7 @@ class SQLBase(Statements, Store):
             with self._schema_lock:
                 if not self._schema_ready:
                     self.create_schema()
-        with self._autocommit.connect() as connection, _WATCHDOG.guard(socket_of(connection), self._deadline):
+        with self.engine.connect() as connection, _WATCHDOG.guard(socket_of(connection), self._deadline):
             return fetch(connection.execute(statement, params))
 
     def _clock_params(self) -> dict[str, float | None]:
@@ -198,7 +197,7 @@ class SQLBase(Statements, Store):
         return float(self._run(self._now_sql, self._clock_params(), one)[0])
 
     def _ping(self) -> None:
-        with self._autocommit.connect() as connection, _WATCHDOG.guard(socket_of(connection), self._deadline):
+        with self.engine.connect() as connection, _WATCHDOG.guard(socket_of(connection), self._deadline):
             connection.execute(sa.select(1)).one()
 
     def close(self) -> None:

@@ -26,16 +26,19 @@ def _session_settings(dialect: str, timeout: float) -> list[str]:
 
 
 def private_engine(engine: sa.Engine, timeout: float) -> sa.Engine:
-    """An engine of the store's own on the same database, every connection of it under ``timeout``.
+    """An engine of the store's own on the same database, in autocommit mode (one statement is one
+    transaction), every connection of it under ``timeout``.
 
     Session settings on the caller's pool would leak into the caller's own sessions, so the store
     opens its own connections: ``Pool.recreate()`` keeps the creator (driver, connect arguments) and
-    the pool's listeners, and a ``connect`` listener sets the timeouts once per connection.
+    the pool's listeners, and a ``connect`` listener sets the timeouts once per connection. The
+    engine itself is in autocommit mode: switching a pooled connection to it and back on every
+    checkout (``execution_options``) cost about 130 µs of client CPU a statement.
     An in-memory SQLite database lives in its one pool, so that engine is shared as it is.
     """
     if engine.dialect.name == "sqlite" and engine.url.database in (None, "", ":memory:"):
-        return engine
-    own = sa.create_engine(engine.url, pool=engine.pool.recreate())
+        return engine.execution_options(isolation_level="AUTOCOMMIT")
+    own = sa.create_engine(engine.url, pool=engine.pool.recreate(), isolation_level="AUTOCOMMIT")
     settings = _session_settings(engine.dialect.name, timeout)
 
     @sa.event.listens_for(own.pool, "connect")

@@ -51,7 +51,9 @@ class SQLStore(SQLUpkeep):
     Args:
         engine: A SQLAlchemy engine on PostgreSQL or SQLite (or build one with :meth:`from_url`).
             The store runs its statements in autocommit mode on a private pool derived from it,
-            whose connections honour ``timeout_seconds``; ``store.engine`` is that private engine.
+            whose connections honour ``timeout_seconds``; ``store.engine`` is that private engine
+            (in autocommit mode: open a transaction of your own with
+            ``execution_options(isolation_level=...)`` on a connection of it).
         table_name: The records table.
         liveness_table_name: The worker processes' liveness table.
     """
