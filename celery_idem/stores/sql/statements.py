@@ -42,7 +42,8 @@ class Statements:
         # one is never read or taken (an upsert on it finds a row it may not take: held, fail closed).
         ours = sa.and_(c.namespace == p("ns"), c.scope == p("scope"), c.task_name == p("task_name"), c.key == p("key"))
         pk = sa.and_(c.id == p("id"), ours)
-        unsettled = c.state_code.in_(_UNSETTLED)
+        # Written out, not IN (a list): a list is an expanding parameter, rendered again on every run.
+        unsettled = sa.or_(*(c.state_code == code for code in _UNSETTLED))
         absent = c.expires_at <= now
 
         def upsert(take: sa.ColumnElement[bool], special: dict[str, Any]) -> sa.Executable:
