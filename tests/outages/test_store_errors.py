@@ -302,6 +302,64 @@ def relay() -> Iterator[Relay]:
     relay.close()
 
 
+def test_a_move_of_the_table_whose_server_goes_silent_ends_within_its_deadline(
+    relay: Relay, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a table of the older layout (tests/stores/test_sql_schema.py), a move whose deadline is
+    # a second (it grows with the table: a minute and more), and a server that goes silent once the
+    # move's copy is sent
+    from sql_layouts import drop, make_layout_1
+
+    from celery_idem.stores.sql import migrate
+
+    direct = sa.create_engine(POSTGRES_URL)
+    table = f"t_move_{uuid.uuid4().hex[:8]}"
+    make_layout_1(direct, table)
+    monkeypatch.setattr(migrate, "move_seconds", lambda rows: 1.0)
+    url = sa.engine.make_url(POSTGRES_URL).set(host="127.0.0.1", port=relay.port)
+    store = SQLStore.from_url(url.render_as_string(hide_password=False), table_name=table, timeout_seconds=1.0)
+
+    @sa.event.listens_for(store.engine, "before_cursor_execute")
+    def silence(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        if statement.lstrip().upper().startswith("INSERT INTO"):
+            relay.silent = True
+
+    outcome: list[object] = []
+
+    def call() -> None:
+        try:
+            outcome.append(store.get(Identity("", "shop.charge", "paid")))
+        except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+            outcome.append(exc)
+
+    try:
+        # When the first store call moves the table, then it ends with an outage (before, nothing
+        # bounded it: no statement timeout, no watchdog)
+        caller = threading.Thread(target=call, daemon=True)
+        caller.start()
+        caller.join(timeout=15)
+        assert not caller.is_alive(), "a move under a silent server still blocked after 15 s"
+        assert len(outcome) == 1 and isinstance(outcome[0], StoreUnavailableError), outcome
+        # And once the server answers again, a later call moves the table (the server may still be
+        # rolling the cut-off move back: an outage or two first)
+        sa.event.remove(store.engine, "before_cursor_execute", silence)
+        relay.silent = False
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                record = store.get(Identity("", "shop.charge", "paid"))
+                break
+            except StoreUnavailableError:
+                assert time.monotonic() < deadline
+                time.sleep(0.5)
+        assert record is not None and record.state.value == "COMPLETED"
+    finally:
+        relay.silent = False
+        store.close()
+        drop(direct, table, f"{table}_layout1", f"{table}_live")
+        direct.dispose()
+
+
 def test_a_call_to_a_postgresql_server_gone_silent_ends_within_its_timeout(relay: Relay) -> None:
     url = sa.engine.make_url(POSTGRES_URL).set(host="127.0.0.1", port=relay.port)
     table = f"t_deadline_{uuid.uuid4().hex[:8]}"

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from conftest import POSTGRES_URL, require_server
+from sql_layouts import drop, layout_1_rows, layout_1_table, make_layout_1
 
 from celery_idem.errors import ConfigurationError, StoreUnavailableError
 from celery_idem.records import Decision, Identity, State
@@ -81,85 +82,6 @@ def test_a_schema_another_process_creates_object_by_object_meanwhile_is_created_
 
 
 # ---- layout 1 (every field as text, the identity as the key) moves to layout 2 on first use -----------
-
-
-def layout_1_table(name: str) -> sa.Table:
-    """The records table as celery-idem 0.x up to layout 1 made it (frozen here: the package no
-    longer builds it)."""
-    return sa.Table(
-        name,
-        sa.MetaData(),
-        sa.Column("namespace", sa.String(64), primary_key=True),
-        sa.Column("scope", sa.String(255), primary_key=True),
-        sa.Column("task_name", sa.String(255), primary_key=True),
-        sa.Column("key", sa.String(255), primary_key=True),
-        sa.Column("fingerprint", sa.String(64), nullable=False),
-        sa.Column("state", sa.String(16), nullable=False),
-        sa.Column("task_id", sa.String(255), nullable=False),
-        sa.Column("owner", sa.String(64), nullable=False),
-        sa.Column("attempt", sa.Integer, nullable=False),
-        sa.Column("lease_expires_at", sa.Double, nullable=True),
-        sa.Column("created_at", sa.Double, nullable=False),
-        sa.Column("updated_at", sa.Double, nullable=False),
-        sa.Column("expires_at", sa.Double, nullable=False),
-        sa.Column("ttl_seconds", sa.Double, nullable=False),
-        sa.Column("result", sa.LargeBinary, nullable=True),
-        sa.Column("content_type", sa.String(128), nullable=True),
-        sa.Column("content_encoding", sa.String(64), nullable=True),
-        sa.Column("error", sa.Text, nullable=True),
-        sa.Column("call", sa.LargeBinary, nullable=True),
-        sa.Column("linger_until", sa.Double, nullable=True),
-        sa.Column("previous_task_id", sa.String(255), nullable=True),
-        sa.Index(f"ix_{name}_lease", "namespace", "lease_expires_at"),
-        sa.Index(f"ix_{name}_expires", "expires_at"),
-    )
-
-
-def layout_1_rows(now: float) -> list[dict[str, Any]]:
-    task_id, other = str(uuid.uuid4()), str(uuid.uuid4())
-    base = {"namespace": "idem", "scope": "", "task_name": "shop.charge", "attempt": 1, "created_at": now - 5}
-    base |= {"updated_at": now - 1, "ttl_seconds": 600.0, "result": None, "content_type": None}
-    base |= {"content_encoding": None, "error": None, "call": None, "linger_until": None, "previous_task_id": None}
-    fp = "ab" * 32
-    return [
-        base
-        | {"key": "claimed", "fingerprint": fp, "state": "PENDING", "task_id": task_id, "attempt": 0}
-        | {"owner": uuid.uuid4().hex, "lease_expires_at": now + 60, "expires_at": now + 660, "call": b"[[1], {}]"},
-        base
-        | {"key": "running", "fingerprint": fp, "state": "IN_PROGRESS", "task_id": other, "owner": "a" * 32}
-        | {"lease_expires_at": now + 30, "expires_at": now + 630, "previous_task_id": task_id, "linger_until": now + 3},
-        base
-        | {"key": "paid", "fingerprint": fp, "state": "COMPLETED", "task_id": "my-own-task-id", "owner": "b" * 32}
-        | {"lease_expires_at": None, "expires_at": now + 599, "result": b'{"ok": true}'}
-        | {"content_type": "application/json", "content_encoding": "utf-8"},
-        base
-        | {"key": "refused", "fingerprint": "a custom fingerprint", "state": "FAILED", "task_id": other}
-        | {"owner": "c" * 32, "lease_expires_at": None, "expires_at": now + 599, "result": b"\x80\x04K\x01."}
-        | {"content_type": "application/x-python-serialize", "content_encoding": "binary"}
-        | {"error": '{"type": "ValueError", "module": "builtins", "message": "no", "args": ["no"]}'},
-        base
-        | {"key": "gone", "fingerprint": fp, "state": "COMPLETED", "task_id": other, "owner": "d" * 32}
-        | {"lease_expires_at": None, "expires_at": now - 1},
-        base
-        | {"namespace": "other", "key": "paid", "fingerprint": fp, "state": "COMPLETED", "task_id": other}
-        | {"owner": "e" * 32, "lease_expires_at": None, "expires_at": now + 599},
-    ]
-
-
-def make_layout_1(engine: sa.Engine, name: str) -> list[dict[str, Any]]:
-    old = layout_1_table(name)
-    old.metadata.create_all(engine)
-    with engine.begin() as connection:
-        now = float(connection.execute(sa.select(server_clock(engine.dialect.name))).scalar_one())
-        rows = layout_1_rows(now)
-        connection.execute(sa.insert(old), rows)
-    return rows
-
-
-def drop(engine: sa.Engine, *names: str) -> None:
-    with engine.begin() as connection:
-        for name in names:
-            connection.exec_driver_sql(f"DROP TABLE IF EXISTS {name}")
 
 
 def test_a_layout_1_table_moves_to_layout_2_on_first_use_with_every_live_record_as_it_was(engine: sa.Engine) -> None:
@@ -431,7 +353,7 @@ def test_a_move_waits_for_the_table_lock_no_longer_than_the_store_timeout() -> N
         holder.execute(sa.text(f"SELECT count(*) FROM {name}"))
         # When this release first uses the table, the call is an outage within about its timeout
         started = time.monotonic()
-        with pytest.raises(StoreUnavailableError, match="lock timeout"):
+        with pytest.raises(StoreUnavailableError, match="canceling statement due to lock timeout"):
             store.get(Identity("", "shop.charge", "paid"))
         assert time.monotonic() - started < 10
         # ... and once the other session is done, the next call moves the table
@@ -491,3 +413,41 @@ def test_two_identities_whose_hashes_collide_never_read_or_take_each_others_row(
     finally:
         store.close()
         drop(engine, name, f"{name}_live")
+
+
+def test_a_thread_that_calls_while_another_thread_moves_the_table_waits_no_longer_than_the_timeout(
+    engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a layout 1 table whose move takes 3 s, started by one thread of a process
+    name = f"idem_l1t_{uuid.uuid4().hex[:8]}"
+    make_layout_1(engine, name)
+    move = migrate._move
+    moving = threading.Event()
+
+    def slow(connection: sa.Connection, table: sa.Table) -> int:
+        moving.set()
+        time.sleep(3)
+        return move(connection, table)
+
+    monkeypatch.setattr(migrate, "_move", slow)
+    store = SQLStore(engine, table_name=name, liveness_table_name=f"{name}_live", timeout_seconds=0.5)
+    paid = Identity("", "shop.charge", "paid")
+    mover: list[Any] = []
+    first = threading.Thread(target=lambda: mover.append(store.get(paid)), daemon=True)
+    try:
+        first.start()
+        assert moving.wait(10)
+        # When another thread of the same process calls the store meanwhile, then it is an outage
+        # within about its timeout (before, it waited on the schema lock for the whole move)
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailableError, match="still creating or moving the schema"):
+            store.get(paid)
+        assert time.monotonic() - started < 2.5
+        # ... and the move itself completes
+        first.join(timeout=30)
+        assert mover and mover[0].state is State.COMPLETED
+        assert store.get(paid).state is State.COMPLETED
+    finally:
+        first.join(timeout=30)
+        store.close()
+        drop(engine, name, f"{name}_layout1", f"{name}_live")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
@@ -134,10 +135,16 @@ class SQLBase(Statements, Store):
         made to this release's layout (:mod:`~celery_idem.stores.sql.migrate`), and add the nullable
         columns a newer celery-idem brought to an older table (safe to call from many processes)."""
         with self._guard("create_schema"):
-            upgrade_layout(self.engine, self.table, self.timeout_seconds)
+            # Created first, then moved: a process of the older release that creates its layout in
+            # between (on an empty database) makes ours find layout 1 and move it.
             create_all(self.metadata, self.engine)
+            upgrade_layout(self.engine, self.table, self.timeout_seconds, self._watched)
             self._add_missing_columns()
         self._schema_ready = True
+
+    def _watched(self, connection: sa.Connection, seconds: float) -> AbstractContextManager[None]:
+        """The watchdog on ``connection`` for ``seconds`` (and its margin past the server's timeout)."""
+        return _WATCHDOG.guard(socket_of(connection), seconds + _DEADLINE_MARGIN_SECONDS)
 
     def _add_missing_columns(self) -> None:
         dialect = self.engine.dialect
@@ -149,9 +156,15 @@ class SQLBase(Statements, Store):
     def _run(self, statement: sa.Executable, params: dict[str, Any], fetch: Callable[[sa.CursorResult[Any]], T]) -> T:
         """Run one prebuilt statement (autocommit: one transaction, one round trip) and read its answer."""
         if not self._schema_ready:
-            with self._schema_lock:
+            # Another thread of this process may be moving a large table: waiting for it is bounded
+            # like any store call (an outage, tried again), never the length of the move.
+            if not self._schema_lock.acquire(timeout=self.timeout_seconds):
+                raise sa_exc.TimeoutError("another thread of this process is still creating or moving the schema")
+            try:
                 if not self._schema_ready:
                     self.create_schema()
+            finally:
+                self._schema_lock.release()
         with self.engine.connect() as connection, _WATCHDOG.guard(socket_of(connection), self._deadline):
             return fetch(connection.execute(statement, params))
 
