@@ -451,3 +451,28 @@ def test_a_thread_that_calls_while_another_thread_moves_the_table_waits_no_longe
         first.join(timeout=30)
         store.close()
         drop(engine, name, f"{name}_layout1", f"{name}_live")
+
+
+def test_an_older_release_that_creates_its_table_as_this_one_starts_has_it_moved(
+    engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given an empty database, where a process of the older release creates its layout 1 table
+    # just before this release's CREATE (both starting at once)
+    from celery_idem.stores.sql import base
+
+    name = f"idem_l1s_{uuid.uuid4().hex[:8]}"
+    create_all = base.create_all
+
+    def older_release_first(metadata: sa.MetaData, target: sa.Engine) -> None:
+        make_layout_1(engine, name)
+        create_all(metadata, target)
+
+    monkeypatch.setattr(base, "create_all", older_release_first)
+    store = SQLStore(engine, table_name=name, liveness_table_name=f"{name}_live")
+    try:
+        # When this release's store is first used, then it moved that table and works
+        assert store.get(Identity("", "shop.charge", "paid")).state is State.COMPLETED
+        assert "id" in {c["name"] for c in sa.inspect(engine).get_columns(name)}
+    finally:
+        store.close()
+        drop(engine, name, f"{name}_layout1", f"{name}_live")
