@@ -14,6 +14,7 @@ import difflib
 import functools
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
@@ -28,7 +29,7 @@ from .outcome import accepted_content_types, replay
 from .records import IdempotencyRecord, Identity, State
 from .stores import Store, store_from_url
 
-__all__ = ["COUNTERS", "INSTALLED_ATTRIBUTE", "Runtime", "installed_on"]
+__all__ = ["COUNTERS", "INSTALLED_ATTRIBUTE", "Runtime", "installed_on", "settings_of"]
 
 logger = logging.getLogger("celery_idem")
 
@@ -77,30 +78,7 @@ class Runtime:
     @computed_once
     def settings(self) -> IdempotencySettings:
         """Resolved on first use, so ``app.conf`` may still change after tasks are defined."""
-        known = IdempotencySettings.model_fields
-        misspelt = sorted(
-            key for key in self.app.conf.keys() if key.startswith("idempotency_") and key[12:] not in known
-        )
-        if misspelt:
-            guesses = {
-                k: [name for name in known if name.startswith(k[12:])][:1]
-                or difflib.get_close_matches(k[12:], known, n=1, cutoff=0.5)
-                for k in misspelt
-            }
-            hints = ", ".join(
-                f"{k}" + (f" (did you mean idempotency_{g[0]}?)" if g else "") for k, g in guesses.items()
-            )
-            raise ConfigurationError(f"unknown celery-idem setting in app.conf: {hints}")
-        values: dict[str, Any] = {}
-        for name in known:
-            conf_value = self.app.conf.get(f"idempotency_{name}")
-            if conf_value is not None:
-                values[name] = conf_value
-        values.update(self._keywords)
-        try:
-            return IdempotencySettings(**values)
-        except ValidationError as exc:
-            raise invalid_settings(f"celery-idem settings of app {self.app.main!r}", exc) from None
+        return settings_of(self.app, self._keywords)
 
     def _liveness_seconds(self) -> float:
         return self.settings.liveness_seconds
@@ -244,3 +222,54 @@ class Runtime:
         """Counters since this process started: claims, duplicates, replays, mismatches, ..."""
         with self._lock:
             return dict(self._counters)
+
+
+def settings_of(app: Any, keywords: dict[str, Any]) -> IdempotencySettings:
+    """``app``'s settings: ``keywords`` (given to ``Idempotency(app, ...)``) over
+    ``app.conf.idempotency_<name>`` over the defaults.
+
+    Raises:
+        ConfigurationError: a setting in ``app.conf`` that celery-idem does not know (with the
+            closest known name), or an invalid value.
+    """
+    known = IdempotencySettings.model_fields
+    misspelt = sorted(
+        name
+        for name in map(_setting_name(app), app.conf.keys())
+        if name.startswith("idempotency_") and name[12:] not in known
+    )
+    if misspelt:
+        guesses = {
+            k: [name for name in known if name.startswith(k[12:])][:1]
+            or difflib.get_close_matches(k[12:], known, n=1, cutoff=0.5)
+            for k in misspelt
+        }
+        hints = ", ".join(f"{k}" + (f" (did you mean idempotency_{g[0]}?)" if g else "") for k, g in guesses.items())
+        raise ConfigurationError(f"unknown celery-idem setting in app.conf: {hints}")
+    values: dict[str, Any] = {}
+    for name in known:
+        conf_value = app.conf.get(f"idempotency_{name}")
+        if conf_value is not None:
+            values[name] = conf_value
+    values.update(keywords)
+    try:
+        return IdempotencySettings(**values)
+    except ValidationError as exc:
+        raise invalid_settings(f"celery-idem settings of app {app.main!r}", exc) from None
+
+
+def _setting_name(app: Any) -> Callable[[str], str]:
+    """A key of ``app.conf`` as the setting it names: an app configured with a namespace (Django's
+    ``config_from_object("django.conf:settings", namespace="CELERY")``) lists its keys as written,
+    ``CELERY_IDEMPOTENCY_LEASE_SECONDS``, and reads them as ``idempotency_lease_seconds``; a key
+    without the namespace is the project's own (a Django setting ``IDEMPOTENCY_HEADER``), none of
+    Celery's, and names no setting."""
+    prefix = f"{app.namespace}_".lower() if getattr(app, "namespace", None) else ""
+
+    def name(key: str) -> str:
+        if not prefix:
+            return str(key)
+        lowered = str(key).lower()
+        return lowered[len(prefix) :] if lowered.startswith(prefix) else ""
+
+    return name

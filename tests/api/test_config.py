@@ -409,6 +409,32 @@ def test_a_misspelt_app_conf_setting_is_refused_with_a_suggestion() -> None:
         Idempotency(app).settings  # noqa: B018
 
 
+def test_a_misspelt_setting_under_a_namespace_is_refused_too() -> None:
+    # Django's way: config_from_object(..., namespace="CELERY") lists its keys as written in settings.py
+    from types import SimpleNamespace
+
+    app = Celery("typo-ns", set_as_current=False)
+    project_settings = SimpleNamespace(
+        CELERY_TASK_ALWAYS_EAGER=True, CELERY_IDEMPOTENCY_STORE="memory://", CELERY_IDEMPOTENCY_LEASE_SECOND=30
+    )
+    app.config_from_object(project_settings, namespace="CELERY")
+    match = r"idempotency_lease_second \(did you mean idempotency_lease_seconds\?\)"
+    with pytest.raises(ConfigurationError, match=match):
+        Idempotency(app).settings  # noqa: B018
+
+
+def test_a_project_setting_outside_the_namespace_is_not_taken_for_a_celery_idem_setting() -> None:
+    # A Django project's own IDEMPOTENCY_HEADER is none of Celery's settings (no CELERY_ prefix)
+    from types import SimpleNamespace
+
+    app = Celery("own-setting", set_as_current=False)
+    project_settings = SimpleNamespace(
+        CELERY_TASK_ALWAYS_EAGER=True, CELERY_IDEMPOTENCY_LEASE_SECONDS=30, IDEMPOTENCY_HEADER="Idempotency-Key"
+    )
+    app.config_from_object(project_settings, namespace="CELERY")
+    assert Idempotency(app).settings.lease_seconds == 30
+
+
 def test_installing_the_extension_does_not_configure_the_app_before_its_on_after_configure_handlers() -> None:
     # Celery's documented way to add periodic tasks connects on_after_configure after the app is
     # built; Idempotency(app, ...) with settings must not finalize app.conf before that.
