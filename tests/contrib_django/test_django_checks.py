@@ -1,0 +1,133 @@
+"""celery_idem.contrib.django's system checks, through Django's check framework (``manage.py check``)
+on a Celery app configured the Django way (Celery's ``CELERY_`` namespace)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+django = pytest.importorskip("django", reason="celery_idem.contrib.django needs the django extra")
+
+from celery import Celery  # noqa: E402
+from celery._state import _set_current_app, get_current_app  # noqa: E402
+from django.conf import settings  # noqa: E402
+from django.core import checks  # noqa: E402
+from django.core.management import call_command  # noqa: E402
+from django.core.management.base import SystemCheckError  # noqa: E402
+from django.test.utils import override_settings  # noqa: E402
+
+if not settings.configured:
+    settings.configure(
+        INSTALLED_APPS=["django.contrib.contenttypes", "django.contrib.auth", "celery_idem.contrib.django"],
+        DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}},
+        USE_TZ=True,
+    )
+    django.setup()
+
+
+@pytest.fixture
+def project() -> Iterator[Any]:
+    """Makes a project's Celery app from CELERY_* settings, current as a Django project's is."""
+    before = get_current_app()
+
+    def make(**celery_settings: Any) -> Celery:
+        app = Celery("djshop", set_as_current=True)
+        named = {f"CELERY_{name}": value for name, value in celery_settings.items()}  # as in settings.py
+        app.config_from_object(SimpleNamespace(**named), namespace="CELERY")
+        return app
+
+    yield make
+    _set_current_app(before)
+
+
+def ids() -> list[str]:
+    return [message.id for message in checks.run_checks(tags=["celery_idem"]) if message.id]
+
+
+def test_the_app_installs_with_its_label_and_registers_its_checks() -> None:
+    from django.apps import apps
+
+    config = apps.get_app_config("celery_idem")
+    assert config.name == "celery_idem.contrib.django" and config.default_auto_field == "django.db.models.BigAutoField"
+    assert "celery_idem" in checks.registry.registry.tags_available()
+
+
+def test_a_sound_configuration_passes(project: Any) -> None:
+    project(IDEMPOTENCY_STORE="redis://localhost:6379/2", BROKER_URL="amqp://localhost//")
+    assert ids() == []
+
+
+def test_a_misspelt_setting_is_an_error_that_names_the_setting_meant(project: Any) -> None:
+    project(IDEMPOTENCY_STORE="redis://localhost:6379/2", IDEMPOTENCY_LEASE_SECOND=30)
+    [message] = checks.run_checks(tags=["celery_idem"])
+    assert message.id == "celery_idem.E001"
+    assert "idempotency_lease_second (did you mean idempotency_lease_seconds?)" in message.msg
+
+
+def test_an_invalid_value_is_an_error(project: Any) -> None:
+    project(IDEMPOTENCY_STORE="redis://localhost:6379/2", IDEMPOTENCY_TTL_SECONDS=-1)
+    [message] = checks.run_checks(tags=["celery_idem"])
+    assert message.id == "celery_idem.E001" and "ttl_seconds" in message.msg
+
+
+def test_no_store_is_an_error_outside_eager_mode(project: Any) -> None:
+    project()
+    assert ids() == ["celery_idem.E002"]
+    project(TASK_ALWAYS_EAGER=True)
+    assert ids() == []
+
+
+def test_a_memory_store_outside_eager_mode_is_a_warning(project: Any) -> None:
+    project(IDEMPOTENCY_STORE="memory://")
+    assert ids() == ["celery_idem.W003"]
+
+
+@pytest.mark.parametrize("pickled", [{"TASK_SERIALIZER": "pickle"}, {"ACCEPT_CONTENT": ["json", "pickle"]}])
+def test_pickle_without_accept_pickle_is_an_error(project: Any, pickled: dict[str, Any]) -> None:
+    project(IDEMPOTENCY_STORE="redis://localhost:6379/2", **pickled)
+    assert ids() == ["celery_idem.E004"]
+    project(IDEMPOTENCY_STORE="redis://localhost:6379/2", IDEMPOTENCY_ACCEPT_PICKLE=True, **pickled)
+    assert ids() == []
+
+
+def test_acks_late_without_a_redelivery_of_lost_tasks_is_a_warning(project: Any) -> None:
+    project(IDEMPOTENCY_STORE="redis://localhost:6379/2", TASK_ACKS_LATE=True)
+    assert ids() == ["celery_idem.W010"]
+    project(IDEMPOTENCY_STORE="redis://localhost:6379/2", TASK_ACKS_LATE=True, TASK_REJECT_ON_WORKER_LOST=True)
+    assert ids() == []
+
+
+def test_a_redis_visibility_timeout_shorter_than_the_lease_is_a_warning(project: Any) -> None:
+    store = "redis://localhost:6379/2"
+    project(IDEMPOTENCY_STORE=store, BROKER_URL="redis://localhost:6379/0", IDEMPOTENCY_LEASE_SECONDS=600)
+    assert ids() == []  # the default visibility_timeout, an hour
+    short = {"visibility_timeout": 300}
+    project(
+        IDEMPOTENCY_STORE=store,
+        BROKER_URL="redis://localhost:6379/0",
+        BROKER_TRANSPORT_OPTIONS=short,
+        IDEMPOTENCY_LEASE_SECONDS=600,
+    )
+    [message] = checks.run_checks(tags=["celery_idem"])
+    assert message.id == "celery_idem.W011" and "(300 s) is shorter than the lease (600 s)" in message.msg
+
+
+def test_manage_py_check_reads_the_django_settings_through_celerys_namespace(project: Any) -> None:
+    # Given a project whose Celery app reads Django's settings, as Celery's Django guide sets it up
+    def django_app() -> Celery:
+        app = Celery("djshop", set_as_current=True)
+        app.config_from_object("django.conf:settings", namespace="CELERY")
+        return app
+
+    # When a setting is misspelt, then manage.py check fails and names it
+    with override_settings(CELERY_IDEMPOTENCY_STORE="redis://localhost:6379/2", CELERY_IDEMPOTENCY_LEASE_SECOND=30):
+        django_app()
+        with pytest.raises(SystemCheckError, match="celery_idem.E001"):
+            call_command("check")
+    # And spelt right, it passes
+    with override_settings(CELERY_IDEMPOTENCY_STORE="redis://localhost:6379/2", CELERY_IDEMPOTENCY_LEASE_SECONDS=30):
+        django_app()
+        call_command("check")
