@@ -261,15 +261,16 @@ def settings_of(app: Any, keywords: dict[str, Any]) -> IdempotencySettings:
 def _setting_name(app: Any) -> Callable[[str], str]:
     """A key of ``app.conf`` as the setting it names: an app configured with a namespace (Django's
     ``config_from_object("django.conf:settings", namespace="CELERY")``) lists its keys as written,
-    ``CELERY_IDEMPOTENCY_LEASE_SECONDS``, and reads them as ``idempotency_lease_seconds``; a key
-    without the namespace is the project's own (a Django setting ``IDEMPOTENCY_HEADER``), none of
-    Celery's, and names no setting."""
+    ``CELERY_IDEMPOTENCY_LEASE_SECONDS``, and reads them as ``idempotency_lease_seconds``. Any other
+    key counts as written: a setting given in code (``app.conf.idempotency_ttl_seconds``) is lower
+    case, while a project's own setting without the namespace (a Django setting
+    ``IDEMPOTENCY_HEADER``) is upper case, none of Celery's, and names no setting of ours."""
     prefix = f"{app.namespace}_".lower() if getattr(app, "namespace", None) else ""
 
     def name(key: str) -> str:
-        if not prefix:
-            return str(key)
         lowered = str(key).lower()
-        return lowered[len(prefix) :] if lowered.startswith(prefix) else ""
+        if prefix and lowered.startswith(prefix):
+            return lowered[len(prefix) :]
+        return str(key)  # as set in code (app.conf.idempotency_ttl = ...): a lower-case name counts
 
     return name

@@ -435,6 +435,16 @@ def test_a_project_setting_outside_the_namespace_is_not_taken_for_a_celery_idem_
     assert Idempotency(app).settings.lease_seconds == 30
 
 
+def test_a_misspelt_setting_given_in_code_on_a_namespaced_app_is_refused() -> None:
+    from types import SimpleNamespace
+
+    app = Celery("typo-code", set_as_current=False)
+    app.config_from_object(SimpleNamespace(CELERY_TASK_ALWAYS_EAGER=True), namespace="CELERY")
+    app.conf.idempotency_ttl = 600  # meant idempotency_ttl_seconds
+    with pytest.raises(ConfigurationError, match=r"idempotency_ttl \(did you mean idempotency_ttl_seconds\?\)"):
+        Idempotency(app).settings  # noqa: B018
+
+
 def test_installing_the_extension_does_not_configure_the_app_before_its_on_after_configure_handlers() -> None:
     # Celery's documented way to add periodic tasks connects on_after_configure after the app is
     # built; Idempotency(app, ...) with settings must not finalize app.conf before that.
