@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Mapping
@@ -118,6 +119,35 @@ class IdempotentTask(Task, HandledTask):  # type: ignore[misc]
 
     def _send(self, args: Any, kwargs: Any, options: dict[str, Any]) -> Any:
         return super().apply_async(args, kwargs, **options)
+
+    # Celery's DjangoTask API, on every idempotent task (a Django project's `base=IdempotentTask`
+    # replaces the DjangoTask the fixup would have given it). Publishing, and so the claim, happens
+    # when the caller's transaction commits: a rolled-back transaction leaves no claim behind.
+
+    def delay_on_commit(self, *args: Any, **kwargs: Any) -> None:
+        """``delay()`` once the caller's Django transaction commits (at once outside one). The
+        key and scope are checked now; the claim is made at commit. Returns None, as Celery's does:
+        the task id is not known before the claim (a duplicate is handed the original's)."""
+        self.apply_async_on_commit(args, kwargs)
+
+    def apply_async_on_commit(self, args: Any = None, kwargs: Any = None, **options: Any) -> None:
+        """``apply_async()`` once the caller's Django transaction commits (see
+        :meth:`delay_on_commit`). ``using`` is not taken: the default database's transaction decides,
+        as in Celery's ``DjangoTask``.
+
+        Raises:
+            InvalidKeyError: the key or scope breaks the rule (now, inside the transaction).
+            ConfigurationError: Django is not installed.
+        """
+        try:
+            from django.db import transaction
+        except ImportError as exc:  # an optional dependency: the `django` extra
+            raise ConfigurationError("delay_on_commit needs Django: pip install 'celery-idem[django]'") from exc
+        found = headers_with_options(dict(options), options.get("headers"))
+        found = found if isinstance(found, Mapping) else {}
+        if found.get(BYPASS_HEADER) is not False:
+            self.idempotency_handler.identify(found.get(KEY_HEADER), found.get(SCOPE_HEADER), "")
+        transaction.on_commit(functools.partial(self.apply_async, args, kwargs, **options))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request

@@ -13,19 +13,10 @@ django = pytest.importorskip("django", reason="celery_idem.contrib.django needs 
 
 from celery import Celery  # noqa: E402
 from celery._state import _set_current_app, get_current_app  # noqa: E402
-from django.conf import settings  # noqa: E402
 from django.core import checks  # noqa: E402
 from django.core.management import call_command  # noqa: E402
 from django.core.management.base import SystemCheckError  # noqa: E402
 from django.test.utils import override_settings  # noqa: E402
-
-if not settings.configured:
-    settings.configure(
-        INSTALLED_APPS=["django.contrib.contenttypes", "django.contrib.auth", "celery_idem.contrib.django"],
-        DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}},
-        USE_TZ=True,
-    )
-    django.setup()
 
 
 @pytest.fixture
