@@ -11,6 +11,7 @@ import pytest
 
 django = pytest.importorskip("django", reason="celery_idem.contrib.django needs the django extra")
 
+import django_project  # noqa: E402, F401 - configures Django for this module
 from celery import Celery  # noqa: E402
 from celery._state import _set_current_app, get_current_app  # noqa: E402
 from django.core import checks  # noqa: E402

@@ -10,6 +10,7 @@ import pytest
 
 pytest.importorskip("django", reason="celery_idem.contrib.django needs the django extra")
 
+import django_project  # noqa: E402, F401 - configures Django for this module
 from celery import Celery  # noqa: E402
 from django.db import transaction  # noqa: E402
 

@@ -1,4 +1,5 @@
-"""Django, configured once per test process for celery_idem.contrib.django's tests: the app
+"""Django, configured once per test process for celery_idem.contrib.django's tests (imported by
+each of them; not a conftest.py, whose module name would shadow tests/conftest.py): the app
 installed, an in-memory SQLite database (transactions and on_commit work on it)."""
 
 from __future__ import annotations
