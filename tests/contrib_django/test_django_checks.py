@@ -107,6 +107,23 @@ def test_a_redis_visibility_timeout_shorter_than_the_lease_is_a_warning(project:
     assert message.id == "celery_idem.W011" and "(300 s) is shorter than the lease (600 s)" in message.msg
 
 
+@pytest.mark.parametrize(
+    "odd",
+    [
+        {"BROKER_URL": None},
+        {"BROKER_URL": ["redis://a:6379/0", "redis://b:6379/0"]},
+        {"BROKER_URL": "redis://localhost:6379/0", "BROKER_TRANSPORT_OPTIONS": None},
+        {"BROKER_URL": "redis://localhost:6379/0", "BROKER_TRANSPORT_OPTIONS": {"visibility_timeout": "soon"}},
+        {"ACCEPT_CONTENT": None},
+        {"ACCEPT_CONTENT": ("json",)},
+    ],
+)
+def test_an_odd_but_legal_celery_setting_never_crashes_the_checks(project: Any, odd: dict[str, Any]) -> None:
+    # A check that raises breaks manage.py check for the whole project: worse than a missed warning
+    project(IDEMPOTENCY_STORE="redis://localhost:6379/2", **odd)
+    assert isinstance(checks.run_checks(tags=["celery_idem"]), list)
+
+
 def test_manage_py_check_reads_the_django_settings_through_celerys_namespace(project: Any) -> None:
     # Given a project whose Celery app reads Django's settings, as Celery's Django guide sets it up
     def django_app() -> Celery:

@@ -105,7 +105,10 @@ def check_delivery(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
             lease = _settings(app).lease_seconds
         except ConfigurationError:
             return found  # E001 says why
-        visibility = float((conf.broker_transport_options or {}).get("visibility_timeout", 3600))
+        try:
+            visibility = float((conf.broker_transport_options or {}).get("visibility_timeout", 3600))
+        except (TypeError, ValueError, AttributeError):
+            return found  # not ours to judge: kombu says what it makes of it
         if visibility < lease:
             found.append(
                 Warning(
