@@ -83,3 +83,14 @@ def test_the_django_task_class_is_celerys_django_task_too() -> None:
     assert issubclass(IdempotentDjangoTask, IdempotentTask)
     assert issubclass(IdempotentDjangoTask, celery_django.DjangoTask)
     assert IdempotentDjangoTask.delay_on_commit is IdempotentTask.delay_on_commit  # ours come first
+
+
+def test_a_call_in_a_rolled_back_savepoint_is_dropped_while_the_outer_transaction_commits(shop: Any) -> None:
+    charge, idem, charged = shop
+    with transaction.atomic():
+        with pytest.raises(RuntimeError), transaction.atomic():
+            charge.apply_async_on_commit((1,), idempotency_key="inner")
+            raise RuntimeError("the inner step failed")
+        charge.apply_async_on_commit((2,), idempotency_key="outer")
+    assert charged == [2]
+    assert not claimed(idem, "inner") and claimed(idem, "outer")
