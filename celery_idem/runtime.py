@@ -265,12 +265,12 @@ def _setting_name(app: Any) -> Callable[[str], str]:
     key counts as written: a setting given in code (``app.conf.idempotency_ttl_seconds``) is lower
     case, while a project's own setting without the namespace (a Django setting
     ``IDEMPOTENCY_HEADER``) is upper case, none of Celery's, and names no setting of ours."""
-    prefix = f"{app.namespace}_".lower() if getattr(app, "namespace", None) else ""
+    # Celery reads CELERY_X under namespace "CELERY" and "CELERY_" alike, and only in upper case.
+    prefix = f"{str(app.namespace).rstrip('_')}_".upper() if getattr(app, "namespace", None) else ""
 
     def name(key: str) -> str:
-        lowered = str(key).lower()
-        if prefix and lowered.startswith(prefix):
-            return lowered[len(prefix) :]
+        if prefix and str(key).startswith(prefix) and str(key) == str(key).upper():
+            return str(key)[len(prefix) :].lower()
         return str(key)  # as set in code (app.conf.idempotency_ttl = ...): a lower-case name counts
 
     return name

@@ -132,8 +132,8 @@ class IdempotentTask(Task, HandledTask):  # type: ignore[misc]
 
     def apply_async_on_commit(self, args: Any = None, kwargs: Any = None, **options: Any) -> None:
         """``apply_async()`` once the caller's Django transaction commits (see
-        :meth:`delay_on_commit`). ``using`` is not taken: the default database's transaction decides,
-        as in Celery's ``DjangoTask``.
+        :meth:`delay_on_commit`). ``using`` names the database whose transaction decides (the
+        default one otherwise, as in Celery's ``DjangoTask``).
 
         Raises:
             InvalidKeyError: the key or scope breaks the rule (now, inside the transaction).
@@ -143,11 +143,17 @@ class IdempotentTask(Task, HandledTask):  # type: ignore[misc]
             from django.db import transaction
         except ImportError as exc:  # an optional dependency: the `django` extra
             raise ConfigurationError("delay_on_commit needs Django: pip install 'celery-idem[django]'") from exc
+        # What is checked now is what is claimed at commit: the options and their headers are the
+        # call's own copies (a caller that reuses one headers dict changes nothing of this call).
+        using = options.pop("using", None)
+        options = dict(options)
+        if isinstance(options.get("headers"), Mapping):
+            options["headers"] = dict(options["headers"])
         found = headers_with_options(dict(options), options.get("headers"))
         found = found if isinstance(found, Mapping) else {}
         if found.get(BYPASS_HEADER) is not False:
             self.idempotency_handler.identify(found.get(KEY_HEADER), found.get(SCOPE_HEADER), "")
-        transaction.on_commit(functools.partial(self.apply_async, args, kwargs, **options))
+        transaction.on_commit(functools.partial(self.apply_async, args, kwargs, **options), using=using)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request

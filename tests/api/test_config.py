@@ -460,3 +460,14 @@ def test_installing_the_extension_does_not_configure_the_app_before_its_on_after
     assert app.conf.task_serializer == "json"  # the app configures itself at first use
     assert fired == [app]
     assert Idempotency.of(app).settings.ttl_seconds == 60
+
+
+def test_a_misspelt_setting_under_a_namespace_with_its_underscore_is_refused() -> None:
+    from types import SimpleNamespace
+
+    app = Celery("typo-ns_", set_as_current=False)
+    app.config_from_object(
+        SimpleNamespace(CELERY_TASK_ALWAYS_EAGER=True, CELERY_IDEMPOTENCY_LEASE_SECOND=30), namespace="CELERY_"
+    )
+    with pytest.raises(ConfigurationError, match=r"did you mean idempotency_lease_seconds"):
+        Idempotency(app).settings  # noqa: B018

@@ -94,3 +94,14 @@ def test_a_call_in_a_rolled_back_savepoint_is_dropped_while_the_outer_transactio
         charge.apply_async_on_commit((2,), idempotency_key="outer")
     assert charged == [2]
     assert not claimed(idem, "inner") and claimed(idem, "outer")
+
+
+def test_a_reused_headers_dict_changes_nothing_of_a_call_already_made(shop: Any) -> None:
+    charge, idem, charged = shop
+    headers: dict[str, Any] = {}
+    with transaction.atomic():
+        for order in (4, 5, 6):
+            headers["idempotency_key"] = f"order-{order}"
+            charge.apply_async_on_commit((order,), headers=headers)
+    assert charged == [4, 5, 6]
+    assert all(claimed(idem, f"order-{order}") for order in (4, 5, 6))

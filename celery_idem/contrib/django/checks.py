@@ -107,7 +107,7 @@ def check_delivery(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
             return found  # E001 says why
         try:
             visibility = float((conf.broker_transport_options or {}).get("visibility_timeout", 3600))
-        except (TypeError, ValueError, AttributeError):
+        except (TypeError, ValueError, AttributeError, OverflowError):
             return found  # not ours to judge: kombu says what it makes of it
         if visibility < lease:
             found.append(
