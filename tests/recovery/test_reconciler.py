@@ -670,11 +670,17 @@ def test_a_worker_that_finishes_during_the_run_wins_over_the_reconciler(prefix: 
     identity = _stale(idem.store, "late", str(uuid.uuid4()))
     owner = idem.store.get(identity).owner
     time.sleep(0.3)
-    # Given the worker completes while the reconciler waits for workers to answer (0.2 s)
-    finisher = threading.Timer(0.05, lambda: idem.store.complete(identity, owner, b'{"late":true}'))
-    finisher.start()
+    # Given the worker completes once the reconciler has read the stale record, while it waits for
+    # workers to answer (at that point, not after a timer: a timer raced the read on a loaded machine)
+    read = idem.store.expired_leases
+
+    def read_then_the_worker_completes(*args: Any, **kwargs: Any) -> Any:
+        stale = read(*args, **kwargs)
+        assert idem.store.complete(identity, owner, b'{"late":true}').ok
+        return stale
+
+    idem.store.expired_leases = read_then_the_worker_completes  # type: ignore[method-assign]
     report = idem.reconcile()
-    finisher.join()
     # Then the reconciler's compare-and-set loses, and the worker's outcome stands
     assert (report.scanned, report.released, report.left) == (1, 0, 1)
     record = idem.store.get(identity)
