@@ -301,28 +301,54 @@ def test_round_trips_per_task_in_the_one_write_mode_are_no_more_than_the_peers(r
         task_postrun.disconnect(finished)
         wipe(store)
     per_task = {part: sent[db] / CALLS for part, db in DB_OF.items()}
+    # A worker process's liveness beat is periodic (once per beat interval, whatever the task
+    # count), so one may fall inside the window on a slow machine: it is counted apart, and every
+    # other request, whatever it is, counts against the task
+    shown = f"requests: {sent.requests}"
     if results == "store":
         # claim, acquire, complete; nothing to the backend (no result write, no subscription)
-        assert per_task == {"store": 3, "backend": 0}
+        assert per_task == {"store": 3, "backend": 0}, shown
         assert per_task["store"] + per_task["backend"] <= PEERS_ROUND_TRIPS
     else:
         # Today's default writes the outcome twice: the counting sees the backend's write
-        assert per_task["store"] == 3 and per_task["backend"] >= 1
+        assert per_task["store"] == 3 and per_task["backend"] >= 1, shown
+    assert sent.beats <= 2, shown
+
+
+LIVENESS = b":live}:"  # in every liveness key (RedisStoreBase.liveness_key)
+
+
+class _Sent(Counter[int]):
+    """Requests by database, with the per-process liveness beats counted apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.beats = 0
+        self.requests: list[tuple[int, bytes]] = []
+
+    def add(self, db: int, packed: Any) -> None:
+        chunks = [packed] if isinstance(packed, (bytes, bytearray, memoryview)) else list(packed)
+        raw = b"".join(bytes(chunk) for chunk in chunks)
+        self.requests.append((db, raw[:120]))
+        if LIVENESS in raw:
+            self.beats += 1
+        else:
+            self[db] += 1
 
 
 class _requests_by_db:  # noqa: N801 - reads as the context manager it is
     """Counts the requests redis-py writes (one per command, one per pipeline), by database."""
 
-    def __enter__(self) -> Counter[int]:
+    def __enter__(self) -> _Sent:
         from redis.connection import AbstractConnection
 
-        self.sent: Counter[int] = Counter()
+        self.sent = _Sent()
         self.original = AbstractConnection.send_packed_command
         original, sent = self.original, self.sent
 
-        def send_packed_command(conn: Any, *args: Any, **kwargs: Any) -> Any:
-            sent[int(conn.db or 0)] += 1
-            return original(conn, *args, **kwargs)
+        def send_packed_command(conn: Any, command: Any, *args: Any, **kwargs: Any) -> Any:
+            sent.add(int(conn.db or 0), command)
+            return original(conn, command, *args, **kwargs)
 
         AbstractConnection.send_packed_command = send_packed_command  # type: ignore[method-assign]
         return sent
