@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import uuid
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
-__all__ = ["Decision", "ErrorInfo", "IdempotencyRecord", "Identity", "State", "Transition", "owner_digest"]
+__all__ = [
+    "Decision",
+    "ErrorInfo",
+    "IdempotencyRecord",
+    "Identity",
+    "State",
+    "Transition",
+    "identity_id",
+    "owner_digest",
+]
 
 
 class State(str, enum.Enum):
@@ -125,3 +135,14 @@ class Transition:
     @property
     def ok(self) -> bool:
         return self.decision is Decision.OK
+
+
+def identity_id(namespace: str, scope: str, task_name: str, key: str) -> uuid.UUID:
+    """The row's key: 16 bytes of SHA-256 over the length-prefixed identity (prefixes keep
+    ``("a:b", "c")`` and ``("a", "b:c")`` apart)."""
+    digest = hashlib.sha256()
+    for part in (namespace, scope, task_name, key):
+        raw = part.encode("utf-8")
+        digest.update(len(raw).to_bytes(4, "big"))
+        digest.update(raw)
+    return uuid.UUID(bytes=digest.digest()[:16])

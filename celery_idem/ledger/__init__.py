@@ -21,6 +21,9 @@ finds the committed outcome here and completes the record with it.
 
 One class, :class:`Ledger`, built up by concern, each on the one below it:
 
+- ``calls``: what every ledger's ``run_once`` does around its transaction, whatever the database
+  library (the Django ORM's :class:`~celery_idem.contrib.django.ledger.DjangoLedger` too);
+
 - ``table``: the table, a ledger's settings, creating the table and adding the columns an older one
   lacks (:class:`~celery_idem.ledger.table.LedgerTable`);
 - ``reads``: :class:`LedgerEntry`, and the reads of the duplicates, the handler and the reconciler,
@@ -32,15 +35,27 @@ One class, :class:`Ledger`, built up by concern, each on the one below it:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from ..errors import ConfigurationError
 
-try:
-    import sqlalchemy  # noqa: F401 - checked here, before any module of the package imports it
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ConfigurationError("the ledger needs SQLAlchemy: pip install 'celery-idem[sql]'") from exc
-
-from .reads import LedgerEntry
-from .run_once import Ledger
-from .table import ledger_table
-
 __all__ = ["Ledger", "LedgerEntry", "ledger_table"]
+
+if TYPE_CHECKING:
+    from .reads import LedgerEntry
+    from .run_once import Ledger
+    from .table import ledger_table
+
+
+def __getattr__(name: str) -> Any:
+    """The SQLAlchemy ledger, imported on first use: :mod:`.calls`, which every ledger shares
+    (the Django ORM's too), imports no database library."""
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        import sqlalchemy  # noqa: F401 - checked here, before any module of the package imports it
+    except ImportError as exc:  # pragma: no cover - exercised only without the extra
+        raise ConfigurationError("the ledger needs SQLAlchemy: pip install 'celery-idem[sql]'") from exc
+    from . import reads, run_once, table
+
+    return {"Ledger": run_once.Ledger, "LedgerEntry": reads.LedgerEntry, "ledger_table": table.ledger_table}[name]

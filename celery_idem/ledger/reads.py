@@ -12,9 +12,10 @@ import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 
 from ..errors import ConfigurationError, LedgerUnavailableError
-from ..outcome import JSON_ONLY, decode_result
-from ..records import IdempotencyRecord, Identity, State
+from ..outcome import JSON_ONLY
+from ..records import Identity, State
 from ..stores.deadline import Watchdog, socket_of
+from .calls import decode_entry
 from .table import LedgerTable
 
 __all__ = ["LedgerEntry", "LedgerReads"]
@@ -46,17 +47,7 @@ class LedgerEntry:
         Raises:
             SerializationError: the entry's content type is not accepted, or it does not decode.
         """
-        return decode_result(
-            IdempotencyRecord.model_construct(
-                key=self.identity.key,
-                task_name=self.identity.task_name,
-                task_id=self.task_id,
-                result=self.result,
-                content_type=self.content_type,
-                content_encoding=self.content_encoding,
-            ),
-            accept,
-        )
+        return decode_entry(self, accept)
 
 
 class LedgerReads(LedgerTable):

@@ -5,18 +5,14 @@ ledger row written first in the same transaction (see :mod:`celery_idem.ledger`)
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from .. import attempts
-from ..errors import ConfigurationError, PayloadMismatchError
-from ..outcome import serializer_of
-from ..protocol import BYPASS_HEADER, request_header
-from ..records import Identity, State
+from ..records import Identity
+from .calls import COMMITTED, UNSETTLED, LedgerCall, second_call
 from .transaction import LedgerTransactions, call_fn, connection_of, open_transaction
 
 __all__ = ["Ledger"]
@@ -24,11 +20,6 @@ __all__ = ["Ledger"]
 T = TypeVar("T")
 logger = logging.getLogger("celery_idem.ledger")
 
-# What an attempt remembers of its run_once call (Attempt.ledger_nonce): the nonce of the row it
-# stands on, or this when that row is known to be committed.
-_COMMITTED = "committed"
-# A row's outcome until run_once stores fn's result with it; committed so only if fn ended the transaction.
-_UNSETTLED = State.IN_PROGRESS.value
 # committed_at, in epoch seconds, from the database's clock (never the worker's).
 _DB_NOW: dict[str, sa.ColumnElement[float]] = {
     "postgresql": sa.literal_column("EXTRACT(EPOCH FROM clock_timestamp())"),
@@ -81,79 +72,31 @@ class Ledger(LedgerTransactions):
             ConfigurationError: called outside an idempotent task's run, or a second time in one
                 attempt whose first row stands.
         """
-        request = task.request
-        # The identity and the call from the handler's attempt, never from the request: a message
-        # header becomes a request attribute, so a forged one could name another identity.
-        attempt = attempts.current(task)
-        if attempt is None:
-            if _bypassed(request):
-                logger.debug("bypassed call of %s (task_id=%s): fn runs without a ledger row", task.name, request.id)
-                return self._bypass(fn, session)
-            raise ConfigurationError(
-                f"Ledger.run_once must be called from the body of an idempotent task; {task.name!r} "
-                "is not running under celery-idem (is its base IdempotentTask?)"
-            )
+        call = LedgerCall.of(task, "Ledger")
+        if call is None:
+            return self._bypass(fn, session)
         self._check_columns()
-        identity, fingerprint = attempt.identity, attempt.fingerprint
-        self._refuse_second_call(attempt.ledger_nonce, identity, session)
-        serializer = serializer_of(task, task.app.conf)
+        identity = call.identity
+        self._refuse_second_call(call.attempt.ledger_nonce, identity, session)
         row = {
             "namespace": self.namespace,
             "scope": identity.scope,
             "task_name": identity.task_name,
             "key": identity.key,
-            "task_id": request.id or "",
-            "fingerprint": fingerprint,
-            "nonce": uuid.uuid4().hex,
-            "outcome": _UNSETTLED,
+            "task_id": call.task_id,
+            "fingerprint": call.fingerprint,
+            "nonce": call.nonce,
+            "outcome": UNSETTLED,
             "committed_at": _DB_NOW[self.engine.dialect.name],
         }
-        # Marked before the row can commit: an attempt whose COMMIT's fate is unknown has touched the
-        # ledger, and the handler leaves such an attempt's failure to the reconciler.
-        nonce = str(row["nonce"])
-        attempt.ledger_nonce, attempt.ledger = nonce, self
-        self._warn_if_unread(task)
+        call.touch(self)
         if session is None:
-            committed, value = self._record_and_commit(identity, row, fn, serializer)
-            attempt.ledger_nonce = _COMMITTED
+            committed, value = self._record_and_commit(identity, row, fn, call.serializer)
+            call.ended(committed=True)
         else:
-            committed, value = self._record(connection_of(session), identity, row, fn, serializer)
-            attempt.ledger_nonce = _COMMITTED if committed is not None else nonce
-        if committed is None:
-            return value
-        if committed.fingerprint != fingerprint:
-            raise PayloadMismatchError(
-                f"the ledger holds a committed outcome of {identity} for other arguments",
-                key=identity.key,
-                task_name=identity.task_name,
-                task_id=committed.task_id,
-            )
-        if committed.outcome != State.COMPLETED.value:
-            raise ConfigurationError(
-                f"the ledger row of {identity} (task {committed.task_id}) was committed without an outcome: "
-                "that attempt's fn ended the ledger's transaction (a commit on its connection) before run_once "
-                "stored the outcome, so its effect may be partial; check it, then delete the row to run the call again"
-            )
-        # The settings' accepted content types, through the task's handler (the ledger sits below
-        # the extension and never imports it).
-        accept = task.idempotency_handler.idem.accepted_content_types
-        return committed.value(accept)  # type: ignore[no-any-return]
-
-    def _warn_if_unread(self, task: Any) -> None:
-        """Once per ledger: the app's readers (duplicates' get(), the reconciler) ask only the
-        ledger given to ``Idempotency(app, ledger=...)``; the worker asks the one run_once used."""
-        if self._warned:
-            return
-        configured = task.idempotency_handler.idem.settings.ledger
-        if configured is not self:
-            self._warned = True
-            logger.warning(
-                "Ledger.run_once of %s writes to a ledger that app %r does not read (%s): pass it as "
-                "Idempotency(app, ledger=...) so duplicates' results and the reconciler answer from it",
-                task.name,
-                task.app.main,
-                "it has none" if configured is None else "it has another",
-            )
+            committed, value = self._record(connection_of(session), identity, row, fn, call.serializer)
+            call.ended(committed=committed is not None)
+        return value if committed is None else call.answer(committed)
 
     def _refuse_second_call(
         self, used: str | None, identity: Identity, session: Session | sa.Connection | None
@@ -161,7 +104,7 @@ class Ledger(LedgerTransactions):
         """One ledger row per identity: a second call in an attempt whose first row stands is a bug."""
         if used is None:
             return
-        if used != _COMMITTED:  # the first call joined a transaction: does its row still stand?
+        if used != COMMITTED:  # the first call joined a transaction: does its row still stand?
             c = self.table.c
             query = sa.select(c.id).where(self._where(identity), c.nonce == used)
             if session is None:
@@ -171,11 +114,7 @@ class Ledger(LedgerTransactions):
                 stands = connection_of(session).execute(query).first() is not None
             if not stands:
                 return  # its transaction rolled back: this call starts over
-        raise ConfigurationError(
-            f"Ledger.run_once was already called in this attempt of {identity}: the ledger keeps one "
-            "outcome per identity, so a second call would be handed the first one's; do all of the "
-            "attempt's writes in one fn"
-        )
+        raise second_call(identity)
 
     def _bypass(self, fn: Callable[[Session], T], session: Session | sa.Connection | None) -> T:
         """``fn`` in the caller's transaction or one of its own, with no ledger row."""
@@ -189,10 +128,3 @@ class Ledger(LedgerTransactions):
             value = call_fn(connection, fn)
             connection.commit()
         return value
-
-
-def _bypassed(request: Any) -> bool:
-    """Whether this run is a call made with ``idempotency=False`` (a plain function call is not)."""
-    return (
-        hasattr(request, "headers") and not request.called_directly and request_header(request, BYPASS_HEADER) is False
-    )

@@ -20,13 +20,12 @@ fewest bytes that still read back exactly:
 
 from __future__ import annotations
 
-import hashlib
 import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ...records import State
+from ...records import State, identity_id
 
 __all__ = [
     "FINGERPRINT",
@@ -51,17 +50,6 @@ _JSON, _UTF8 = "application/json", "utf-8"
 
 def state_of(code: int) -> State:
     return _STATES[code]
-
-
-def identity_id(namespace: str, scope: str, task_name: str, key: str) -> uuid.UUID:
-    """The row's key: 16 bytes of SHA-256 over the length-prefixed identity (prefixes keep
-    ``("a:b", "c")`` and ``("a", "b:c")`` apart)."""
-    digest = hashlib.sha256()
-    for part in (namespace, scope, task_name, key):
-        raw = part.encode("utf-8")
-        digest.update(len(raw).to_bytes(4, "big"))
-        digest.update(raw)
-    return uuid.UUID(bytes=digest.digest()[:16])
 
 
 @dataclass(frozen=True)
