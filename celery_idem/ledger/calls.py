@@ -32,14 +32,18 @@ UNSETTLED = State.IN_PROGRESS.value
 class CommittedEntry(Protocol):
     """A ledger row as every reader sees it, whichever ledger holds it."""
 
-    identity: Identity
-    nonce: str | None
-    task_id: str
-    fingerprint: str
-    outcome: str
-    content_type: str | None
-    content_encoding: str | None
-
+    @property
+    def identity(self) -> Identity: ...
+    @property
+    def task_id(self) -> str: ...
+    @property
+    def fingerprint(self) -> str: ...
+    @property
+    def outcome(self) -> str: ...
+    @property
+    def content_type(self) -> str | None: ...
+    @property
+    def content_encoding(self) -> str | None: ...
     @property
     def result(self) -> bytes | None: ...
 

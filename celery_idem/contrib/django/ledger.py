@@ -1,0 +1,351 @@
+"""The ledger on the Django ORM: a task's outcome recorded in the same transaction as the ORM writes
+of its effect, on the same connection (:class:`DjangoLedger`).
+
+It keeps the SQLAlchemy ledger's promise (:mod:`celery_idem.ledger`) with Django's transactions:
+
+- The row goes first, in ``transaction.atomic(using=alias)``: on PostgreSQL a racer's INSERT waits
+  for the first attempt's transaction and fails on the primary key once it commits; on SQLite the
+  INSERT takes the write lock, so racers queue on the busy timeout; on MySQL/MariaDB (InnoDB) the
+  duplicate key waits as on PostgreSQL. The loser rolls back without calling ``fn`` and returns the
+  committed outcome.
+- Called inside the caller's ``atomic()`` block, the row and ``fn`` run in a savepoint of it: a
+  lost race or an exception leaves the caller's transaction usable, and the caller commits.
+  Django forbids a commit or rollback inside ``atomic()``, so ``fn`` cannot end the transaction that
+  holds the row.
+- Every row carries the nonce of the call that wrote it: an error at COMMIT is settled by asking
+  the database what it holds, on a connection of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, IntegrityError, connections, transaction
+from django.db.models.functions import Now
+
+from ...errors import ConfigurationError, LedgerUnavailableError
+from ...ledger.calls import COMMITTED, UNSETTLED, LedgerCall, second_call
+from ...outcome import encode_result
+from ...records import Identity, State, identity_id
+
+if TYPE_CHECKING:
+    from django.db.models import QuerySet
+
+    from .models import LedgerEntry
+
+__all__ = ["DjangoLedger"]
+
+T = TypeVar("T")
+logger = logging.getLogger("celery_idem.ledger")
+
+
+class DjangoLedger:
+    """Record task outcomes in the Django database, in the transaction of the ORM writes.
+
+    Args:
+        using: The database alias of the ledger table and of the business writes it protects
+            (default ``"default"``). Its table comes from ``manage.py migrate`` (app label
+            ``celery_idem``; on another alias, ``migrate --database=<alias>`` or a router).
+        namespace: Separates apps that share the table, as ``key_prefix`` separates them in a store.
+        commit_check_seconds: How long to keep asking the database what an ambiguous COMMIT did.
+        read_timeout_seconds: How long a reader (a duplicate's replay, ``get()``, the handler
+            settling a failure, the reconciler) waits for the ledger before it counts as down.
+
+    Use it inside an idempotent task, and give it to the app so its readers ask it too::
+
+        ledger = DjangoLedger()
+        Idempotency(app, ledger=ledger)
+
+        @shared_task(base=IdempotentTask, bind=True)
+        def charge(self, order_id, amount):
+            def effect():
+                Payment.objects.create(order_id=order_id, amount=amount)
+                return {"charged": amount}
+            return ledger.run_once(self, effect)
+    """
+
+    def __init__(
+        self,
+        using: str = DEFAULT_DB_ALIAS,
+        *,
+        namespace: str = "idem",
+        commit_check_seconds: float = 10.0,
+        read_timeout_seconds: float = 3.0,
+    ) -> None:
+        if not 1 <= len(namespace) <= 255 or not namespace.isprintable():
+            raise ConfigurationError(f"the ledger's namespace must be 1-255 printable characters; got {namespace!r}")
+        if not read_timeout_seconds > 0:
+            raise ConfigurationError(f"the ledger's read_timeout_seconds must be > 0; got {read_timeout_seconds!r}")
+        self.using = using  # checked at first use: Django's settings may not be loaded yet
+        self.namespace = namespace
+        self.commit_check_seconds = commit_check_seconds
+        self.read_timeout_seconds = read_timeout_seconds
+        self._warned = False  # run_once: told once that the app reads another ledger
+        self._table_checked = False
+
+    def __repr__(self) -> str:
+        return f"DjangoLedger(using={self.using!r}, namespace={self.namespace!r})"
+
+    # ---- the call a task body makes ---------------------------------------------------------------
+
+    def run_once(self, task: Any, fn: Callable[[], T]) -> T:
+        """Run ``fn()`` in a transaction that also records the outcome, once per identity.
+
+        Args:
+            task: The running idempotent task (``self`` of a bound task).
+            fn: Does the business writes through the ORM on this ledger's database and returns the
+                outcome (serializable with the task's serializer).
+
+        Returns:
+            ``fn``'s result on the first execution; the committed outcome on any later execution
+            or lost race, without calling ``fn``. A call that bypasses celery-idem
+            (``idempotency=False``) runs ``fn`` in a transaction without a ledger row.
+
+        Raises:
+            PayloadMismatchError: the identity's committed row belongs to other arguments.
+            ConfigurationError: called outside an idempotent task's run, or a second time in one
+                attempt whose first row stands.
+        """
+        call = LedgerCall.of(task, "DjangoLedger")
+        if call is None:
+            with transaction.atomic(using=self.using):
+                return fn()
+        self._check_alias()
+        self._refuse_second_call(call)
+        own = not transaction.get_connection(self.using).in_atomic_block
+        call.touch(self)
+        committed: LedgerEntry | None = None
+        at_commit = False
+        try:
+            with transaction.atomic(using=self.using):  # a savepoint inside the caller's transaction
+                committed, value = self._record(call, fn)
+                at_commit = own and committed is None
+        except DatabaseError as failed:
+            if not at_commit:
+                raise
+            # The COMMIT's answer was lost or wrong about what happened: ask the database.
+            committed = self._settle_commit(call, failed)
+        call.ended(committed=own or committed is not None)
+        return value if committed is None else call.answer(committed)
+
+    def _record(self, call: LedgerCall, fn: Callable[[], T]) -> tuple[LedgerEntry | None, T]:
+        """The row, then ``fn`` and its outcome, in the transaction (or savepoint) open on the alias.
+
+        Returns (None, fn's value) when fn ran, or (the committed entry, None) when the primary key
+        refused the row: another attempt committed it first. Nothing is committed here.
+        """
+        identity = call.identity
+        entries = self._entries()
+        try:
+            with transaction.atomic(using=self.using):  # its own savepoint: a refused INSERT leaves the rest usable
+                entries.create(
+                    id=self._id(identity),
+                    namespace=self.namespace,
+                    scope=identity.scope,
+                    task_name=identity.task_name,
+                    key=identity.key,
+                    task_id=call.task_id,
+                    fingerprint=call.fingerprint,
+                    nonce=call.nonce,
+                    outcome=UNSETTLED,
+                    committed_at=Now(),
+                )
+        except IntegrityError:
+            return self._committed(identity), None  # type: ignore[return-value]
+        value = fn()
+        payload, content_type, encoding = encode_result(value, call.serializer)
+        stored = entries.filter(id=self._id(identity), nonce=call.nonce).update(
+            outcome=State.COMPLETED.value, payload=payload, content_type=content_type, content_encoding=encoding
+        )
+        if stored != 1:
+            raise ConfigurationError(f"fn deleted the ledger row of {identity} that run_once wrote before it")
+        return None, value
+
+    def _committed(self, identity: Identity) -> LedgerEntry:
+        """The row that made the primary key refuse ours: this transaction's view, else a fresh one
+        (a snapshot older than the winner's commit, under REPEATABLE READ, does not show it)."""
+        entry = self._read(identity) or self._on_own_connection(lambda: self._read(identity))
+        if entry is None:
+            raise ConfigurationError(
+                f"the ledger's primary key refused {identity} but namespace {self.namespace!r} holds no row of it"
+            )
+        return entry
+
+    def _settle_commit(self, call: LedgerCall, failed: DatabaseError) -> LedgerEntry | None:
+        """What the database holds after an ambiguous COMMIT: None when our row committed, the
+        winner's entry when another did; ``failed`` is raised again when none did or nobody knows.
+
+        A probe INSERT of the identity, on a connection of its own, waits for any transaction still
+        holding it, then fails on the primary key (a row is committed: read it) or succeeds (none
+        is: roll the probe back).
+        """
+        identity = call.identity
+        deadline = time.monotonic() + self.commit_check_seconds
+        pause = 0.05
+        while True:
+            try:
+                known, entry = self._on_own_connection(lambda: self._probe(call, deadline))
+                break
+            except DatabaseError as exc:
+                if time.monotonic() + pause >= deadline:
+                    logger.warning("could not ask the ledger about %s: %s", identity, exc)
+                    known, entry = False, None
+                    break
+                time.sleep(pause)
+                pause = min(pause * 2, 1.0)
+        if not known or entry is None:
+            logger.warning(
+                "COMMIT of %s failed (%s); %s",
+                identity,
+                failed,
+                "the ledger holds no row of it" if known else "the ledger could not be asked",
+            )
+            raise failed
+        ours = entry.nonce == call.nonce
+        logger.warning(
+            "COMMIT of %s raised %s but %s row is committed: its outcome stands",
+            identity,
+            failed,
+            "its" if ours else "another attempt's",
+        )
+        return None if ours else entry
+
+    def _probe(self, call: LedgerCall, deadline: float) -> tuple[bool, LedgerEntry | None]:
+        identity = call.identity
+        with transaction.atomic(using=self.using):
+            connection = connections[self.using]
+            if connection.vendor == "postgresql":
+                wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
+                with connection.cursor() as cursor:
+                    cursor.execute(f"SET LOCAL lock_timeout = {wait_ms}")
+            try:
+                with transaction.atomic(using=self.using):
+                    self._entries().create(
+                        id=self._id(identity),
+                        namespace=self.namespace,
+                        scope=identity.scope,
+                        task_name=identity.task_name,
+                        key=identity.key,
+                        task_id=call.task_id,
+                        fingerprint=call.fingerprint,
+                        nonce=None,
+                        outcome=UNSETTLED,
+                        committed_at=Now(),
+                    )
+            except IntegrityError:
+                return True, self._committed(identity)
+            transaction.set_rollback(True, using=self.using)  # the probe never commits
+            return True, None
+
+    def _refuse_second_call(self, call: LedgerCall) -> None:
+        used = call.attempt.ledger_nonce
+        if used is None:
+            return
+        if used != COMMITTED:  # the first call joined a transaction: does its row still stand?
+            rows = self._entries().filter(id=self._id(call.identity), nonce=used)
+            if not rows.exists():
+                return  # its transaction rolled back: this call starts over
+        raise second_call(call.identity)
+
+    # ---- reads ----------------------------------------------------------------------------------
+
+    def lookup(self, identity: Identity) -> LedgerEntry | None:
+        """The committed outcome of ``identity`` in this ledger's namespace, or None."""
+        return self._read(identity)
+
+    def completed(self, identity: Identity, fingerprint: str | None) -> LedgerEntry | None:
+        """The entry of this very call (``fingerprint``) if its outcome is committed, else None;
+        bounded by ``read_timeout_seconds``, on a connection of its own.
+
+        Raises:
+            LedgerUnavailableError: the database could not be reached, or did not answer in time.
+            ConfigurationError: the ledger table does not exist (run ``manage.py migrate``).
+        """
+        if fingerprint is None:
+            return None
+        try:
+            entry = self._on_own_connection(lambda: self._checked_read(identity), self.read_timeout_seconds)
+        except TimeoutError as exc:
+            raise LedgerUnavailableError(
+                f"the ledger did not answer about {identity} within {self.read_timeout_seconds:g}s "
+                "(read_timeout_seconds)"
+            ) from exc
+        except (ConfigurationError, LedgerUnavailableError):
+            raise
+        except DatabaseError as exc:
+            raise LedgerUnavailableError(f"the ledger could not be asked about {identity}: {exc}") from exc
+        if entry is None or entry.outcome != State.COMPLETED.value or entry.fingerprint != fingerprint:
+            return None
+        return entry
+
+    def _checked_read(self, identity: Identity) -> LedgerEntry | None:
+        if not self._table_checked:  # a mistake, not an outage: never counted as "down"
+            connection = connections[self.using]
+            table = self._entries().model._meta.db_table
+            if table not in connection.introspection.table_names():
+                raise ConfigurationError(
+                    f"the ledger table {table!r} does not exist on database {self.using!r}: "
+                    f"run manage.py migrate celery_idem --database={self.using}"
+                )
+            self._table_checked = True
+        return self._read(identity)
+
+    def _read(self, identity: Identity) -> LedgerEntry | None:
+        entry: LedgerEntry | None = (
+            self._entries()
+            .filter(
+                id=self._id(identity),
+                namespace=self.namespace,
+                scope=identity.scope,
+                task_name=identity.task_name,
+                key=identity.key,
+            )
+            .first()
+        )
+        return entry
+
+    # ---- helpers --------------------------------------------------------------------------------
+
+    def _entries(self) -> QuerySet[LedgerEntry]:
+        """The ledger's rows on its database (the model is imported once Django's apps are ready:
+        a ledger is made where the Celery app is, which loads before them)."""
+        from .models import LedgerEntry
+
+        return LedgerEntry.objects.using(self.using)
+
+    def _id(self, identity: Identity) -> Any:
+        return identity_id(self.namespace, identity.scope, identity.task_name, identity.key)
+
+    def _check_alias(self) -> None:
+        if self.using not in connections.settings:
+            raise ConfigurationError(
+                f"DjangoLedger(using={self.using!r}): settings.DATABASES has no such alias "
+                f"(it has {', '.join(sorted(connections.settings))})"
+            )
+
+    def _on_own_connection(self, read: Callable[[], T], timeout: float | None = None) -> T:
+        """``read()`` on a thread of its own, so on a connection of its own (Django's connections
+        are per thread), closed after; a ``timeout`` bounds the wait (TimeoutError)."""
+        answer: list[T] = []
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                answer.append(read())
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+                failure.append(exc)
+            finally:
+                connections[self.using].close()
+
+        reader = threading.Thread(target=run, name="celery-idem-ledger-read", daemon=True)
+        reader.start()
+        reader.join(timeout)
+        if reader.is_alive():
+            raise TimeoutError(f"no answer within {timeout:g}s")
+        if failure:
+            raise failure[0]
+        return answer[0]

@@ -1,0 +1,75 @@
+"""The models of ``celery_idem.contrib.django``: :class:`LedgerEntry`, the ledger's table on the
+Django ORM (:class:`~celery_idem.contrib.django.ledger.DjangoLedger` writes it)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Collection
+from datetime import datetime
+from typing import Any
+
+from django.db import models
+from django.db.models.expressions import Combinable
+
+from ...ledger.calls import decode_entry
+from ...outcome import JSON_ONLY
+from ...records import Identity
+
+__all__ = ["LedgerEntry"]
+
+
+class LedgerEntry(models.Model):
+    """One identity (in a namespace) whose effect committed, written in the business transaction.
+
+    The primary key is 16 bytes of SHA-256 over the length-prefixed identity (as the SQL store's
+    rows are keyed): it decides a race on every database, MySQL's index-length limit included, and
+    every read also matches the identity's text.
+    """
+
+    id: models.UUIDField[uuid.UUID | str, uuid.UUID] = models.UUIDField(
+        primary_key=True, editable=False
+    )  # records.identity_id(namespace, *identity)
+    namespace: models.CharField[str, str] = models.CharField(max_length=255)
+    scope: models.CharField[str, str] = models.CharField(max_length=255, blank=True)
+    task_name: models.CharField[str, str] = models.CharField(max_length=255)
+    key: models.CharField[str, str] = models.CharField(max_length=255)
+    task_id: models.CharField[str, str] = models.CharField(max_length=255)
+    fingerprint: models.CharField[str, str] = models.CharField(max_length=64)
+    # The run_once call that wrote it; None only on the probe that asks what an ambiguous COMMIT did.
+    nonce: models.CharField[str | None, str | None] = models.CharField(max_length=64, null=True)
+    # COMPLETED, or IN_PROGRESS while run_once has not stored fn's result with it yet.
+    outcome: models.CharField[str, str] = models.CharField(max_length=16)
+    payload: models.BinaryField[bytes | memoryview | None, bytes | memoryview | None] = models.BinaryField(
+        null=True, db_column="result"
+    )
+    content_type: models.CharField[str | None, str | None] = models.CharField(max_length=128, null=True)
+    content_encoding: models.CharField[str | None, str | None] = models.CharField(max_length=64, null=True)
+    committed_at: models.DateTimeField[datetime | str | Combinable, datetime] = (
+        models.DateTimeField()
+    )  # the database's clock (Now()), never the worker's
+
+    class Meta:
+        db_table = "celery_idem_ledgerentry"
+        verbose_name = "ledger entry"
+        verbose_name_plural = "ledger entries"
+        indexes = [models.Index(fields=["task_name", "committed_at"], name="celery_idem_ledger_task_ix")]
+
+    def __str__(self) -> str:
+        return f"{self.task_name} {self.key!r} ({self.outcome})"
+
+    @property
+    def identity(self) -> Identity:
+        return Identity(self.scope, self.task_name, self.key)
+
+    @property
+    def result(self) -> bytes | None:
+        """The encoded result, as bytes on every database (PostgreSQL hands back a memoryview)."""
+        return None if self.payload is None else bytes(self.payload)
+
+    def value(self, accept: Collection[str] = JSON_ONLY) -> Any:
+        """The committed result, decoded only from a content type in ``accept``.
+
+        Raises:
+            SerializationError: the content type is not accepted, or the result does not decode.
+        """
+        return decode_entry(self, accept)
