@@ -41,6 +41,17 @@ def _fresh_memory_result_backend() -> Iterator[None]:
     yield
 
 
+@pytest.fixture(autouse=True)
+def _joins_allowed() -> Iterator[None]:
+    """Celery's eager ``apply()`` marks "inside a task" in one process-wide flag, saved and restored
+    around each call: threads racing eager calls can restore it set, and every later ``get()`` in
+    the process then raises "Never call result.get() within a task!". Each test starts outside a task."""
+    from celery._state import _set_task_join_will_block
+
+    _set_task_join_will_block(False)
+    yield
+
+
 class FakeClock:
     """A clock tests move by hand. Starts at the real time so Redis key expiry stays sane."""
 

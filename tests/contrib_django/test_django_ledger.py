@@ -4,7 +4,7 @@ written first in the transaction of the ORM writes, on SQLite and PostgreSQL (DE
 Executions run through real idempotent tasks (eager apps, each its own memory store), so the
 handler opens the attempt exactly as a worker does; racers each get their own app and store, as
 two workers do after a lost lease: only the database can stop the second payment. Effects are
-counted outside the library: rows of ``shop.Payment``, which has no unique constraint.
+counted outside the library: rows of ``storefront.Payment``, which has no unique constraint.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import django_project  # noqa: E402 - configures Django for this module
 from celery import Celery  # noqa: E402
 from django.db import connections, transaction  # noqa: E402
 from django_project import require_alias, shop_env  # noqa: E402
-from shop.models import Payment  # noqa: E402
+from storefront.models import Payment  # noqa: E402
 
 from celery_idem import Idempotency, IdempotentTask, PayloadMismatchError, PermanentError, State  # noqa: E402
 from celery_idem.contrib.django.ledger import DjangoLedger  # noqa: E402

@@ -30,7 +30,7 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "celery_idem.contrib.django",  # the ledger's model and migration, admin, system checks
-    "shop",
+    "storefront",
 ]
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",

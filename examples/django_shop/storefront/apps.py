@@ -1,6 +1,6 @@
 from django.apps import AppConfig
 
 
-class ShopConfig(AppConfig):
-    name = "shop"
+class StorefrontConfig(AppConfig):
+    name = "storefront"
     default_auto_field = "django.db.models.BigAutoField"

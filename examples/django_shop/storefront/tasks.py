@@ -13,7 +13,7 @@ from celery_idem import IdempotentTask
 from .models import Order, Payment
 
 
-@shared_task(base=IdempotentTask, bind=True, name="shop.charge")
+@shared_task(base=IdempotentTask, bind=True, name="storefront.charge")
 def charge(self: Any, order_id: int) -> dict[str, Any]:
     order = Order.objects.get(pk=order_id)
 
