@@ -28,6 +28,7 @@ from .busy import BusyWait
 from .calling import TaskCalls, log_decision
 from .endings import Answer
 from .errors import LockLostError, StoreUnavailableError
+from .ledger.calls import joined
 from .owners import worker_token
 from .protocol import BYPASS_HEADER, HANDOVER_HEADER, KEY_HEADER, SCOPE_HEADER, request_header
 from .records import Decision, IdempotencyRecord
@@ -210,7 +211,15 @@ class Handler(TaskCalls):
     def _settle_value(self, record: IdempotencyRecord, value: Any) -> None:
         """The body returned: the effect happened. Store the value (an unstorable one is stored as a
         permanent failure about it); a store outage is retried while the lease lasts, then left as
-        evidence for the reconciler."""
+        evidence for the reconciler. An effect whose ledger row is on a transaction it joined is
+        stored once that row commits (:meth:`Settler.when_committed`)."""
+        attempt = attempts.current(self.task)
+        if attempt is not None and joined(attempt):
+            self.settle.when_committed(attempt, record, lambda: self._store_value(record, value))
+            return
+        self._store_value(record, value)
+
+    def _store_value(self, record: IdempotencyRecord, value: Any) -> None:
         written = self.settle.store_value(record.identity, record.owner, record.task_id, value)
         if written is None:
             evidence.leave(self.task, value)

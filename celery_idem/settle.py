@@ -84,6 +84,35 @@ class Settler:
             self.write(identity, owner, task_id, lambda: store.fail(identity, owner, error))
             raise
 
+    def when_committed(self, attempt: attempts.Attempt, record: IdempotencyRecord, store: Callable[[], Any]) -> None:
+        """The body returned with its ledger row on a transaction it joined: the outcome is stored
+        only if that row is committed now, never for an effect that may still roll back.
+
+        Not committed (the transaction rolled back, or is still open: a caller's transaction that
+        outlives the attempt), the key is freed: a later attempt's row waits on any transaction
+        still holding this one's, and gets the committed outcome or runs, so the ledger decides.
+        When the ledger cannot be asked, the record is left to its lease and the reconciler.
+        """
+        identity = record.identity
+        try:
+            stands = attempt.ledger.stands(attempt)
+        except Exception as exc:  # noqa: BLE001 - a ledger that cannot answer leaves the record to the reconciler
+            logger.warning(
+                "%s returned and the ledger cannot say whether its row committed (%s): left to the reconciler",
+                identity,
+                exc,
+            )
+            return
+        if stands:
+            store()
+            return
+        logger.info(
+            "%s returned with its ledger row in a transaction that is not committed (still open, or rolled "
+            "back): the key is freed, and the ledger decides any later attempt",
+            identity,
+        )
+        self.give_back(identity, record.owner)
+
     def defer_value(self, record: IdempotencyRecord, value: Any) -> None:
         """Hand the value's write to the heartbeat thread, and leave it in the result backend."""
         identity, owner = record.identity, record.owner

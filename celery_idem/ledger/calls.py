@@ -18,7 +18,16 @@ from ..outcome import JSON_ONLY, decode_result, serializer_of
 from ..protocol import BYPASS_HEADER, request_header
 from ..records import IdempotencyRecord, Identity, State
 
-__all__ = ["COMMITTED", "UNSETTLED", "CommittedEntry", "LedgerCall", "decode_entry", "second_call", "warn_if_unread"]
+__all__ = [
+    "COMMITTED",
+    "UNSETTLED",
+    "CommittedEntry",
+    "LedgerCall",
+    "decode_entry",
+    "joined",
+    "second_call",
+    "warn_if_unread",
+]
 
 logger = logging.getLogger("celery_idem.ledger")
 
@@ -129,6 +138,12 @@ class LedgerCall:
         # The settings' accepted content types, through the task's handler (the ledger sits below
         # the extension and never imports it).
         return committed.value(self.task.idempotency_handler.idem.accepted_content_types)
+
+
+def joined(attempt: attempts.Attempt) -> bool:
+    """Whether the attempt's ledger row stands on a transaction it joined, not known committed: the
+    caller's (``session=``, or an ``atomic()`` block open around the run), which may still roll back."""
+    return attempt.ledger is not None and attempt.ledger_nonce not in (None, COMMITTED)
 
 
 def second_call(identity: Identity) -> ConfigurationError:

@@ -116,6 +116,14 @@ class Ledger(LedgerTransactions):
                 return  # its transaction rolled back: this call starts over
         raise second_call(identity)
 
+    def stands(self, attempt: Any) -> bool:
+        """Whether the attempt's row is committed (asked on a connection of its own)."""
+        query = sa.select(self.table.c.id).where(
+            self._where(attempt.identity), self.table.c.nonce == attempt.ledger_nonce
+        )
+        with self.engine.connect() as connection:
+            return connection.execute(query).first() is not None
+
     def _bypass(self, fn: Callable[[Session], T], session: Session | sa.Connection | None) -> T:
         """``fn`` in the caller's transaction or one of its own, with no ledger row."""
         if session is not None:

@@ -23,7 +23,7 @@ pytest.importorskip("django", reason="celery_idem.contrib.django needs the djang
 
 import django_project  # noqa: E402 - configures Django for this module
 from celery import Celery  # noqa: E402
-from django.db import connections, transaction  # noqa: E402
+from django.db import OperationalError, connections, transaction  # noqa: E402
 from django_project import require_alias, shop_env  # noqa: E402
 from storefront.models import Payment  # noqa: E402
 
@@ -351,3 +351,341 @@ def test_two_processes_of_four_threads_racing_make_one_payment(ledger: DjangoLed
     assert sum(output["calls"] for output in outputs) == 1
     assert len(payments(ledger, order)) == 1
     assert len(answers) == 8 and all(answer == answers[0] for answer in answers)
+
+
+@pytest.fixture
+def pg_ledger() -> Iterator[DjangoLedger]:
+    require_alias("postgresql")
+    ledger = DjangoLedger("postgresql", namespace=f"a-{uuid.uuid4().hex[:12]}", read_timeout_seconds=0.5)
+    yield ledger
+    connections.close_all()
+    LedgerEntry.objects.using("postgresql").filter(namespace=ledger.namespace).delete()
+    connections.close_all()
+
+
+# ---- the COMMIT: an ambiguous one, and what runs after it --------------------------------------
+
+
+def test_on_commit_callbacks_of_fn_run_when_an_ambiguous_commit_is_settled_as_committed(
+    ledger: DjangoLedger, order: int
+) -> None:
+    """The COMMIT succeeds on the server but its answer is lost (the connection drops after it).
+    run_once probes, finds its own row committed and returns fn's value as a success: the payment
+    is committed, so the on_commit work fn registered with it (send the receipt, publish the next
+    task with apply_async_on_commit) must run too. Django's Atomic.__exit__ calls rollback() after
+    the failed commit(), which empties connection.run_on_commit: the callbacks are silently lost."""
+    sent: list[int] = []
+    app = Celery("attack-oncommit", set_as_current=False)
+    app.conf.task_always_eager = True
+    app.conf.task_eager_propagates = True
+    Idempotency(app, ledger=ledger)
+
+    @app.task(base=IdempotentTask, bind=True, shared=False, name=TASK)
+    def charge(self: Any, order_id: int, amount: int) -> dict[str, Any]:
+        def effect() -> dict[str, Any]:
+            Payment.objects.using(ledger.using).create(order_id=order_id, amount=amount, task_id=self.request.id)
+            transaction.on_commit(lambda: sent.append(order_id), using=ledger.using)
+            return {"paid": amount}
+
+        return ledger.run_once(self, effect)
+
+    connection = connections[ledger.using]
+    connection.ensure_connection()
+    real_commit = connection._commit
+
+    def commit_then_lose_the_answer() -> None:
+        real_commit()
+        raise OperationalError("server closed the connection unexpectedly (after COMMIT)")
+
+    connection._commit = commit_then_lose_the_answer  # type: ignore[method-assign]
+    try:
+        result = charge.apply_async((order, 500), idempotency_key="k").get(disable_sync_subtasks=False)
+    finally:
+        del connection._commit
+    assert result == {"paid": 500}  # settled: run_once says the effect committed
+    assert len(payments(ledger, order)) == 1  # and it did
+    assert sent == [order], "the receipt of a committed payment was never sent (on_commit callback dropped)"
+
+
+# ---- a transaction that outlives the attempt: the outcome is stored only once its row is committed
+
+
+def test_a_call_whose_callers_transaction_rolled_back_is_not_answered_as_done(ledger: DjangoLedger, order: int) -> None:
+    """The documented pattern "inside a caller's atomic() it runs in a savepoint" (an eager call, or
+    a task body running another idempotent task with .apply() inside its own atomic block, or a view
+    under ATOMIC_REQUESTS with task_always_eager). The caller rolls back: the payment and the ledger
+    row are gone, yet the handler already completed the store record with fn's value, so every later
+    call with the key is answered {"paid": 500} without running: a payment that never happened is
+    reported done until the record's TTL (24 h) expires."""
+    calls: list[str] = []
+    app = pay_app(ledger, calls)
+    with pytest.raises(RuntimeError), transaction.atomic(using=ledger.using):
+        pay(app, order, 500, "k")
+        raise RuntimeError("the caller's transaction fails after the task ran")
+    assert payments(ledger, order) == [] and ledger.lookup(Identity("", TASK, "k")) is None
+    # The same app (the same store) is asked again with the same key
+    again = pay(app, order, 500, "k")
+    assert len(payments(ledger, order)) == 1, (
+        f"the retried call answered {again!r} from the store, but no payment exists (calls={len(calls)})"
+    )
+
+
+# ---- races under stronger isolation, and racers that roll back ---------------------------------
+
+
+@pytest.fixture
+def pg_isolation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every new connection of alias postgresql opens at ``request.param`` (Django OPTIONS)."""
+    require_alias("postgresql")
+    import psycopg
+
+    connections.close_all()
+    options = connections.settings["postgresql"]["OPTIONS"]
+    monkeypatch.setitem(options, "isolation_level", getattr(psycopg.IsolationLevel, request.param))
+    yield
+    connections.close_all()
+
+
+@pytest.mark.parametrize("pg_isolation", ["SERIALIZABLE", "REPEATABLE_READ"], indirect=True)
+def test_the_loser_of_a_race_under_serializable_returns_the_committed_outcome(
+    pg_isolation: None, pg_ledger: DjangoLedger, order: int
+) -> None:
+    calls: list[str] = []
+    answers: list[Any] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def racer(delay: float) -> None:
+        app = pay_app(pg_ledger, calls, effect_seconds=0.5)
+        start.wait()
+        time.sleep(delay)  # the second racer's INSERT arrives while the first holds its row
+        try:
+            answers.append(pay(app, order, 500, "k"))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=racer, args=(d,)) for d in (0.0, 0.2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(calls) == 1 and len(payments(pg_ledger, order)) == 1
+    assert errors == [], f"the loser raised {errors!r} instead of returning the committed outcome"
+    assert len(answers) == 2 and answers[0] == answers[1]
+
+
+# ---- readers: bounded, one at a time, and an outage told from a mistake --------------------------
+
+
+def test_completed_does_not_pile_up_reader_threads_while_the_ledger_hangs(pg_ledger: DjangoLedger) -> None:
+    """A migration (or any ACCESS EXCLUSIVE lock) holds the ledger table: each completed() times out
+    after read_timeout_seconds, as promised, but its reader thread and its connection stay blocked
+    until the lock goes (no statement_timeout, no watchdog as the SQLAlchemy ledger has): a handler
+    or a reconciler asking in a loop piles up threads and server connections without bound."""
+    import psycopg
+
+    identity = Identity("", TASK, "k")
+    pg_ledger.completed(identity, "fp")  # the table check is done: later reads go straight to the SELECT
+    before = {t.ident for t in threading.enumerate() if t.name == "celery-idem-ledger-read"}
+    with psycopg.connect(django_project.PG_URL, options=f"-c search_path={django_project.SCHEMA}") as locker:
+        locker.execute("LOCK TABLE celery_idem_ledgerentry IN ACCESS EXCLUSIVE MODE")
+        for _ in range(5):
+            with pytest.raises(LedgerUnavailableError):
+                pg_ledger.completed(identity, "fp")
+        stuck = [
+            t
+            for t in threading.enumerate()
+            if t.name == "celery-idem-ledger-read" and t.ident not in before and t.is_alive()
+        ]
+        locker.rollback()
+    time.sleep(0.5)
+    assert len(stuck) <= 1, (
+        f"{len(stuck)} reader threads (each with a server connection) still blocked after timing out"
+    )
+
+
+# ---- all or nothing ----------------------------------------------------------------------------
+
+
+def test_a_second_run_once_after_the_first_ones_atomic_block_rolled_back_runs(ledger: DjangoLedger, order: int) -> None:
+    app = Celery("attack-second", set_as_current=False)
+    app.conf.task_always_eager = True
+    app.conf.task_eager_propagates = True
+    Idempotency(app, ledger=ledger)
+
+    class Oops(Exception):
+        pass
+
+    @app.task(base=IdempotentTask, bind=True, shared=False, name=TASK)
+    def charge(self: Any, order_id: int, amount: int) -> Any:
+        def effect(n: int) -> Any:
+            Payment.objects.using(ledger.using).create(order_id=order_id, amount=n, task_id=self.request.id)
+            return n
+
+        try:
+            with transaction.atomic(using=ledger.using):
+                ledger.run_once(self, lambda: effect(1))
+                raise Oops
+        except Oops:
+            pass
+        return ledger.run_once(self, lambda: effect(2))
+
+    assert charge.apply_async((order, 5), idempotency_key="k").get(disable_sync_subtasks=False) == 2
+    assert [p.amount for p in payments(ledger, order)] == [2]
+
+
+def test_a_winner_that_rolls_back_after_the_loser_waited_lets_the_loser_run(ledger: DjangoLedger, order: int) -> None:
+    calls: list[str] = []
+    answers: list[Any] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def racer(delay: float, fail: bool) -> None:
+        app = pay_app(ledger, calls, effect_seconds=0.5, fail=fail)
+        start.wait()
+        time.sleep(delay)
+        try:
+            answers.append(pay(app, order, 500, "k"))
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=racer, args=a) for a in ((0.0, True), (0.2, False))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert len(errors) == 1 and type(errors[0]).__name__ == "CardDeclined"
+    assert len(calls) == 2 and len(payments(ledger, order)) == 1 and len(answers) == 1
+
+
+def test_fn_that_swallows_a_database_error_does_not_commit_half_an_effect(ledger: DjangoLedger, order: int) -> None:
+    from django.db import IntegrityError
+
+    app = Celery("attack-swallow", set_as_current=False)
+    app.conf.task_always_eager = True
+    app.conf.task_eager_propagates = True
+    Idempotency(app, ledger=ledger)
+
+    @app.task(base=IdempotentTask, bind=True, shared=False, name=TASK)
+    def charge(self: Any, order_id: int, amount: int) -> Any:
+        def effect() -> Any:
+            Payment.objects.using(ledger.using).create(order_id=order_id, amount=amount, task_id=self.request.id)
+            try:
+                Payment.objects.using(ledger.using).create(order_id=None, amount=1, task_id="x")  # NOT NULL
+            except IntegrityError:
+                pass
+            return amount
+
+        return ledger.run_once(self, effect)
+
+    try:
+        charge.apply_async((order, 5), idempotency_key="k").get(disable_sync_subtasks=False)
+    except Exception:  # noqa: BLE001, S110 - either outcome is fine as long as it is all or nothing
+        pass
+    entry = ledger.lookup(Identity("", TASK, "k"))
+    assert (entry is None and payments(ledger, order) == []) or (
+        entry is not None and entry.outcome == "COMPLETED" and len(payments(ledger, order)) == 1
+    )
+
+
+# ---- an error after the COMMIT is not the COMMIT's ---------------------------------------------
+
+
+def test_a_database_error_from_an_on_commit_callback_is_not_swallowed(ledger: DjangoLedger, order: int) -> None:
+    """Django runs on_commit callbacks inside Atomic.__exit__, after the COMMIT succeeded: an error one
+    raises is not the COMMIT's. run_once catches every DatabaseError leaving its atomic block as an
+    ambiguous COMMIT, probes, finds its row and returns success: the callback's error (and every
+    callback after it, which Django then skips) disappears behind a misleading "COMMIT raised" log.
+    Plain Django would propagate it to the task."""
+    from django.db import IntegrityError
+
+    app = Celery("attack-hook", set_as_current=False)
+    app.conf.task_always_eager = True
+    app.conf.task_eager_propagates = True
+    Idempotency(app, ledger=ledger)
+
+    @app.task(base=IdempotentTask, bind=True, shared=False, name=TASK)
+    def charge(self: Any, order_id: int, amount: int) -> Any:
+        def effect() -> Any:
+            Payment.objects.using(ledger.using).create(order_id=order_id, amount=amount, task_id=self.request.id)
+
+            def mark_shipped() -> None:  # follow-up work after the commit, which fails
+                Payment.objects.using(ledger.using).create(order_id=None, amount=0, task_id="hook")
+
+            transaction.on_commit(mark_shipped, using=ledger.using)
+            return "paid"
+
+        return ledger.run_once(self, effect)
+
+    with pytest.raises(IntegrityError):
+        charge.apply_async((order, 5), idempotency_key="k").get(disable_sync_subtasks=False)
+
+
+# ---- an outage told from a mistake --------------------------------------------------------------
+
+
+def test_a_schema_mistake_is_not_counted_as_the_ledger_being_down(pg_ledger: DjangoLedger) -> None:
+    """completed() promises ConfigurationError for a missing table and LedgerUnavailableError for a
+    database that is down. Any other DatabaseError (a column a migration has not added yet, a
+    REVOKEd privilege: ProgrammingError) is also turned into LedgerUnavailableError, so the handler
+    leaves every touched failure "to the reconciler" and the reconciler skips its whole run as
+    "ledger down", for ever. The SQLAlchemy ledger counts only OperationalError/InterfaceError/...
+    as down and lets a statement error through."""
+    identity = Identity("", TASK, "k")
+    pg_ledger.completed(identity, "fp")  # the table exists
+    with connections["postgresql"].cursor() as cursor:
+        cursor.execute("ALTER TABLE celery_idem_ledgerentry RENAME COLUMN result TO result_renamed")
+    try:
+        from django.db import ProgrammingError
+
+        with pytest.raises(ProgrammingError, match="result"):  # raised as it is, not LedgerUnavailableError
+            pg_ledger.completed(identity, "fp")
+    finally:
+        with connections["postgresql"].cursor() as cursor:
+            cursor.execute("ALTER TABLE celery_idem_ledgerentry RENAME COLUMN result_renamed TO result")
+
+
+def test_a_task_body_running_an_idempotent_task_inline_in_its_atomic_block_then_failing(
+    ledger: DjangoLedger, order: int
+) -> None:
+    """F2 without task_always_eager: a worker's task body runs the idempotent charge inline
+    (.apply()) inside its own atomic block, then fails and is retried. The first try rolled the
+    payment and its ledger row back, but the charge's store record is COMPLETED, so the retry's
+    charge is answered from the store and nothing is ever paid."""
+    from celery_idem.stores import MemoryStore
+
+    calls: list[str] = []
+    app = Celery("attack-worker", set_as_current=False)  # not eager: a worker runs checkout
+    app.conf.task_eager_propagates = True
+    Idempotency(app, store=MemoryStore(), ledger=ledger)
+
+    @app.task(base=IdempotentTask, bind=True, shared=False, name=TASK)
+    def charge(self: Any, order_id: int, amount: int) -> Any:
+        def effect() -> Any:
+            calls.append(self.request.id)
+            Payment.objects.using(ledger.using).create(order_id=order_id, amount=amount, task_id=self.request.id)
+            return {"paid": amount}
+
+        return ledger.run_once(self, effect)
+
+    tries = [0]
+
+    @app.task(bind=True, shared=False, name="attack.checkout")
+    def checkout(self: Any, order_id: int) -> Any:
+        tries[0] += 1
+        with transaction.atomic(using=ledger.using):
+            paid = charge.apply((order_id, 500), headers={"idempotency_key": f"pay-{order_id}"}).get(
+                disable_sync_subtasks=False
+            )
+            if tries[0] == 1:
+                raise RuntimeError("the stock reservation failed: the whole checkout rolls back")
+        return paid
+
+    with pytest.raises(RuntimeError):
+        checkout.apply((order,), throw=True).get(disable_sync_subtasks=False)
+    checkout.apply((order,), throw=True).get(disable_sync_subtasks=False)  # the retry
+    assert len(payments(ledger, order)) == 1, f"the checkout succeeded with no payment (fn ran {len(calls)} time)"

@@ -173,6 +173,42 @@ def test_run_once_joined_to_the_callers_transaction_commits_and_rolls_back_with_
     assert len(db.ledger_rows()) == 1
 
 
+def test_a_call_run_inside_a_transaction_that_outlives_it_is_not_stored_done_before_that_commits(
+    db: Db, key: str
+) -> None:
+    calls: list[str] = []
+    callers: list[sa.Connection] = []
+
+    def body(self: Any, order_id: int, amount: int) -> Any:
+        def effect(session: Any) -> dict[str, Any]:
+            calls.append(self.request.id)
+            session.execute(sa.insert(db.payments).values(order_id=order_id, amount=amount, task_id="x"))
+            return {"order": order_id, "paid": amount}
+
+        return db.ledger.run_once(self, effect, session=callers[-1])
+
+    app = body_app(body)
+    # When the call runs inside the caller's transaction (an eager call, an inline apply()),
+    # returns, and the caller then rolls back
+    with db.engine.connect() as caller:
+        callers.append(caller)
+        caller.begin()
+        pay(app, 14, 140, key)
+        caller.rollback()
+    assert db.payment_rows() == [] and db.ledger_rows() == []
+    # Then the store never said done: the same app's next call runs, and pays once
+    with db.engine.connect() as caller:
+        callers.append(caller)
+        caller.begin()
+        _, value = pay(app, 14, 140, key)
+        caller.commit()
+    assert value == {"order": 14, "paid": 140} and len(calls) == 2 and len(db.payment_rows()) == 1
+    # And once committed, a later call answers from the ledger without running fn
+    with db.engine.connect() as caller:
+        callers.append(caller)
+        assert pay(app, 14, 140, key)[1] == value and len(calls) == 2
+
+
 def committing_app(db: Db, calls: list[str], *, fail: bool) -> Celery:
     """A task whose fn commits (a service-layer helper does), then goes on, and maybe fails."""
 

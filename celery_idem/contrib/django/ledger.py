@@ -24,7 +24,15 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from django.db import DEFAULT_DB_ALIAS, DatabaseError, IntegrityError, connections, transaction
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    DatabaseError,
+    IntegrityError,
+    InterfaceError,
+    OperationalError,
+    connections,
+    transaction,
+)
 from django.db.models.functions import Now
 
 from ...errors import ConfigurationError, LedgerUnavailableError
@@ -38,6 +46,9 @@ if TYPE_CHECKING:
     from .models import LedgerEntry
 
 __all__ = ["DjangoLedger"]
+
+# Errors that say the database is down or unreachable, not that a statement is wrong.
+_DOWN = (OperationalError, InterfaceError)
 
 T = TypeVar("T")
 logger = logging.getLogger("celery_idem.ledger")
@@ -86,6 +97,8 @@ class DjangoLedger:
         self.read_timeout_seconds = read_timeout_seconds
         self._warned = False  # run_once: told once that the app reads another ledger
         self._table_checked = False
+        self._reading: threading.Thread | None = None  # the bounded read in flight (completed())
+        self._reading_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"DjangoLedger(using={self.using!r}, namespace={self.namespace!r})"
@@ -119,16 +132,25 @@ class DjangoLedger:
         own = not transaction.get_connection(self.using).in_atomic_block
         call.touch(self)
         committed: LedgerEntry | None = None
-        at_commit = False
+        commit = _Commit()
         try:
             with transaction.atomic(using=self.using):  # a savepoint inside the caller's transaction
+                if own:
+                    # Django runs on_commit callbacks in order, after a COMMIT that succeeded: an
+                    # error raised once this one ran is a callback's, not the COMMIT's.
+                    transaction.on_commit(commit.succeeded, using=self.using)
                 committed, value = self._record(call, fn)
-                at_commit = own and committed is None
+                if own and committed is not None:
+                    transaction.set_rollback(True, using=self.using)  # a lost race commits nothing
+                elif own:
+                    commit.reached(connections[self.using].run_on_commit)
         except DatabaseError as failed:
-            if not at_commit:
+            if not commit.at or commit.done:
                 raise
             # The COMMIT's answer was lost or wrong about what happened: ask the database.
             committed = self._settle_commit(call, failed)
+            if committed is None:
+                commit.run_callbacks()  # ours committed: the on_commit work fn registered runs after all
         call.ended(committed=own or committed is not None)
         return value if committed is None else call.answer(committed)
 
@@ -167,8 +189,14 @@ class DjangoLedger:
 
     def _committed(self, identity: Identity) -> LedgerEntry:
         """The row that made the primary key refuse ours: this transaction's view, else a fresh one
-        (a snapshot older than the winner's commit, under REPEATABLE READ, does not show it)."""
-        entry = self._read(identity) or self._on_own_connection(lambda: self._read(identity))
+        (a snapshot older than the winner's commit, under REPEATABLE READ, does not show it, and
+        SERIALIZABLE may cancel the read for the conflict)."""
+        try:
+            with transaction.atomic(using=self.using):  # SERIALIZABLE may refuse the read itself
+                entry = self._read(identity)
+        except DatabaseError:
+            entry = None
+        entry = entry or self._on_own_connection(lambda: self._read(identity))
         if entry is None:
             raise ConfigurationError(
                 f"the ledger's primary key refused {identity} but namespace {self.namespace!r} holds no row of it"
@@ -218,10 +246,7 @@ class DjangoLedger:
         identity = call.identity
         with transaction.atomic(using=self.using):
             connection = connections[self.using]
-            if connection.vendor == "postgresql":
-                wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
-                with connection.cursor() as cursor:
-                    cursor.execute(f"SET LOCAL lock_timeout = {wait_ms}")
+            _wait_at_most(connection, deadline - time.monotonic(), local=True)
             try:
                 with transaction.atomic(using=self.using):
                     self._entries().create(
@@ -251,6 +276,20 @@ class DjangoLedger:
                 return  # its transaction rolled back: this call starts over
         raise second_call(call.identity)
 
+    # ---- an attempt whose row is on a transaction it joined --------------------------------------
+
+    def stands(self, attempt: Any) -> bool:
+        """Whether the attempt's row is committed (asked on a connection of its own).
+
+        Raises:
+            LedgerUnavailableError: the database did not answer within ``read_timeout_seconds``.
+        """
+        rows = self._entries().filter(id=self._id(attempt.identity), nonce=attempt.ledger_nonce)
+        try:
+            return bool(self._on_own_connection(rows.exists, self.read_timeout_seconds))
+        except TimeoutError as exc:
+            raise LedgerUnavailableError(f"the ledger did not answer about {attempt.identity} in time") from exc
+
     # ---- reads ----------------------------------------------------------------------------------
 
     def lookup(self, identity: Identity) -> LedgerEntry | None:
@@ -259,14 +298,21 @@ class DjangoLedger:
 
     def completed(self, identity: Identity, fingerprint: str | None) -> LedgerEntry | None:
         """The entry of this very call (``fingerprint``) if its outcome is committed, else None;
-        bounded by ``read_timeout_seconds``, on a connection of its own.
+        bounded by ``read_timeout_seconds``, on a connection of its own whose statements and lock
+        waits are bounded by it too. One read waits at a time: while one is stuck, the next fails fast.
 
         Raises:
             LedgerUnavailableError: the database could not be reached, or did not answer in time.
             ConfigurationError: the ledger table does not exist (run ``manage.py migrate``).
+            django.db.DatabaseError: any other database error (a missing column, a privilege).
         """
         if fingerprint is None:
             return None
+        with self._reading_lock:
+            if self._reading is not None and self._reading.is_alive():
+                raise LedgerUnavailableError(
+                    f"the ledger could not be asked about {identity}: an earlier read is still waiting for it"
+                )
         try:
             entry = self._on_own_connection(lambda: self._checked_read(identity), self.read_timeout_seconds)
         except TimeoutError as exc:
@@ -274,15 +320,14 @@ class DjangoLedger:
                 f"the ledger did not answer about {identity} within {self.read_timeout_seconds:g}s "
                 "(read_timeout_seconds)"
             ) from exc
-        except (ConfigurationError, LedgerUnavailableError):
-            raise
-        except DatabaseError as exc:
+        except _DOWN as exc:
             raise LedgerUnavailableError(f"the ledger could not be asked about {identity}: {exc}") from exc
         if entry is None or entry.outcome != State.COMPLETED.value or entry.fingerprint != fingerprint:
             return None
         return entry
 
     def _checked_read(self, identity: Identity) -> LedgerEntry | None:
+        _wait_at_most(connections[self.using], self.read_timeout_seconds, local=False)
         if not self._table_checked:  # a mistake, not an outage: never counted as "down"
             connection = connections[self.using]
             table = self._entries().model._meta.db_table
@@ -342,6 +387,9 @@ class DjangoLedger:
                 connections[self.using].close()
 
         reader = threading.Thread(target=run, name="celery-idem-ledger-read", daemon=True)
+        if timeout is not None:
+            with self._reading_lock:
+                self._reading = reader
         reader.start()
         reader.join(timeout)
         if reader.is_alive():
@@ -349,3 +397,45 @@ class DjangoLedger:
         if failure:
             raise failure[0]
         return answer[0]
+
+
+class _Commit:
+    """What run_once knows of its own transaction's COMMIT."""
+
+    def __init__(self) -> None:
+        self.at = False  # the block ended with our row and fn's writes: what follows is the COMMIT
+        self.done = False  # the COMMIT succeeded (Django ran our first on_commit callback)
+        self._callbacks: list[Any] = []
+
+    def reached(self, callbacks: list[Any]) -> None:
+        self.at = True
+        self._callbacks = list(callbacks)
+
+    def succeeded(self) -> None:
+        self.done = True
+
+    def run_callbacks(self) -> None:
+        """The on_commit callbacks of a transaction found committed after its COMMIT raised (Django's
+        rollback after the failed COMMIT dropped them), as Django runs them."""
+        for _, callback, robust in self._callbacks:
+            if callback == self.succeeded:
+                continue
+            if not robust:
+                callback()
+                continue
+            try:
+                callback()
+            except Exception as exc:  # noqa: BLE001 - robust callbacks are logged, as Django does
+                logger.error("Error calling %s in on_commit() (%s).", getattr(callback, "__qualname__", callback), exc)
+
+
+def _wait_at_most(connection: Any, seconds: float, *, local: bool) -> None:
+    """Bound the statements and lock waits of ``connection`` (its transaction's, when ``local``)."""
+    ms = max(1, int(seconds * 1000))
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            scope = "LOCAL " if local else ""
+            cursor.execute(f"SET {scope}lock_timeout = {ms}")
+            cursor.execute(f"SET {scope}statement_timeout = {ms}")
+        elif connection.vendor == "sqlite":
+            cursor.execute(f"PRAGMA busy_timeout = {ms}")
