@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+from collections.abc import Collection
 from typing import Any
 
 from celery import Task
@@ -18,6 +19,7 @@ from . import replacement, signals
 from .config import IdempotencySettings, LeftBehind, invalid_settings
 from .errors import ConfigurationError
 from .reconciler import BEAT_ENTRY, TASK_NAME, Reconciler, ReconcileReport
+from .records import Identity
 from .runtime import COUNTERS, INSTALLED_ATTRIBUTE, Runtime, installed_on
 from .stores import Store
 
@@ -105,15 +107,19 @@ class Idempotency(Runtime):
     def __repr__(self) -> str:
         return f"<Idempotency app={self.app.main!r}>"
 
-    def reconcile(self, limit: int | None = None, dry_run: bool = False) -> ReconcileReport:
+    def reconcile(
+        self, limit: int | None = None, dry_run: bool = False, *, identities: Collection[Identity] | None = None
+    ) -> ReconcileReport:
         """Settle records stuck past their lease against the ledger, the result backend and worker
         liveness (see :mod:`celery_idem.reconciler`). Safe to run twice at once.
 
         Args:
             limit: At most this many stale records per run (default 1000).
             dry_run: Count what would be done; change nothing.
+            identities: Only these records (an operator's selection, as the Django admin sends it);
+                those whose lease still runs are left alone, and nothing is purged.
         """
-        return Reconciler(self, dry_run=dry_run).run(limit)
+        return Reconciler(self, dry_run=dry_run).run(limit, identities)
 
 
 def reconcile_task(self: Any, limit: int | None = None, dry_run: bool = False) -> dict[str, Any]:

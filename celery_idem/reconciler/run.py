@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 from typing import Any
 
 from celery import states
@@ -17,7 +18,7 @@ from ..errors import ConfigurationError, LedgerUnavailableError
 from ..failures import BODY_MAY_HAVE_RUN, classify_failure
 from ..outcome import encode_result, serializer_of
 from ..owners import holder_node
-from ..records import ErrorInfo, IdempotencyRecord, State
+from ..records import ErrorInfo, IdempotencyRecord, Identity, State
 from ..runtime import Runtime
 from .holders import Evidence, dead_by_liveness, live_holders, live_task_ids
 from .writes import ReconcilerWrites
@@ -54,9 +55,11 @@ class Reconciler(ReconcilerWrites):
         self._ledger_down: LedgerUnavailableError | None = None  # once per run: every later read would wait too
         self._may_have_run: set[str] = set()  # task ids whose FAILURE says their body may have run
 
-    def run(self, limit: int | None = None) -> ReconcileReport:
+    def run(self, limit: int | None = None, identities: Collection[Identity] | None = None) -> ReconcileReport:
         started = time.monotonic()
-        stale = self.store.expired_leases(limit=limit or DEFAULT_LIMIT)
+        stale = (
+            self.store.expired_leases(limit=limit or DEFAULT_LIMIT) if identities is None else self._stale(identities)
+        )
         self.counts["scanned"] = len(stale)
         undecided = [record for record in stale if not self._guarded(self._settle_on_evidence, record)]
         if undecided:
@@ -67,13 +70,27 @@ class Reconciler(ReconcilerWrites):
             evidence = Evidence(alive, live_task_ids(self.app, asked, timeout) if asked else None)
             for record in undecided:
                 self._guarded(self._settle_on_liveness, record, evidence)
-        purged = 0 if self.dry_run else self.store.purge_expired(limit=limit or DEFAULT_LIMIT)
+        purged = 0 if self.dry_run or identities is not None else self.store.purge_expired(limit=limit or DEFAULT_LIMIT)
         report = ReconcileReport(**self.counts, purged=purged, seconds=time.monotonic() - started, dry_run=self.dry_run)
         logger.info("reconciled: %s", report.model_dump_json())
         if not self.dry_run:
             for name in ("completed", "failed", "released"):
                 self.idem.count(f"reconciled_{name}", self.counts[name])
         return report
+
+    def _stale(self, identities: Collection[Identity]) -> list[IdempotencyRecord]:
+        """The records of ``identities`` whose lease has run out by the store's clock (an operator's
+        selection: a record with a live lease is someone's running attempt, and is left alone)."""
+        now = self.store.now()
+        records = (self.store.get(identity) for identity in dict.fromkeys(identities))
+        return [
+            record
+            for record in records
+            if record is not None
+            and not record.state.settled
+            and record.lease_expires_at is not None
+            and record.lease_expires_at <= now
+        ]
 
     def _guarded(self, settle: Any, record: IdempotencyRecord, *args: Any) -> bool:
         """``settle(record)``; whatever one record raises is logged and the record left, so one bad

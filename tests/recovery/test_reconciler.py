@@ -699,6 +699,21 @@ def test_dry_run_counts_and_changes_nothing(prefix: str) -> None:
     assert idem.metrics()["reconciled_released"] == 0
 
 
+def test_a_run_over_selected_records_settles_only_those_whose_lease_ran_out(prefix: str) -> None:
+    app = _quiet_app(prefix, stale_grace_seconds=0)
+    idem = Idempotency.of(app)
+    chosen = _stale(idem.store, "chosen", str(uuid.uuid4()))
+    other = _stale(idem.store, "other", str(uuid.uuid4()))
+    running = _stale(idem.store, "running", str(uuid.uuid4()), lease=60)
+    time.sleep(0.3)
+    # When an operator reconciles two records, one of them still running under its lease
+    report = idem.reconcile(identities=[chosen, running, Identity("", "shop.charge", "never-claimed")])
+    # Then only the stale one is settled; the running one and the unselected stale one stand
+    assert (report.scanned, report.released, report.purged) == (1, 1, 0)
+    assert idem.store.get(chosen) is None
+    assert idem.store.get(other) is not None and idem.store.get(running) is not None
+
+
 # ---- the beat task ---------------------------------------------------------------------------------------------
 
 

@@ -73,3 +73,17 @@ class LedgerEntry(models.Model):
             SerializationError: the content type is not accepted, or the result does not decode.
         """
         return decode_entry(self, accept)
+
+
+class Record(models.Model):
+    """The store's records in the admin: no table (the records live in the store, Redis or SQL,
+    which the admin reads through the app's ``Idempotency``); it carries the admin's permissions:
+    ``view_record`` lists them, ``change_record`` releases one, ``reconcile_record`` runs the
+    reconciler on a selection."""
+
+    class Meta:
+        managed = False
+        default_permissions = ("view", "change")
+        permissions = [("reconcile_record", "Can run the reconciler on idempotency records")]
+        verbose_name = "idempotency record"
+        verbose_name_plural = "idempotency records"

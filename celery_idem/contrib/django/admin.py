@@ -1,0 +1,182 @@
+"""The admin of ``celery_idem.contrib.django``: the store's records, read-only, and two actions.
+
+The records live in the store (Redis, PostgreSQL, ...), not in Django's database: the page reads them
+through the ``Idempotency`` of the project's Celery app (``celery.current_app``, which the project's
+``proj/__init__.py`` sets as Celery's Django guide does). It lists at most :data:`LIMIT` records,
+filters by state and task, searches by key and task id, and offers, each behind its permission:
+
+- **Release** (``celery_idem.change_record``): remove a stuck PENDING or IN_PROGRESS record, so the
+  next call with its key runs (a running attempt is fenced out: its writes are LOST). A settled
+  record is not released: its outcome stands.
+- **Reconcile** (``celery_idem.reconcile_record``): run the reconciler on the selection; records
+  whose lease still runs are left alone.
+
+The ledger's entries are listed read-only (``LedgerEntry``): they are the record of what committed.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+from celery import current_app
+from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import URLPattern, path
+
+from ...errors import IdempotencyError
+from ...extension import Idempotency
+from ...records import IdempotencyRecord, Identity, State
+from .models import LedgerEntry, Record
+
+__all__ = ["LIMIT", "LedgerEntryAdmin", "RecordAdmin"]
+
+if TYPE_CHECKING:  # ModelAdmin is generic to django-stubs, not at runtime
+    _RecordAdmin = admin.ModelAdmin[Record]
+    _LedgerEntryAdmin = admin.ModelAdmin[LedgerEntry]
+else:
+    _RecordAdmin = _LedgerEntryAdmin = admin.ModelAdmin
+
+LIMIT = 500  # records read per page view (on Redis, listing scans the key space)
+
+
+@admin.register(Record)
+class RecordAdmin(_RecordAdmin):
+    """The store's records: a list with filters, a search, and the two actions."""
+
+    def get_urls(self) -> list[URLPattern]:
+        name = f"{self.opts.app_label}_{self.opts.model_name}_changelist"
+        return [path("", self.admin_site.admin_view(self.changelist_view), name=name)]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_reconcile_permission(self, request: HttpRequest) -> bool:
+        user: Any = request.user
+        return bool(user.has_perm(f"{self.opts.app_label}.reconcile_record"))
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
+        if not self.has_view_or_change_permission(request):
+            raise PermissionDenied
+        idem = Idempotency.of(current_app)
+        if request.method == "POST":
+            self._act(request, idem)
+            return HttpResponseRedirect(request.get_full_path())
+        state, task, query = request.GET.get("state", ""), request.GET.get("task", ""), request.GET.get("q", "").strip()
+        try:
+            records = idem.store.records(state=State(state) if state else None, task_name=task or None, limit=LIMIT)
+            error = ""
+        except (IdempotencyError, ValueError) as exc:
+            records, error = [], f"the store could not be read: {exc}"
+        if query:
+            records = [r for r in records if query in r.key or query == r.task_id]
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Idempotency records",
+            "opts": self.opts,
+            "rows": [_row(record) for record in records],
+            "states": [s.value for s in State],
+            "tasks": sorted({record.task_name for record in records} | ({task} if task else set())),
+            "state": state,
+            "task": task,
+            "q": query,
+            "limit": LIMIT,
+            "error": error,
+            "store": repr(idem.store),
+            "can_release": self.has_change_permission(request),
+            "can_reconcile": self.has_reconcile_permission(request),
+            **(extra_context or {}),
+        }
+        return TemplateResponse(request, "admin/celery_idem/record/change_list.html", context)
+
+    def _act(self, request: HttpRequest, idem: Idempotency) -> None:
+        action = request.POST.get("action", "")
+        selected = [identity for value in request.POST.getlist("selected") if (identity := _identity(value))]
+        if not selected:
+            messages.warning(request, "Select records first.")
+            return
+        if action == "release":
+            if not self.has_change_permission(request):
+                raise PermissionDenied
+            self._release(request, idem, selected)
+        elif action == "reconcile":
+            if not self.has_reconcile_permission(request):
+                raise PermissionDenied
+            report = idem.reconcile(identities=selected)
+            messages.success(
+                request,
+                f"Reconciled {report.scanned} of {len(selected)} selected (the others' leases still run): "
+                f"{report.completed} completed, {report.failed} failed, {report.released} released, "
+                f"{report.requeued} requeued, {report.left} left.",
+            )
+        else:
+            messages.error(request, f"Unknown action {action!r}.")
+
+    def _release(self, request: HttpRequest, idem: Idempotency, selected: list[Identity]) -> None:
+        released, settled = 0, 0
+        for identity in selected:
+            record = idem.store.get(identity)
+            if record is None:
+                continue
+            if record.state.settled:
+                settled += 1  # its outcome stands: forgetting it is `celery idem forget`, on purpose
+                continue
+            released += idem.store.forget(identity)
+        messages.success(request, f"Released {released} record(s).")
+        if settled:
+            messages.warning(request, f"{settled} settled record(s) were not released: their outcome stands.")
+
+
+@admin.register(LedgerEntry)
+class LedgerEntryAdmin(_LedgerEntryAdmin):
+    """The ledger's entries, read-only: the record of what committed."""
+
+    list_display = ("key", "scope", "task_name", "outcome", "task_id", "committed_at", "namespace")
+    list_filter = ("outcome", "task_name", "namespace")
+    search_fields = ("key", "task_id")
+    ordering = ("-committed_at",)
+    exclude = ("payload",)
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+def _row(record: IdempotencyRecord) -> dict[str, Any]:
+    return {
+        "value": json.dumps(list(record.identity)),
+        "key": record.key,
+        "scope": record.scope,
+        "task_name": record.task_name,
+        "state": record.state.value,
+        "task_id": record.task_id,
+        "updated_at": _when(record.updated_at),
+        "lease_expires_at": _when(record.lease_expires_at),
+        "expires_at": _when(record.expires_at),
+    }
+
+
+def _when(epoch: float | None) -> datetime | None:
+    return None if epoch is None else datetime.fromtimestamp(epoch, tz=timezone.utc)
+
+
+def _identity(value: str) -> Identity | None:
+    """A selected row's identity, as the page wrote it; anything else is ignored."""
+    try:
+        parts = json.loads(value)
+    except ValueError:
+        return None
+    if not (isinstance(parts, list) and len(parts) == 3 and all(isinstance(part, str) for part in parts)):
+        return None
+    return Identity(*parts)

@@ -1,0 +1,140 @@
+"""The admin of celery_idem.contrib.django through Django's test client: the store's records listed
+(filtered by state and task, searched by key and task id), releasing a stuck record and running the
+reconciler on a selection, each behind its permission; the ledger's entries read-only."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("django", reason="celery_idem.contrib.django needs the django extra")
+
+import django_project  # noqa: E402, F401 - configures Django for this module
+from celery import Celery, current_app  # noqa: E402
+from django.contrib.auth.models import Permission, User  # noqa: E402
+from django.test import Client, override_settings  # noqa: E402
+
+from celery_idem import Idempotency, State  # noqa: E402
+from celery_idem.records import Identity  # noqa: E402
+from celery_idem.stores import MemoryStore  # noqa: E402
+
+URL = "/admin/celery_idem/record/"
+TASK = "djadmin.charge"
+FP = "f" * 64
+
+
+@pytest.fixture(autouse=True)
+def _admin_urls() -> Iterator[None]:
+    with override_settings(ROOT_URLCONF="contrib_django.admin_urls"):
+        yield
+
+
+@pytest.fixture
+def idem() -> Iterator[Idempotency]:
+    app = Celery("djadmin", broker="memory://", backend="cache+memory://", set_as_current=False)
+    idem = Idempotency(app, store=MemoryStore(), inspect_timeout_seconds=0.1, stale_grace_seconds=0)
+    previous = current_app._get_current_object()
+    app.set_current()
+    yield idem
+    previous.set_current()
+    idem.disconnect()
+
+
+def user(*perms: str) -> Client:
+    person = User.objects.create_user(f"u-{uuid.uuid4().hex[:8]}", is_staff=True)
+    person.user_permissions.set(Permission.objects.filter(content_type__app_label="celery_idem", codename__in=perms))
+    client = Client()
+    client.force_login(person)
+    return client
+
+
+def records(idem: Idempotency) -> dict[str, Identity]:
+    """A stuck attempt (its lease ran out), a completed call and a running one."""
+    store = idem.store
+    made = {}
+    for key, lease in (("stuck", 0.05), ("done", 60), ("running", 60)):
+        identity = Identity("", TASK, f"{key}-{uuid.uuid4().hex[:6]}")
+        taken = store.acquire(identity, FP, f"task-{key}", lease_seconds=lease, ttl_seconds=600)
+        assert taken.record is not None
+        if key == "done":
+            store.complete(identity, taken.record.owner, b'{"paid": 5}')
+        made[key] = identity
+    time.sleep(0.1)
+    return made
+
+
+def selected(*identities: Identity) -> list[str]:
+    return [json.dumps(list(identity)) for identity in identities]
+
+
+def test_the_list_shows_the_records_and_filters_by_state_task_and_search(idem: Idempotency) -> None:
+    made = records(idem)
+    client = user("view_record")
+    page = client.get(URL)
+    assert page.status_code == 200
+    assert all(identity.key in page.content.decode() for identity in made.values())
+    completed = client.get(URL, {"state": "COMPLETED"}).content.decode()
+    assert made["done"].key in completed and made["stuck"].key not in completed
+    assert made["stuck"].key in client.get(URL, {"task": TASK}).content.decode()
+    found = client.get(URL, {"q": made["running"].key[:12]}).content.decode()
+    assert made["running"].key in found and made["done"].key not in found
+    assert made["stuck"].key in client.get(URL, {"q": "task-stuck"}).content.decode()  # a task id
+    # A viewer gets no action to run
+    assert 'name="action"' not in page.content.decode()
+
+
+def test_release_frees_a_stuck_record_and_never_a_settled_one(idem: Idempotency) -> None:
+    made = records(idem)
+    client = user("view_record", "change_record")
+    answer = client.post(URL, {"action": "release", "selected": selected(made["stuck"], made["done"])}, follow=True)
+    assert answer.status_code == 200
+    text = answer.content.decode()
+    assert "Released 1 record(s)." in text and "1 settled record(s) were not released" in text
+    assert idem.store.get(made["stuck"]) is None
+    done = idem.store.get(made["done"])
+    assert done is not None and done.state is State.COMPLETED
+
+
+def test_the_reconciler_runs_on_the_selection_and_leaves_a_live_lease_alone(idem: Idempotency) -> None:
+    made = records(idem)
+    idem.app.backend.store_result("task-stuck", {"paid": 7}, "SUCCESS")  # the evidence of its outcome
+    client = user("view_record", "reconcile_record")
+    chosen = selected(made["stuck"], made["running"])
+    answer = client.post(URL, {"action": "reconcile", "selected": chosen}, follow=True)
+    assert "Reconciled 1 of 2 selected" in answer.content.decode()
+    stuck = idem.store.get(made["stuck"])
+    assert stuck is not None and stuck.state is State.COMPLETED and stuck.result == b'{"paid": 7}'
+    running = idem.store.get(made["running"])
+    assert running is not None and running.state is State.IN_PROGRESS
+
+
+@pytest.mark.parametrize(("perms", "action"), [(("view_record",), "release"), (("view_record",), "reconcile")])
+def test_each_action_needs_its_permission(idem: Idempotency, perms: tuple[str, ...], action: str) -> None:
+    made = records(idem)
+    answer = user(*perms).post(URL, {"action": action, "selected": selected(made["stuck"])})
+    assert answer.status_code == 403
+    assert idem.store.get(made["stuck"]) is not None
+
+
+def test_a_user_without_the_view_permission_or_login_gets_no_list(idem: Idempotency) -> None:
+    assert user().get(URL).status_code == 403
+    anonymous = Client().get(URL)
+    assert anonymous.status_code == 302 and "/login/" in anonymous["Location"]
+
+
+def test_a_forged_selection_is_ignored(idem: Idempotency) -> None:
+    client = user("view_record", "change_record")
+    answer = client.post(URL, {"action": "release", "selected": ["not json", '["a", "b"]', "[1, 2, 3]"]}, follow=True)
+    assert "Select records first." in answer.content.decode()
+
+
+def test_the_ledger_entries_are_listed_read_only() -> None:
+    admin_user = User.objects.create_superuser(f"root-{uuid.uuid4().hex[:6]}", password="x")
+    client = Client()
+    client.force_login(admin_user)
+    assert client.get("/admin/celery_idem/ledgerentry/").status_code == 200
+    assert client.get("/admin/celery_idem/ledgerentry/add/").status_code == 403
