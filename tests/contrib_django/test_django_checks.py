@@ -72,17 +72,73 @@ def test_no_store_is_an_error_outside_eager_mode(project: Any) -> None:
     assert ids() == []
 
 
-def test_a_memory_store_outside_eager_mode_is_a_warning(project: Any) -> None:
-    project(IDEMPOTENCY_STORE="memory://")
+@pytest.mark.parametrize("store", ["memory://", "MEMORY://", " memory://x", "instance"])
+def test_a_memory_store_outside_eager_mode_is_a_warning(project: Any, store: str) -> None:
+    from celery_idem.stores import MemoryStore
+
+    project(IDEMPOTENCY_STORE=MemoryStore() if store == "instance" else store)
     assert ids() == ["celery_idem.W003"]
 
 
-@pytest.mark.parametrize("pickled", [{"TASK_SERIALIZER": "pickle"}, {"ACCEPT_CONTENT": ["json", "pickle"]}])
-def test_pickle_without_accept_pickle_is_an_error(project: Any, pickled: dict[str, Any]) -> None:
-    project(IDEMPOTENCY_STORE="redis://localhost:6379/2", **pickled)
+@pytest.mark.parametrize("serializer", ["pickle", "PICKLE", "application/x-python-serialize"])
+def test_the_pickle_task_serializer_without_accept_pickle_is_an_error(project: Any, serializer: str) -> None:
+    project(IDEMPOTENCY_STORE="redis://localhost:6379/2", TASK_SERIALIZER=serializer)
     assert ids() == ["celery_idem.E004"]
-    project(IDEMPOTENCY_STORE="redis://localhost:6379/2", IDEMPOTENCY_ACCEPT_PICKLE=True, **pickled)
+    project(IDEMPOTENCY_STORE="redis://localhost:6379/2", IDEMPOTENCY_ACCEPT_PICKLE=True, TASK_SERIALIZER=serializer)
     assert ids() == []
+
+
+@pytest.mark.parametrize("accepted", [["json", "pickle"], ["json", "application/x-python-serialize"]])
+def test_pickle_accepted_but_not_sent_is_a_warning(project: Any, accepted: list[str]) -> None:
+    project(IDEMPOTENCY_STORE="redis://localhost:6379/2", ACCEPT_CONTENT=accepted)
+    assert ids() == ["celery_idem.W005"]
+    project(IDEMPOTENCY_STORE="redis://localhost:6379/2", IDEMPOTENCY_ACCEPT_PICKLE=True, ACCEPT_CONTENT=accepted)
+    assert ids() == []
+
+
+def test_a_setting_not_all_upper_case_is_a_warning(project: Any, tmp_path: Any, monkeypatch: Any) -> None:
+    # Django loads only upper-case names from the settings module: this one never reaches Celery
+    (tmp_path / "lowercase_settings.py").write_text(
+        "CELERY_IDEMPOTENCY_STORE = 'redis://x'\nCELERY_idempotency_ttl_seconds = 5\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    project(IDEMPOTENCY_STORE="redis://localhost:6379/2")
+    with override_settings(SETTINGS_MODULE="lowercase_settings"):
+        [message] = checks.run_checks(tags=["celery_idem"])
+    assert message.id == "celery_idem.W006" and message.msg.startswith("CELERY_idempotency_ttl_seconds is not all")
+
+
+def _noop() -> None: ...
+
+
+def test_retries_that_can_outlast_the_ttl_are_a_warning(project: Any) -> None:
+    from celery_idem import Idempotency, IdempotentTask
+
+    app = project(IDEMPOTENCY_STORE="redis://localhost:6379/2", IDEMPOTENCY_TTL_SECONDS=600)
+    Idempotency(app)
+    app.task(name="djshop.slow", base=IdempotentTask, max_retries=5, default_retry_delay=300, shared=False)(_noop)
+    app.task(name="djshop.quick", base=IdempotentTask, max_retries=5, default_retry_delay=60, shared=False)(_noop)
+    app.task(
+        name="djshop.backoff",
+        base=IdempotentTask,
+        autoretry_for=(OSError,),
+        retry_backoff=60,
+        max_retries=4,  # 60 + 120 + 240 + 480 = 900 s
+        shared=False,
+    )(_noop)
+    app.task(
+        name="djshop.long_ttl",
+        base=IdempotentTask,
+        max_retries=5,
+        default_retry_delay=300,
+        idempotency={"ttl_seconds": 3600},
+        shared=False,
+    )(_noop)
+    app.task(name="djshop.forever", base=IdempotentTask, max_retries=None, shared=False)(_noop)
+    messages = checks.run_checks(tags=["celery_idem"])
+    assert {m.id for m in messages} == {"celery_idem.W012"}
+    assert sorted(m.msg.split("'")[1] for m in messages) == ["djshop.backoff", "djshop.slow"]
+    assert "can retry for 1500 s, longer than its idempotency TTL (600 s)" in " ".join(m.msg for m in messages)
 
 
 def test_acks_late_without_a_redelivery_of_lost_tasks_is_a_warning(project: Any) -> None:
@@ -108,10 +164,24 @@ def test_a_redis_visibility_timeout_shorter_than_the_lease_is_a_warning(project:
 
 
 @pytest.mark.parametrize(
+    "broker", [["redis://a:6379/0", "redis://b:6379/0"], "redis://a:6379/0;redis://b:6379/0", "REDIS://a:6379/0"]
+)
+def test_a_short_visibility_timeout_is_found_on_a_failover_list_too(project: Any, broker: Any) -> None:
+    project(
+        IDEMPOTENCY_STORE="redis://localhost:6379/2",
+        BROKER_URL=broker,
+        BROKER_TRANSPORT_OPTIONS={"visibility_timeout": 60},
+        IDEMPOTENCY_LEASE_SECONDS=600,
+    )
+    assert ids() == ["celery_idem.W011"]
+
+
+@pytest.mark.parametrize(
     "odd",
     [
         {"BROKER_URL": None},
         {"BROKER_URL": ["redis://a:6379/0", "redis://b:6379/0"]},
+        {"BROKER_URL": "amqp://a//;redis://b:6379/0"},
         {"BROKER_URL": "redis://localhost:6379/0", "BROKER_TRANSPORT_OPTIONS": None},
         {"BROKER_URL": "redis://localhost:6379/0", "BROKER_TRANSPORT_OPTIONS": {"visibility_timeout": "soon"}},
         {"ACCEPT_CONTENT": None},

@@ -105,3 +105,16 @@ def test_a_reused_headers_dict_changes_nothing_of_a_call_already_made(shop: Any)
             charge.apply_async_on_commit((order,), headers=headers)
     assert charged == [4, 5, 6]
     assert all(claimed(idem, f"order-{order}") for order in (4, 5, 6))
+
+
+def test_the_transaction_of_the_database_named_by_using_decides(shop: Any) -> None:
+    charge, idem, charged = shop
+    # A rollback on the database named by using= drops the call, whatever the default one does
+    with pytest.raises(RuntimeError), transaction.atomic(using="sqlite"):
+        charge.apply_async_on_commit((44,), idempotency_key="order-44", using="sqlite")
+        raise RuntimeError("the order's transaction failed")
+    assert not claimed(idem, "order-44") and charged == []
+    # And a transaction open on another database does not hold it back
+    with transaction.atomic():
+        charge.apply_async_on_commit((45,), idempotency_key="order-45", using="sqlite")
+        assert claimed(idem, "order-45") and charged == [45]

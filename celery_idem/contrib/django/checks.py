@@ -7,13 +7,20 @@ Each finds at deploy time what would otherwise surface at the first task, or nev
 - ``celery_idem.E002``: no store, outside eager mode.
 - ``celery_idem.W003``: ``memory://`` outside eager mode: every process (each web process, each
   pool child) has a store of its own, so nothing is deduplicated between them.
-- ``celery_idem.E004``: the pickle serializer without ``CELERY_IDEMPOTENCY_ACCEPT_PICKLE``: an
+- ``celery_idem.E004``: the pickle task serializer without ``CELERY_IDEMPOTENCY_ACCEPT_PICKLE``: an
   idempotent task refuses it (a stored pickle runs code when replayed).
+- ``celery_idem.W005``: pickle only in ``accept_content``: workers run pickled messages a producer
+  sends, which idempotent tasks refuse.
+- ``celery_idem.W006``: a ``CELERY_IDEMPOTENCY_*`` setting that is not all upper case: Django
+  loads only upper-case settings, so it never reaches Celery.
 - ``celery_idem.W010``: ``task_acks_late`` without ``task_reject_on_worker_lost`` or
   ``task_retry_on_worker_lost``: a task whose worker process dies is acknowledged and never runs
   again; celery-idem then only frees its key (docs/concepts.md, the endings table).
 - ``celery_idem.W011``: a Redis broker whose ``visibility_timeout`` is shorter than the lease: the
   broker delivers a running task again, and the copy waits on the lease.
+- ``celery_idem.W012``: an idempotent task whose retries can outlast its record's TTL (its
+  ``max_retries`` times its retry delay, or its backoff): a retry that arrives after the record
+  expired runs as a new call beside any duplicate.
 
 The app is Celery's current app: the one a Django project's ``proj/celery.py`` creates and
 ``proj/__init__.py`` imports.
@@ -45,7 +52,7 @@ def _settings(app: Any) -> IdempotencySettings:
 
 
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """E001-E004: the settings, the store and the serializer."""
+    """E001-W006 and W012: the settings, the store, the serializer and the TTL against retries."""
     app = current_app._get_current_object()
     try:
         settings = _settings(app)
@@ -62,7 +69,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                 id="celery_idem.E002",
             )
         )
-    elif isinstance(store, str) and store.startswith("memory://") and not eager:
+    elif _is_memory(store) and not eager:
         found.append(
             Warning(
                 "the idempotency store is memory://: each process (web process, pool child) keeps its own "
@@ -71,16 +78,28 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                 id="celery_idem.W003",
             )
         )
-    serializers = {str(app.conf.task_serializer)} | {str(name) for name in app.conf.accept_content or ()}
-    if "pickle" in serializers and not settings.accept_pickle:
-        found.append(
-            Error(
-                "the Celery app uses pickle, which idempotent tasks refuse: a stored pickle runs code when replayed",
-                hint="use json (CELERY_TASK_SERIALIZER = 'json'), or set CELERY_IDEMPOTENCY_ACCEPT_PICKLE = True "
-                "if only trusted code can write to the store",
-                id="celery_idem.E004",
+    if not settings.accept_pickle:
+        if _is_pickle(app.conf.task_serializer):
+            found.append(
+                Error(
+                    "the Celery app's task serializer is pickle, which idempotent tasks refuse: a stored pickle "
+                    "runs code when replayed",
+                    hint="use json (CELERY_TASK_SERIALIZER = 'json'), or set CELERY_IDEMPOTENCY_ACCEPT_PICKLE = True "
+                    "if only trusted code can write to the store",
+                    id="celery_idem.E004",
+                )
             )
-        )
+        elif any(_is_pickle(name) for name in app.conf.accept_content or ()):
+            found.append(
+                Warning(
+                    "CELERY_ACCEPT_CONTENT includes pickle: workers run pickled messages any producer sends, "
+                    "and idempotent tasks refuse them",
+                    hint="accept json only (CELERY_ACCEPT_CONTENT = ['json'])",
+                    id="celery_idem.W005",
+                )
+            )
+    found.extend(_lower_case_settings())
+    found.extend(_retries_past_ttl(app))
     return found
 
 
@@ -99,8 +118,7 @@ def check_delivery(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                 id="celery_idem.W010",
             )
         )
-    broker = str(conf.broker_url or "")
-    if broker.startswith(("redis://", "rediss://", "redis+socket://", "sentinel://")):
+    if any(url.startswith(_REDIS_BROKERS) for url in _broker_urls(conf.broker_url)):
         try:
             lease = _settings(app).lease_seconds
         except ConfigurationError:
@@ -120,3 +138,92 @@ def check_delivery(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                 )
             )
     return found
+
+
+_REDIS_BROKERS = ("redis://", "rediss://", "redis+socket://", "sentinel://")
+_PICKLE = ("pickle", "application/x-python-serialize")
+
+
+def _is_pickle(name: Any) -> bool:
+    return str(name).strip().lower() in _PICKLE
+
+
+def _is_memory(store: Any) -> bool:
+    from ...stores.memory import MemoryStore
+
+    return isinstance(store, MemoryStore) or (isinstance(store, str) and store.strip().lower().startswith("memory://"))
+
+
+def _broker_urls(broker: Any) -> list[str]:
+    """Every URL of ``broker_url``: one, a failover list, or ``;``-separated ones, lower-cased."""
+    urls = broker if isinstance(broker, (list, tuple)) else str(broker or "").split(";")
+    return [str(url).strip().lower() for url in urls if url]
+
+
+def _lower_case_settings() -> list[CheckMessage]:
+    """W006: ``CELERY_IDEMPOTENCY_*`` names in the settings module that Django never loads."""
+    import importlib
+
+    from django.conf import settings as django_settings
+
+    module_name = getattr(django_settings, "SETTINGS_MODULE", None)
+    if not module_name:
+        return []  # settings.configure(): Django keeps upper-case names only, and has no module to read
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return []
+    return [
+        Warning(
+            f"{name} is not all upper case: Django loads only upper-case settings, so Celery never sees it",
+            hint=f"rename it {name.upper()}",
+            id="celery_idem.W006",
+        )
+        for name in sorted(vars(module))
+        if name.upper().startswith("CELERY_IDEMPOTENCY_") and name != name.upper()
+    ]
+
+
+def _retries_past_ttl(app: Any) -> list[CheckMessage]:
+    """W012: idempotent tasks whose retry horizon, when it can be known, outlasts the TTL."""
+    from ...task import IdempotentTask
+
+    installed = installed_on(app)
+    if installed is None:
+        return []
+    found: list[CheckMessage] = []
+    for name, task in sorted(app.tasks.items()):
+        if not isinstance(task, IdempotentTask):
+            continue
+        try:
+            ttl = installed.policy_for(task).ttl_seconds
+        except ConfigurationError:
+            continue  # the task's own error says why, at its first call
+        horizon = _retry_horizon(task)
+        if horizon is not None and horizon > ttl:
+            found.append(
+                Warning(
+                    f"task {name!r} can retry for {horizon:g} s, longer than its idempotency TTL ({ttl:g} s): "
+                    "a retry that arrives after its record expired runs as a new call",
+                    hint="raise its ttl_seconds (idempotency={'ttl_seconds': ...}) above the retry horizon, "
+                    "or lower max_retries or the retry delay",
+                    id="celery_idem.W012",
+                )
+            )
+    return found
+
+
+def _retry_horizon(task: Any) -> float | None:
+    """How long a task's retries can go on, when its options say (None: unbounded or unknown)."""
+    retries = getattr(task, "max_retries", None)
+    if not isinstance(retries, int) or isinstance(retries, bool) or retries <= 0:
+        return None
+    backoff = getattr(task, "retry_backoff", False)
+    if getattr(task, "autoretry_for", ()) and backoff:
+        base = 1.0 if backoff is True else float(backoff)
+        cap = float(getattr(task, "retry_backoff_max", 600) or 600)
+        return float(sum(min(cap, base * 2.0**n) for n in range(retries)))
+    delay = getattr(task, "default_retry_delay", None)
+    if not isinstance(delay, (int, float)) or isinstance(delay, bool):
+        return None
+    return float(delay) * retries
