@@ -6,7 +6,9 @@ shop's ``Order`` and ``Payment``), on three databases, each migrated with ``migr
 
 - ``default``: in-memory SQLite (transactions and on_commit; one connection per thread);
 - ``sqlite``: a SQLite file of this process, which threads and processes share;
-- ``postgresql``: a schema of this process in the ``test`` database, when PostgreSQL answers.
+- ``postgresql``: a schema of this process in the ``test`` database, when PostgreSQL answers;
+- ``mariadb``: a database of this process on MariaDB (127.0.0.1:3306, root), when it answers
+  (through PyMySQL, the pure-Python driver Django runs as MySQLdb).
 
 :func:`shop_env` gives a child process (a racer, a worker) the same database through the example
 project's own settings module.
@@ -64,11 +66,47 @@ def _drop_schema() -> None:
         connection.execute(f'DROP SCHEMA IF EXISTS "{SCHEMA}" CASCADE')
 
 
+MARIADB = os.environ.get("CELERY_IDEM_TEST_MARIADB_URL", "mysql://root@127.0.0.1:3306/test")
+_maria = urlsplit(MARIADB)
+MARIA_DB = f"djt_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+
+
+def _mariadb_database() -> str | None:
+    """This process's database on MariaDB, created now; None (with the reason) when it does not answer."""
+    try:
+        import pymysql
+
+        pymysql.install_as_MySQLdb()
+        connection = pymysql.connect(
+            host=_maria.hostname, port=_maria.port or 3306, user=_maria.username or "root", connect_timeout=2
+        )
+        with connection.cursor() as cursor:
+            cursor.execute(f"CREATE DATABASE `{MARIA_DB}` CHARACTER SET utf8mb4")
+        connection.close()
+    except Exception as exc:  # noqa: BLE001 - any failure means the server is not usable
+        return f"mariadb is not reachable at {MARIADB}: {exc}"
+    atexit.register(_drop_mariadb)
+    return None
+
+
+def _drop_mariadb() -> None:
+    import pymysql
+    from django.db import connections
+
+    connections.close_all()
+    connection = pymysql.connect(host=_maria.hostname, port=_maria.port or 3306, user=_maria.username or "root")
+    with connection.cursor() as cursor:
+        cursor.execute(f"DROP DATABASE IF EXISTS `{MARIA_DB}`")
+    connection.close()
+
+
 PG_DOWN: str | None = None
-ALIASES = ("sqlite", "postgresql")
+MARIA_DOWN: str | None = None
+ALIASES = ("sqlite", "postgresql", "mariadb")
 
 if not settings.configured:
     PG_DOWN = _postgres_schema()
+    MARIA_DOWN = _mariadb_database()
     databases = {
         "default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"},
         "sqlite": {"ENGINE": "django.db.backends.sqlite3", "NAME": SQLITE_PATH, "OPTIONS": {"timeout": 20}},
@@ -81,6 +119,15 @@ if not settings.configured:
             "HOST": _pg.hostname,
             "PORT": str(_pg.port or 5432),
             "OPTIONS": {"options": f"-c search_path={SCHEMA}"},
+        }
+    if MARIA_DOWN is None:
+        databases["mariadb"] = {
+            "ENGINE": "django.db.backends.mysql",
+            "NAME": MARIA_DB,
+            "USER": _maria.username or "root",
+            "HOST": _maria.hostname,
+            "PORT": str(_maria.port or 3306),
+            "OPTIONS": {"charset": "utf8mb4"},
         }
     # The example's settings file alone (its package's __init__ loads the project's Celery app)
     spec = importlib.util.spec_from_file_location("django_shop_settings", EXAMPLE / "django_shop" / "settings.py")
@@ -108,10 +155,11 @@ if not settings.configured:
 
 def require_alias(alias: str) -> None:
     """Skip (locally) or fail (CI) when the database behind ``alias`` is not there."""
-    if alias == "postgresql" and PG_DOWN is not None:
+    down = {"postgresql": PG_DOWN, "mariadb": MARIA_DOWN}.get(alias)
+    if down is not None:
         if IN_CI:
-            pytest.fail(f"{PG_DOWN} (CI=true: servers are required)")
-        pytest.skip(PG_DOWN)
+            pytest.fail(f"{down} (CI=true: servers are required)")
+        pytest.skip(down)
 
 
 def shop_env(alias: str) -> dict[str, str]:
@@ -120,6 +168,9 @@ def shop_env(alias: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(EXAMPLE), str(Path(__file__).resolve().parent.parent)])
     if alias == "postgresql":
         env.update(DJANGO_SHOP_DB=PG_URL, DJANGO_SHOP_DB_SCHEMA=SCHEMA)
+    elif alias == "mariadb":
+        user, port = _maria.username or "root", _maria.port or 3306
+        env["DJANGO_SHOP_DB"] = f"mysql://{user}@{_maria.hostname}:{port}/{MARIA_DB}"
     else:
         env["DJANGO_SHOP_DB"] = f"sqlite:///{SQLITE_PATH}"
     return env

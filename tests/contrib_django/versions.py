@@ -33,15 +33,13 @@ def environment(version: str) -> Path:
     home = CACHE / version
     python = home / "bin" / "python"
     marker = home / ".installed"
-    if not marker.exists():
+    pin = f"django=={version}" if version.count(".") == 2 else f"django~={version}.0"
+    # The test tools, and PyMySQL for the tests' MariaDB database
+    wanted = [pin, "pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.90", "pymysql>=1.1"]
+    if not marker.exists() or marker.read_text() != " ".join(wanted):
         venv.create(home, with_pip=True, clear=True)
-        pin = f"django=={version}" if version.count(".") == 2 else f"django~={version}.0"
-        subprocess.run(
-            [python, "-m", "pip", "install", "-q", "-e", f"{REPO}[redis,sql]", pin]
-            + ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.90"],
-            check=True,
-        )
-        marker.write_text(version)
+        subprocess.run([python, "-m", "pip", "install", "-q", "-e", f"{REPO}[redis,sql]", *wanted], check=True)
+        marker.write_text(" ".join(wanted))
     return python
 
 

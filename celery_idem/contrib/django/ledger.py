@@ -19,8 +19,10 @@ It keeps the SQLAlchemy ledger's promise (:mod:`celery_idem.ledger`) with Django
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -362,8 +364,10 @@ class DjangoLedger:
 
         return LedgerEntry.objects.using(self.using)
 
-    def _id(self, identity: Identity) -> Any:
-        return identity_id(self.namespace, identity.scope, identity.task_name, identity.key)
+    def _id(self, identity: Identity) -> uuid.UUID:
+        """The row's key: :func:`~celery_idem.records.identity_id` with RFC 4122's variant and version
+        bits set (MariaDB's UUID type refuses other variants; 122 bits of SHA-256 remain)."""
+        return uuid.UUID(bytes=identity_id(self.namespace, *identity).bytes, version=5)
 
     def _check_alias(self) -> None:
         if self.using not in connections.settings:
@@ -439,3 +443,9 @@ def _wait_at_most(connection: Any, seconds: float, *, local: bool) -> None:
             cursor.execute(f"SET {scope}statement_timeout = {ms}")
         elif connection.vendor == "sqlite":
             cursor.execute(f"PRAGMA busy_timeout = {ms}")
+        elif connection.vendor == "mysql":  # the connection's session: its own, closed after
+            cursor.execute(f"SET SESSION innodb_lock_wait_timeout = {max(1, math.ceil(seconds))}")
+            if connection.mysql_is_mariadb:
+                cursor.execute(f"SET SESSION max_statement_time = {seconds:.3f}")
+            else:
+                cursor.execute(f"SET SESSION max_execution_time = {ms}")

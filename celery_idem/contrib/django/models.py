@@ -21,14 +21,14 @@ __all__ = ["LedgerEntry"]
 class LedgerEntry(models.Model):
     """One identity (in a namespace) whose effect committed, written in the business transaction.
 
-    The primary key is 16 bytes of SHA-256 over the length-prefixed identity (as the SQL store's
+    The primary key is SHA-256 over the length-prefixed identity, as a UUID (as the SQL store's
     rows are keyed): it decides a race on every database, MySQL's index-length limit included, and
     every read also matches the identity's text.
     """
 
     id: models.UUIDField[uuid.UUID | str, uuid.UUID] = models.UUIDField(
         primary_key=True, editable=False
-    )  # records.identity_id(namespace, *identity)
+    )  # DjangoLedger._id: SHA-256 of the identity
     namespace: models.CharField[str, str] = models.CharField(max_length=255)
     scope: models.CharField[str, str] = models.CharField(max_length=255, blank=True)
     task_name: models.CharField[str, str] = models.CharField(max_length=255)

@@ -64,6 +64,13 @@ def database(url: str) -> dict[str, Any]:
     if parts.scheme == "sqlite":
         return {"ENGINE": "django.db.backends.sqlite3", "NAME": parts.path or str(BASE_DIR / "shop.sqlite3")}
     engine = {"postgresql": "postgresql", "mysql": "mysql"}[parts.scheme]
+    if engine == "mysql":
+        try:
+            import MySQLdb  # noqa: F401 - mysqlclient, Django's own driver
+        except ImportError:  # PyMySQL, pure Python, standing in for it
+            import pymysql
+
+            pymysql.install_as_MySQLdb()
     entry: dict[str, Any] = {
         "ENGINE": f"django.db.backends.{engine}",
         "NAME": parts.path.lstrip("/"),
