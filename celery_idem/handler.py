@@ -202,8 +202,13 @@ class Handler(TaskCalls):
                 self._settle_value(record, value)
             except SoftTimeLimitExceeded:
                 # The body returned: a time limit that strikes while its value is stored must not
-                # turn the effect into a failure the reconciler would free the key on.
-                self.settle.defer_value(record, value)
+                # turn the effect into a failure the reconciler would free the key on. (A row on a
+                # transaction it joined is not known committed: its key is freed, never completed.)
+                attempt = attempts.current(self.task)
+                if attempt is not None and joined(attempt):
+                    self.settle.defer(record.identity, record.owner, self.settle.release_write(record))
+                else:
+                    self.settle.defer_value(record, value)
             return value
         finally:
             self.idem.heartbeat.remove(lease)

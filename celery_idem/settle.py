@@ -23,6 +23,7 @@ from .calling import TaskCalls
 from .endings import Ending, Step, ending_of
 from .errors import IdempotencyError, LedgerUnavailableError, SerializationError, StoreUnavailableError
 from .failures import classify_failure
+from .ledger.calls import joined
 from .outcome import encode_result
 from .records import ErrorInfo, IdempotencyRecord, Identity, Transition
 from .stores.base import Fence
@@ -89,29 +90,35 @@ class Settler:
         only if that row is committed now, never for an effect that may still roll back.
 
         Not committed (the transaction rolled back, or is still open: a caller's transaction that
-        outlives the attempt), the key is freed: a later attempt's row waits on any transaction
-        still holding this one's, and gets the committed outcome or runs, so the ledger decides.
-        When the ledger cannot be asked, the record is left to its lease and the reconciler.
+        outlives the attempt), or the ledger cannot say, the key is freed: a later attempt's row waits
+        on any transaction still holding this one's, and gets the committed outcome or runs, so the
+        ledger decides. Nothing is left for the reconciler to settle from weaker evidence.
         """
         identity = record.identity
         try:
-            stands = attempt.ledger.stands(attempt)
-        except Exception as exc:  # noqa: BLE001 - a ledger that cannot answer leaves the record to the reconciler
-            logger.warning(
-                "%s returned and the ledger cannot say whether its row committed (%s): left to the reconciler",
-                identity,
-                exc,
-            )
-            return
+            stands = bool(attempt.ledger.stands(attempt))
+        except Exception as exc:  # noqa: BLE001 - a ledger that cannot answer: freeing the key is safe
+            logger.warning("%s returned and the ledger cannot say whether its row committed (%s)", identity, exc)
+            stands = False
         if stands:
             store()
             return
         logger.info(
-            "%s returned with its ledger row in a transaction that is not committed (still open, or rolled "
-            "back): the key is freed, and the ledger decides any later attempt",
+            "%s returned with its ledger row in a transaction that is not known committed (still open, or "
+            "rolled back): the key is freed, and the ledger decides any later attempt",
             identity,
         )
-        self.give_back(identity, record.owner)
+        self.free_for_the_ledger(record)
+
+    def free_for_the_ledger(self, record: IdempotencyRecord) -> None:
+        """Free the key of an attempt whose ledger row stands on a transaction it joined; retried while
+        the lease lasts, then by the heartbeat (a record left IN_PROGRESS would be settled by the
+        reconciler from weaker evidence than the ledger)."""
+        self.write(record.identity, record.owner, record.task_id, self.release_write(record))
+
+    def release_write(self, record: IdempotencyRecord) -> Write:
+        """The write that frees ``record``'s key under its owner's token."""
+        return functools.partial(self.idem.store.release, record.identity, record.owner)
 
     def defer_value(self, record: IdempotencyRecord, value: Any) -> None:
         """Hand the value's write to the heartbeat thread, and leave it in the result backend."""
@@ -251,6 +258,9 @@ class Settler:
         """
         retryable = step is not Step.FAIL
         attempt = attempts.current(self.calls.task)  # None: a callback settles a replaced attempt's record
+        # Its row stands on a transaction it joined, which may still commit: the ledger decides the
+        # next run, so the key is freed and no failure is stored (a stored one would outlive a commit).
+        in_flight = attempt is not None and joined(attempt)
         # Whether an effect of this identity may stand committed: this attempt called run_once, or
         # an earlier attempt (a retry, a redelivery, a takeover) ran and may have.
         touched = (attempt is not None and attempt.ledger_nonce is not None) or (
@@ -262,7 +272,7 @@ class Settler:
         try:
             entry = self.idem.committed(identity, fingerprint, attempt.ledger if attempt else None)
         except LedgerUnavailableError as down:
-            if touched:
+            if touched and not in_flight:
                 # Unknown is not failed: no outcome is stored and the key is not freed. The lease runs
                 # out and the reconciler settles the record from the ledger once it answers.
                 logger.warning(
@@ -289,7 +299,7 @@ class Settler:
                 self._complete(identity, owner, payload, content_type, entry.content_encoding or "utf-8"),
             )
             return
-        if retryable:
+        if retryable or in_flight:
             self.give_back(identity, owner)
         else:
             self.write(identity, owner, "-", lambda: store.fail(identity, owner, ErrorInfo.from_exception(exc)))

@@ -139,7 +139,9 @@ if not settings.configured:
         INSTALLED_APPS=[app for app in example.INSTALLED_APPS if app != "django.contrib.staticfiles"],
         MIDDLEWARE=example.MIDDLEWARE,
         TEMPLATES=example.TEMPLATES,
-        ROOT_URLCONF=example.ROOT_URLCONF,
+        # The admin alone: the example's URLconf imports its Celery app, which sets DJANGO_SETTINGS_MODULE
+        # in this process's environment (for every worker a later test starts), as a project's should
+        ROOT_URLCONF="contrib_django.admin_urls",
         ALLOWED_HOSTS=example.ALLOWED_HOSTS,
         DATABASES=databases,
         USE_TZ=True,

@@ -74,6 +74,8 @@ class Worker:
             "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")]),
             **(env or {}),
         }
+        if "DJANGO_SETTINGS_MODULE" not in (env or {}):
+            env.pop("DJANGO_SETTINGS_MODULE", None)  # Celery's Django fixup would load it in a non-Django app
         command = [
             sys.executable,
             "-m",

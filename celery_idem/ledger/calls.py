@@ -140,6 +140,30 @@ class LedgerCall:
         return committed.value(self.task.idempotency_handler.idem.accepted_content_types)
 
 
+def after_ambiguous_commit(
+    identity: Identity, nonce: str, failed: BaseException, known: bool, entry: CommittedEntry | None
+) -> Any:
+    """What a COMMIT that raised did, once the database was asked (``known``: it answered; ``entry``:
+    the identity's committed row): None when our row (``nonce``) committed, the winner's entry when
+    another attempt's did; ``failed`` is raised again when none did or nobody knows."""
+    if not known or entry is None:
+        logger.warning(
+            "COMMIT of %s failed (%s); %s",
+            identity,
+            failed,
+            "the ledger holds no row of it" if known else "the ledger could not be asked",
+        )
+        raise failed
+    ours = getattr(entry, "nonce", None) == nonce
+    logger.warning(
+        "COMMIT of %s raised %s but %s row is committed: its outcome stands",
+        identity,
+        failed,
+        "its" if ours else "another attempt's",
+    )
+    return None if ours else entry
+
+
 def joined(attempt: attempts.Attempt) -> bool:
     """Whether the attempt's ledger row stands on a transaction it joined, not known committed: the
     caller's (``session=``, or an ``atomic()`` block open around the run), which may still roll back."""

@@ -5,12 +5,14 @@ ledger row written first in the same transaction (see :mod:`celery_idem.ledger`)
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from ..errors import LedgerUnavailableError
 from ..records import Identity
 from .calls import COMMITTED, UNSETTLED, LedgerCall, second_call
 from .transaction import LedgerTransactions, call_fn, connection_of, open_transaction
@@ -117,12 +119,29 @@ class Ledger(LedgerTransactions):
         raise second_call(identity)
 
     def stands(self, attempt: Any) -> bool:
-        """Whether the attempt's row is committed (asked on a connection of its own)."""
+        """Whether the attempt's row is committed (asked on a connection of its own, within
+        ``read_timeout_seconds``)."""
         query = sa.select(self.table.c.id).where(
             self._where(attempt.identity), self.table.c.nonce == attempt.ledger_nonce
         )
-        with self.engine.connect() as connection:
-            return connection.execute(query).first() is not None
+        answer: list[bool] = []
+        failure: list[BaseException] = []
+
+        def read() -> None:  # on a thread of its own: a pool that hands a thread its one connection
+            try:  # (SQLite in memory) would otherwise read the caller's uncommitted row
+                with self.engine.connect() as connection:
+                    answer.append(connection.execute(query).first() is not None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+                failure.append(exc)
+
+        reader = threading.Thread(target=read, name="celery-idem-ledger-stands", daemon=True)
+        reader.start()
+        reader.join(self.read_timeout_seconds)
+        if failure:
+            raise failure[0]
+        if not answer:
+            raise LedgerUnavailableError(f"the ledger did not answer about {attempt.identity} in time")
+        return answer[0]
 
     def _bypass(self, fn: Callable[[Session], T], session: Session | sa.Connection | None) -> T:
         """``fn`` in the caller's transaction or one of its own, with no ledger row."""

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 from ..errors import ConfigurationError
 from ..outcome import encode_result
 from ..records import Identity, State
+from .calls import after_ambiguous_commit
 from .reads import LedgerEntry, LedgerReads
 
 __all__ = ["LedgerTransactions", "call_fn", "connection_of", "open_transaction"]
@@ -45,23 +46,7 @@ class LedgerTransactions(LedgerReads):
                 failed = exc
         # The COMMIT's answer was lost or wrong about what happened: ask the database, on a new connection.
         known, entry = self._settle(identity, row)
-        if not known or entry is None:
-            logger.warning(
-                "COMMIT of %s failed (%s); %s",
-                identity,
-                failed,
-                "the ledger holds no row of it" if known else "the ledger could not be asked",
-            )
-            raise failed
-        ours = entry.nonce == row["nonce"]
-        logger.warning(
-            "COMMIT of %s raised %s but %s row is committed: %s",
-            identity,
-            failed,
-            "its" if ours else "another attempt's",
-            "its outcome stands",
-        )
-        return (None, value) if ours else (entry, value)
+        return after_ambiguous_commit(identity, str(row["nonce"]), failed, known, entry), value
 
     def _record(
         self,

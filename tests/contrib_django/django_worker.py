@@ -13,9 +13,12 @@ import time
 from typing import Any
 
 import django
+from django.conf import settings  # noqa: E402
 
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "django_shop.settings")
-django.setup()
+if not settings.configured:  # a worker process: the example project's settings (a test process has its own,
+    # and must not leave DJANGO_SETTINGS_MODULE in its environment: every worker it starts would inherit it)
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "django_shop.settings")
+    django.setup()
 
 import redis  # noqa: E402
 from celery import Celery  # noqa: E402

@@ -8,6 +8,7 @@ import json
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -19,6 +20,7 @@ from django.contrib.auth.models import Permission, User  # noqa: E402
 from django.test import Client, override_settings  # noqa: E402
 
 from celery_idem import Idempotency, State  # noqa: E402
+from celery_idem.errors import StoreUnavailableError  # noqa: E402
 from celery_idem.records import Identity  # noqa: E402
 from celery_idem.stores import MemoryStore  # noqa: E402
 
@@ -44,10 +46,10 @@ def idem() -> Iterator[Idempotency]:
     idem.disconnect()
 
 
-def user(*perms: str) -> Client:
+def user(*perms: str, csrf: bool = False) -> Client:
     person = User.objects.create_user(f"u-{uuid.uuid4().hex[:8]}", is_staff=True)
     person.user_permissions.set(Permission.objects.filter(content_type__app_label="celery_idem", codename__in=perms))
-    client = Client()
+    client = Client(enforce_csrf_checks=csrf)
     client.force_login(person)
     return client
 
@@ -93,7 +95,7 @@ def test_release_frees_a_stuck_record_and_never_a_settled_one(idem: Idempotency)
     answer = client.post(URL, {"action": "release", "selected": selected(made["stuck"], made["done"])}, follow=True)
     assert answer.status_code == 200
     text = answer.content.decode()
-    assert "Released 1 record(s)." in text and "1 settled record(s) were not released" in text
+    assert "Released 1 record(s)." in text and "1 record(s) were not released: settled" in text
     assert idem.store.get(made["stuck"]) is None
     done = idem.store.get(made["done"])
     assert done is not None and done.state is State.COMPLETED
@@ -138,3 +140,95 @@ def test_the_ledger_entries_are_listed_read_only() -> None:
     client.force_login(admin_user)
     assert client.get("/admin/celery_idem/ledgerentry/").status_code == 200
     assert client.get("/admin/celery_idem/ledgerentry/add/").status_code == 403
+
+
+# ---- the release is one fenced write; the page survives a store that fails --------------------------
+
+
+def test_admin_release_never_deletes_a_record_that_completed_between_its_read_and_its_delete(
+    idem: Idempotency, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The release reads the record (IN_PROGRESS, stuck-looking), then calls forget(), which deletes in
+    any state. The attempt completes in between (its lease only looked stuck: a slow store, a GC pause,
+    an operator releasing the 'running' row): the COMPLETED outcome is deleted and the next call with
+    the key runs the effect again."""
+    store = idem.store
+    identity = Identity("", TASK, f"k-{uuid.uuid4().hex[:6]}")
+    taken = store.acquire(identity, FP, "task-1", lease_seconds=60, ttl_seconds=600)
+    assert taken.record is not None
+    real_get = store.get
+
+    def get_then_the_attempt_completes(ident: Identity) -> Any:
+        seen = real_get(ident)
+        store.complete(identity, taken.record.owner, b'{"paid": 5}')  # the running attempt lands now
+        return seen
+
+    monkeypatch.setattr(store, "get", get_then_the_attempt_completes)
+    client = user("view_record", "change_record")
+    client.post(URL, {"action": "release", "selected": selected(identity)})
+    monkeypatch.undo()
+    record = store.get(identity)
+    assert record is not None and record.state is State.COMPLETED, (
+        f"the admin's release deleted a COMPLETED record ({record}): the next call runs the effect again"
+    )
+
+
+def test_admin_release_with_the_store_down_is_a_message_not_a_server_error(
+    idem: Idempotency, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def down(*_: Any, **__: Any) -> Any:
+        raise StoreUnavailableError("connection refused")
+
+    monkeypatch.setattr(idem.store, "get", down)
+    monkeypatch.setattr(idem.store, "now", down)
+    client = user("view_record", "change_record", "reconcile_record")
+    ident = Identity("", TASK, "k")
+    for action in ("release", "reconcile"):
+        try:
+            response = client.post(URL, {"action": action, "selected": selected(ident)})
+        except StoreUnavailableError as exc:
+            pytest.fail(f"POST action={action} with the store down is a 500: {exc!r}")
+        assert response.status_code == 302
+
+
+def test_admin_list_with_a_store_that_cannot_be_built_shows_the_error() -> None:
+    # A store that cannot be built (none configured, not eager) is said on the page, not a 500
+    app = Celery("atk2nostore", broker="memory://", set_as_current=False)
+    idem = Idempotency(app)  # no store, not eager: ConfigurationError at first use
+    previous = current_app._get_current_object()
+    app.set_current()
+    try:
+        client = user("view_record")
+        try:
+            page = client.get(URL)
+        except Exception as exc:  # noqa: BLE001
+            pytest.fail(f"the list page is a 500 when the store cannot be built: {exc!r}")
+        assert page.status_code == 200 and "could not be read" in page.content.decode()
+    finally:
+        previous.set_current()
+        idem.disconnect()
+
+
+def test_admin_actions_need_the_csrf_token(idem: Idempotency) -> None:
+    identity = Identity("", TASK, "k-csrf")
+    idem.store.acquire(identity, FP, "t", lease_seconds=0.01, ttl_seconds=600)
+    client = user("view_record", "change_record", csrf=True)
+    response = client.post(URL, {"action": "release", "selected": selected(identity)})
+    assert response.status_code == 403 and idem.store.get(identity) is not None
+
+
+def test_admin_escapes_keys_and_task_names(idem: Idempotency) -> None:
+    evil_task = 'atk2.<script>alert("t")</script>'
+    identity = Identity("", evil_task, "<img/src=x/onerror=alert(1)>")
+    idem.store.acquire(identity, FP, "t", lease_seconds=60, ttl_seconds=600)
+    page = user("view_record").get(URL, {"q": '"><svg onload=alert(2)>'}).content.decode()
+    page_all = user("view_record").get(URL).content.decode()
+    assert "<script>alert" not in page_all and "<img/src=x" not in page_all and "<svg onload" not in page
+
+
+def test_admin_forged_identities_with_invalid_keys_do_not_crash(idem: Idempotency) -> None:
+    client = user("view_record", "change_record", "reconcile_record")
+    forged = [json.dumps(["", TASK, "a b"]), json.dumps(["", TASK, ""]), json.dumps(["x" * 300, TASK, "k" * 100000])]
+    for action in ("release", "reconcile"):
+        response = client.post(URL, {"action": action, "selected": forged})
+        assert response.status_code == 302

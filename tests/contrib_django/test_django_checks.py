@@ -210,3 +210,24 @@ def test_manage_py_check_reads_the_django_settings_through_celerys_namespace(pro
     with override_settings(CELERY_IDEMPOTENCY_STORE="redis://localhost:6379/2", CELERY_IDEMPOTENCY_LEASE_SECONDS=30):
         django_app()
         call_command("check")
+
+
+def test_checks_survive_a_task_with_many_backoff_retries(project: Any) -> None:
+    from celery_idem import Idempotency, IdempotentTask
+
+    """max_retries=1100 with retry_backoff: 2.0**n overflows a float at n=1024 (OverflowError)."""
+    app = project(IDEMPOTENCY_STORE="redis://localhost:6379/2")
+    Idempotency(app)
+    app.task(
+        name="djshop.patient",
+        base=IdempotentTask,
+        autoretry_for=(OSError,),
+        retry_backoff=True,
+        max_retries=1100,
+        shared=False,
+    )(_noop)
+    try:
+        found = [m.id for m in checks.run_checks(tags=["celery_idem"])]
+    except OverflowError as exc:
+        pytest.fail(f"manage.py check crashed: {exc!r}")
+    assert "celery_idem.W012" in found

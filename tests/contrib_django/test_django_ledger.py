@@ -23,6 +23,7 @@ pytest.importorskip("django", reason="celery_idem.contrib.django needs the djang
 
 import django_project  # noqa: E402 - configures Django for this module
 from celery import Celery  # noqa: E402
+from celery.exceptions import SoftTimeLimitExceeded  # noqa: E402
 from django.db import OperationalError, connections, transaction  # noqa: E402
 from django_project import require_alias, shop_env  # noqa: E402
 from storefront.models import Payment  # noqa: E402
@@ -72,11 +73,12 @@ def pay_app(
     effect_seconds: float = 0.0,
     after: Callable[[], None] | None = None,
     read_by_app: bool = True,
+    propagates: bool = True,
 ) -> Celery:
     """One worker's view: an eager app with its own memory store and the idempotent task ``djledger.pay``."""
     app = Celery("djledger", set_as_current=False)
     app.conf.task_always_eager = True
-    app.conf.task_eager_propagates = True
+    app.conf.task_eager_propagates = propagates
     Idempotency(app, ledger=ledger if read_by_app else None)
 
     @app.task(base=IdempotentTask, bind=True, shared=False, name=TASK)
@@ -689,3 +691,88 @@ def test_a_task_body_running_an_idempotent_task_inline_in_its_atomic_block_then_
         checkout.apply((order,), throw=True).get(disable_sync_subtasks=False)
     checkout.apply((order,), throw=True).get(disable_sync_subtasks=False)  # the retry
     assert len(payments(ledger, order)) == 1, f"the checkout succeeded with no payment (fn ran {len(calls)} time)"
+
+
+# ---- which attempts count as joined, and what a joined one may store -------------------------------
+
+
+def test_a_call_under_manual_transactions_is_not_stored_done_before_its_commit(ledger: DjangoLedger) -> None:
+    # Under manual transactions (AUTOCOMMIT=False, set_autocommit(False)) atomic() opens and commits
+    # nothing: the caller's rollback decides. (On SQLite, Django's RELEASE of the savepoint outside a
+    # transaction commits the row with the payment: then both stand.)
+    order = uuid.uuid4().int % 2_000_000_000
+    calls: list[str] = []
+    app = pay_app(ledger, calls)
+    transaction.set_autocommit(False, using=ledger.using)
+    try:
+        app.tasks[TASK].apply_async((order, 500), idempotency_key="k").get()
+        transaction.rollback(using=ledger.using)
+    finally:
+        transaction.set_autocommit(True, using=ledger.using)
+    record = Idempotency.of(app).get(TASK, "k")
+    paid = len(payments(ledger, order))
+    # The store says done only for a payment that stands; and the next call leaves exactly one
+    assert paid == (1 if connections[ledger.using].vendor == "sqlite" else 0)
+    assert (record is not None and record.state is State.COMPLETED) == (paid == 1)
+    again = app.tasks[TASK].apply_async((order, 500), idempotency_key="k").get()
+    assert len(payments(ledger, order)) == 1, f"answered {again!r} from the store, but nothing was paid"
+
+
+def test_a_permanent_failure_after_run_once_in_a_callers_transaction_that_commits_is_not_stored_failed(
+    ledger: DjangoLedger,
+) -> None:
+    """An eager call (task_eager_propagates=False, Celery's default) inside the caller's atomic block:
+    run_once writes the payment and its row in a savepoint, then the body raises a permanent error. The
+    handler asks the ledger on its own connection (nothing committed yet) and stores FAILED. The caller
+    (who got an EagerResult, no exception) commits: the payment and the COMPLETED row stand, and every
+    later call with the key is replayed the failure; the ledger never wins."""
+    order = uuid.uuid4().int % 2_000_000_000
+    calls: list[str] = []
+
+    def receipt_failed() -> None:
+        raise PermanentError("the receipt could not be sent")
+
+    app = pay_app(ledger, calls, propagates=False, after=receipt_failed)
+    with transaction.atomic(using=ledger.using):
+        app.tasks[TASK].apply_async((order, 500), idempotency_key="k")
+    entry = ledger.lookup(Identity("", TASK, "k"))
+    assert len(payments(ledger, order)) == 1 and entry is not None and entry.outcome == "COMPLETED"
+    record = Idempotency.of(app).get(TASK, "k")
+    assert record is None or record.state is not State.FAILED, (
+        f"the store says FAILED ({record.error}) for a payment whose ledger row committed"
+    )
+
+
+def test_a_soft_time_limit_in_the_release_of_an_uncommitted_row_does_not_store_it_done(
+    ledger: DjangoLedger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """when_committed frees the key of a row that is not committed; SoftTimeLimitExceeded striking in
+    that release reaches _run_owned's handler, whose defer_value has the heartbeat COMPLETE the record
+    unconditionally. The caller then rolls back: nothing paid, the key answered 'paid' for its TTL."""
+    order = uuid.uuid4().int % 2_000_000_000
+    calls: list[str] = []
+    app = pay_app(ledger, calls)
+    idem = Idempotency.of(app)
+    store = idem.store
+    real_release = store.release
+    struck = []
+
+    def release(*args: Any, **kwargs: Any) -> Any:
+        if not struck:
+            struck.append(1)
+            raise SoftTimeLimitExceeded()
+        return real_release(*args, **kwargs)
+
+    monkeypatch.setattr(store, "release", release)
+    with pytest.raises(RuntimeError), transaction.atomic(using=ledger.using):
+        app.tasks[TASK].apply_async((order, 500), idempotency_key="k").get()
+        raise RuntimeError("the caller rolls back")
+    assert struck and len(payments(ledger, order)) == 0
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        record = store.get(Identity("", TASK, "k"))
+        if record is not None and record.state is State.COMPLETED:
+            break
+        time.sleep(0.1)
+    again = app.tasks[TASK].apply_async((order, 500), idempotency_key="k").get()
+    assert len(payments(ledger, order)) == 1, f"answered {again!r} from the store, but nothing was paid"

@@ -11,6 +11,7 @@ apps and the ``db`` fixture (SQLite, then PostgreSQL) are tests/ledger_shop.py's
 
 from __future__ import annotations
 
+import time
 import uuid
 from types import SimpleNamespace
 from typing import Any
@@ -19,9 +20,9 @@ import ledger_shop
 import pytest
 import sqlalchemy as sa
 from celery import Celery
-from ledger_shop import TASK, CardDeclined, Db, body_app, pay, shop_app
+from ledger_shop import TASK, CardDeclined, Db, body_app, pay, payments_table, shop_app
 
-from celery_idem import ConfigurationError, Idempotency, MemoryStore, State
+from celery_idem import ConfigurationError, Idempotency, IdempotentTask, MemoryStore, State
 from celery_idem.ledger import Ledger
 from celery_idem.records import Identity
 
@@ -422,3 +423,84 @@ def test_a_ledger_table_made_before_namespaces_keeps_working(db: Db, key: str) -
             pay(elsewhere, 19, 190, key)
     finally:
         legacy.drop(db.engine, checkfirst=True)
+
+
+def test_stands_on_an_in_memory_sqlite_engine_does_not_read_the_callers_uncommitted_row() -> None:
+    # An in-memory SQLite engine (SingletonThreadPool: one connection per thread) would hand stands()
+    # the caller's own connection, which sees its uncommitted row
+    engine = sa.create_engine("sqlite://")
+    ledger = Ledger(engine, table_name=f"ledger_{uuid.uuid4().hex[:8]}")
+    ledger.create_schema()
+    payments = payments_table(sa.MetaData(), f"payments_{uuid.uuid4().hex[:8]}")
+    payments.create(engine)
+    app = Celery("atk2-mem", set_as_current=False)
+    app.conf.task_always_eager = True
+    app.conf.task_eager_propagates = True
+    Idempotency(app, store=MemoryStore(), ledger=ledger)
+    callers: list[sa.Connection] = []
+
+    @app.task(base=IdempotentTask, bind=True, shared=False, name=TASK)
+    def charge(self: Any, order_id: int, amount: int) -> Any:
+        def effect(session: Any) -> dict[str, Any]:
+            session.execute(sa.insert(payments).values(order_id=order_id, amount=amount, task_id=self.request.id))
+            return {"paid": amount}
+
+        return ledger.run_once(self, effect, session=callers[-1])
+
+    with engine.connect() as caller:
+        callers.append(caller)
+        caller.begin()
+        charge.apply_async((1, 100), idempotency_key="k").get()
+        caller.rollback()
+    record = Idempotency.of(app).get(TASK, "k")
+    assert record is None or record.state is not State.COMPLETED, (
+        "stands() read the caller's own uncommitted row: the store says COMPLETED for a rolled-back payment"
+    )
+
+
+def test_a_joined_row_the_ledger_cannot_vouch_for_frees_its_key_and_is_never_completed_from_the_backend(
+    db: Db, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The ledger cannot say whether the joined row committed (it rolled back); Celery stores the body's
+    # value as SUCCESS in the result backend, as a worker's trace does (task_store_eager_result)
+    app = Celery("atk2-rec", backend="cache+memory://", set_as_current=False)
+    app.conf.task_always_eager = True
+    app.conf.task_store_eager_result = True  # as a worker's trace does: SUCCESS in the backend
+    app.conf.task_eager_propagates = True
+    idem = Idempotency(
+        app,
+        store=MemoryStore(),
+        ledger=db.ledger,
+        lease_seconds=0.3,
+        stale_grace_seconds=0,
+        inspect_timeout_seconds=0.1,
+    )
+    callers: list[sa.Connection] = []
+
+    @app.task(base=IdempotentTask, bind=True, shared=False, name=TASK)
+    def charge(self: Any, order_id: int, amount: int) -> Any:
+        def effect(session: Any) -> dict[str, Any]:
+            session.execute(sa.insert(db.payments).values(order_id=order_id, amount=amount, task_id=self.request.id))
+            return {"paid": amount}
+
+        return db.ledger.run_once(self, effect, session=callers[-1])
+
+    def ledger_down(attempt: Any) -> bool:
+        raise sa.exc.OperationalError("SELECT", {}, Exception("server closed the connection"))
+
+    monkeypatch.setattr(db.ledger, "stands", ledger_down)
+    with db.engine.connect() as caller:
+        callers.append(caller)
+        caller.begin()
+        charge.apply_async((2, 200), idempotency_key=key).get()
+        caller.rollback()
+    assert db.payment_rows() == [] and db.ledger_rows() == []
+    # The ledger could not say: the key is freed (not left IN_PROGRESS for the reconciler to settle
+    # from the result backend's SUCCESS), and nothing reports the rolled-back payment done
+    time.sleep(0.5)
+    idem.reconcile(identities=[Identity("", TASK, key)])
+    record = idem.get(TASK, key)
+    assert record is None or record.state is not State.COMPLETED, (
+        f"the reconciler completed {key} from the result backend ({record.result!r}) though the ledger "
+        "holds no row: the rolled-back payment is reported done"
+    )

@@ -5,9 +5,10 @@ through the ``Idempotency`` of the project's Celery app (``celery.current_app``,
 ``proj/__init__.py`` sets as Celery's Django guide does). It lists at most :data:`LIMIT` records,
 filters by state and task, searches by key and task id, and offers, each behind its permission:
 
-- **Release** (``celery_idem.change_record``): remove a stuck PENDING or IN_PROGRESS record, so the
-  next call with its key runs (a running attempt is fenced out: its writes are LOST). A settled
-  record is not released: its outcome stands.
+- **Release** (``celery_idem.change_record``): free a stuck record (PENDING, or IN_PROGRESS past
+  its lease), so the next call with its key runs: one write fenced by the task id read from it, so
+  a record that completed or was taken over meanwhile is never deleted. A settled record, or one
+  still running under its lease, is not released.
 - **Reconcile** (``celery_idem.reconcile_record``): run the reconciler on the selection; records
   whose lease still runs are left alone.
 
@@ -30,6 +31,7 @@ from django.urls import URLPattern, path
 from ...errors import IdempotencyError
 from ...extension import Idempotency
 from ...records import IdempotencyRecord, Identity, State
+from ...runtime import installed_on
 from .models import LedgerEntry, Record
 
 __all__ = ["LIMIT", "LedgerEntryAdmin", "RecordAdmin"]
@@ -64,16 +66,24 @@ class RecordAdmin(_RecordAdmin):
     def changelist_view(self, request: HttpRequest, extra_context: dict[str, Any] | None = None) -> HttpResponse:
         if not self.has_view_or_change_permission(request):
             raise PermissionDenied
-        idem = Idempotency.of(current_app)
-        if request.method == "POST":
+        app = current_app._get_current_object()
+        idem = installed_on(app)
+        if request.method == "POST" and isinstance(idem, Idempotency):
             self._act(request, idem)
             return HttpResponseRedirect(request.get_full_path())
+        if request.method == "POST":
+            raise PermissionDenied
         state, task, query = request.GET.get("state", ""), request.GET.get("task", ""), request.GET.get("q", "").strip()
-        try:
-            records = idem.store.records(state=State(state) if state else None, task_name=task or None, limit=LIMIT)
-            error = ""
-        except (IdempotencyError, ValueError) as exc:
-            records, error = [], f"the store could not be read: {exc}"
+        records: list[IdempotencyRecord] = []
+        store, error = "", ""
+        if not isinstance(idem, Idempotency):
+            error = f"celery-idem is not installed on the Celery app {app.main!r} (celery.current_app)"
+        else:
+            try:
+                store = repr(idem.store)
+                records = idem.store.records(state=State(state) if state else None, task_name=task or None, limit=LIMIT)
+            except (IdempotencyError, ValueError) as exc:
+                error = f"the store could not be read: {exc}"
         if query:
             records = [r for r in records if query in r.key or query == r.task_id]
         context = {
@@ -88,7 +98,7 @@ class RecordAdmin(_RecordAdmin):
             "q": query,
             "limit": LIMIT,
             "error": error,
-            "store": repr(idem.store),
+            "store": store,
             "can_release": self.has_change_permission(request),
             "can_reconcile": self.has_reconcile_permission(request),
             **(extra_context or {}),
@@ -96,6 +106,12 @@ class RecordAdmin(_RecordAdmin):
         return TemplateResponse(request, "admin/celery_idem/record/change_list.html", context)
 
     def _act(self, request: HttpRequest, idem: Idempotency) -> None:
+        try:
+            self._run_action(request, idem)
+        except IdempotencyError as exc:
+            messages.error(request, f"The store could not be changed: {exc}")
+
+    def _run_action(self, request: HttpRequest, idem: Idempotency) -> None:
         action = request.POST.get("action", "")
         selected = [identity for value in request.POST.getlist("selected") if (identity := _identity(value))]
         if not selected:
@@ -119,18 +135,25 @@ class RecordAdmin(_RecordAdmin):
             messages.error(request, f"Unknown action {action!r}.")
 
     def _release(self, request: HttpRequest, idem: Idempotency, selected: list[Identity]) -> None:
-        released, settled = 0, 0
+        """One fenced write per record: the store frees it only while it is PENDING, or IN_PROGRESS
+        past its lease, under the task id read from it; a record that completed or was taken over
+        since the page was read is LOST to the write, never deleted."""
+        released, kept = 0, 0
         for identity in selected:
             record = idem.store.get(identity)
             if record is None:
                 continue
-            if record.state.settled:
-                settled += 1  # its outcome stands: forgetting it is `celery idem forget`, on purpose
-                continue
-            released += idem.store.forget(identity)
+            if idem.store.release(identity, record.task_id, fence="task_id").ok:
+                released += 1
+            else:
+                kept += 1
         messages.success(request, f"Released {released} record(s).")
-        if settled:
-            messages.warning(request, f"{settled} settled record(s) were not released: their outcome stands.")
+        if kept:
+            messages.warning(
+                request,
+                f"{kept} record(s) were not released: settled (their outcome stands) or still running under "
+                "their lease.",
+            )
 
 
 @admin.register(LedgerEntry)

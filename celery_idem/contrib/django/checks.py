@@ -220,10 +220,20 @@ def _retry_horizon(task: Any) -> float | None:
         return None
     backoff = getattr(task, "retry_backoff", False)
     if getattr(task, "autoretry_for", ()) and backoff:
-        base = 1.0 if backoff is True else float(backoff)
-        cap = float(getattr(task, "retry_backoff_max", 600) or 600)
-        return float(sum(min(cap, base * 2.0**n) for n in range(retries)))
-    delay = getattr(task, "default_retry_delay", None)
-    if not isinstance(delay, (int, float)) or isinstance(delay, bool):
+        try:
+            base = 1.0 if backoff is True else float(backoff)
+            cap = float(getattr(task, "retry_backoff_max", 600) or 600)
+        except (TypeError, ValueError):
+            return None
+        if not (base > 0 and cap > 0):
+            return None
+        total, step = 0.0, base
+        for n in range(retries):  # doubling until the cap (a few dozen steps), then the cap for the rest
+            if step >= cap:
+                return total + cap * (retries - n)
+            total, step = total + step, step * 2
+        return total
+    fixed = getattr(task, "default_retry_delay", None)
+    if not isinstance(fixed, (int, float)) or isinstance(fixed, bool):
         return None
-    return float(delay) * retries
+    return float(fixed) * retries

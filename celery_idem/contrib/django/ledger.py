@@ -38,7 +38,7 @@ from django.db import (
 from django.db.models.functions import Now
 
 from ...errors import ConfigurationError, LedgerUnavailableError
-from ...ledger.calls import COMMITTED, UNSETTLED, LedgerCall, second_call
+from ...ledger.calls import COMMITTED, UNSETTLED, LedgerCall, after_ambiguous_commit, second_call
 from ...outcome import encode_result
 from ...records import Identity, State, identity_id
 
@@ -131,7 +131,10 @@ class DjangoLedger:
                 return fn()
         self._check_alias()
         self._refuse_second_call(call)
-        own = not transaction.get_connection(self.using).in_atomic_block
+        connection = transaction.get_connection(self.using)
+        # Its own transaction only in autocommit mode outside any atomic block: under manual
+        # transactions (AUTOCOMMIT=False, set_autocommit(False)) atomic() opens and commits nothing.
+        own = connection.get_autocommit() and not connection.in_atomic_block
         call.touch(self)
         committed: LedgerEntry | None = None
         commit = _Commit()
@@ -165,19 +168,7 @@ class DjangoLedger:
         identity = call.identity
         entries = self._entries()
         try:
-            with transaction.atomic(using=self.using):  # its own savepoint: a refused INSERT leaves the rest usable
-                entries.create(
-                    id=self._id(identity),
-                    namespace=self.namespace,
-                    scope=identity.scope,
-                    task_name=identity.task_name,
-                    key=identity.key,
-                    task_id=call.task_id,
-                    fingerprint=call.fingerprint,
-                    nonce=call.nonce,
-                    outcome=UNSETTLED,
-                    committed_at=Now(),
-                )
+            self._insert(call, call.nonce)
         except IntegrityError:
             return self._committed(identity), None  # type: ignore[return-value]
         value = fn()
@@ -188,6 +179,23 @@ class DjangoLedger:
         if stored != 1:
             raise ConfigurationError(f"fn deleted the ledger row of {identity} that run_once wrote before it")
         return None, value
+
+    def _insert(self, call: LedgerCall, nonce: str | None) -> None:
+        """The identity's row, in a savepoint of its own: a refused INSERT leaves the rest usable."""
+        identity = call.identity
+        with transaction.atomic(using=self.using):
+            self._entries().create(
+                id=self._id(identity),
+                namespace=self.namespace,
+                scope=identity.scope,
+                task_name=identity.task_name,
+                key=identity.key,
+                task_id=call.task_id,
+                fingerprint=call.fingerprint,
+                nonce=nonce,
+                outcome=UNSETTLED,
+                committed_at=Now(),
+            )
 
     def _committed(self, identity: Identity) -> LedgerEntry:
         """The row that made the primary key refuse ours: this transaction's view, else a fresh one
@@ -227,22 +235,8 @@ class DjangoLedger:
                     break
                 time.sleep(pause)
                 pause = min(pause * 2, 1.0)
-        if not known or entry is None:
-            logger.warning(
-                "COMMIT of %s failed (%s); %s",
-                identity,
-                failed,
-                "the ledger holds no row of it" if known else "the ledger could not be asked",
-            )
-            raise failed
-        ours = entry.nonce == call.nonce
-        logger.warning(
-            "COMMIT of %s raised %s but %s row is committed: its outcome stands",
-            identity,
-            failed,
-            "its" if ours else "another attempt's",
-        )
-        return None if ours else entry
+        committed: LedgerEntry | None = after_ambiguous_commit(identity, call.nonce, failed, known, entry)
+        return committed
 
     def _probe(self, call: LedgerCall, deadline: float) -> tuple[bool, LedgerEntry | None]:
         identity = call.identity
@@ -250,19 +244,7 @@ class DjangoLedger:
             connection = connections[self.using]
             _wait_at_most(connection, deadline - time.monotonic(), local=True)
             try:
-                with transaction.atomic(using=self.using):
-                    self._entries().create(
-                        id=self._id(identity),
-                        namespace=self.namespace,
-                        scope=identity.scope,
-                        task_name=identity.task_name,
-                        key=identity.key,
-                        task_id=call.task_id,
-                        fingerprint=call.fingerprint,
-                        nonce=None,
-                        outcome=UNSETTLED,
-                        committed_at=Now(),
-                    )
+                self._insert(call, None)
             except IntegrityError:
                 return True, self._committed(identity)
             transaction.set_rollback(True, using=self.using)  # the probe never commits
