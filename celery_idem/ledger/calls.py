@@ -110,9 +110,13 @@ class LedgerCall:
         self.attempt.ledger_nonce, self.attempt.ledger = self.nonce, ledger
         warn_if_unread(ledger, self.task)
 
-    def ended(self, committed: bool) -> None:
-        """The transaction ended: the row is known committed, or stands on the caller's transaction."""
-        self.attempt.ledger_nonce = COMMITTED if committed else self.nonce
+    def ended(self, committed: bool, answered_by: CommittedEntry | None = None) -> None:
+        """What the attempt stands on once run_once is done: a row known committed (its own
+        transaction's, or another attempt's that refused ours there), else the row in the transaction
+        it joined: its own, or the one that refused ours, which the joined transaction may hold
+        uncommitted (an earlier call in it). The handler asks the ledger about that row's nonce."""
+        answering = getattr(answered_by, "nonce", None) if answered_by is not None else None
+        self.attempt.ledger_nonce = COMMITTED if committed else (answering or self.nonce)
 
     def answer(self, committed: CommittedEntry) -> Any:
         """What this call returns when another attempt committed the identity's row first.

@@ -97,7 +97,7 @@ class Ledger(LedgerTransactions):
             call.ended(committed=True)
         else:
             committed, value = self._record(connection_of(session), identity, row, fn, call.serializer)
-            call.ended(committed=committed is not None)
+            call.ended(committed=False, answered_by=committed)
         return value if committed is None else call.answer(committed)
 
     def _refuse_second_call(

@@ -776,3 +776,21 @@ def test_a_soft_time_limit_in_the_release_of_an_uncommitted_row_does_not_store_i
         time.sleep(0.1)
     again = app.tasks[TASK].apply_async((order, 500), idempotency_key="k").get()
     assert len(payments(ledger, order)) == 1, f"answered {again!r} from the store, but nothing was paid"
+
+
+def test_a_second_call_in_the_same_callers_transaction_is_not_stored_done_from_its_uncommitted_row(
+    ledger: DjangoLedger, order: int
+) -> None:
+    # Two calls with one key inside one atomic block (a view that retries): the second's row is
+    # refused by the first's, which the same transaction holds uncommitted; then the caller rolls back
+    calls: list[str] = []
+    app = pay_app(ledger, calls)
+    with pytest.raises(RuntimeError), transaction.atomic(using=ledger.using):
+        pay(app, order, 500, "k")
+        pay(app, order, 500, "k")
+        raise RuntimeError("the caller rolls back")
+    assert payments(ledger, order) == [] and ledger.lookup(Identity("", TASK, "k")) is None
+    record = Idempotency.of(app).get(TASK, "k")
+    assert record is None or record.state is not State.COMPLETED
+    pay(app, order, 500, "k")
+    assert len(payments(ledger, order)) == 1

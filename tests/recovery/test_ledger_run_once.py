@@ -504,3 +504,29 @@ def test_a_joined_row_the_ledger_cannot_vouch_for_frees_its_key_and_is_never_com
         f"the reconciler completed {key} from the result backend ({record.result!r}) though the ledger "
         "holds no row: the rolled-back payment is reported done"
     )
+
+
+def test_a_second_call_in_one_open_transaction_is_not_stored_done_from_the_first_calls_row(db: Db, key: str) -> None:
+    calls: list[str] = []
+    callers: list[sa.Connection] = []
+
+    def body(self: Any, order_id: int, amount: int) -> Any:
+        def effect(session: Any) -> dict[str, Any]:
+            calls.append(self.request.id)
+            session.execute(sa.insert(db.payments).values(order_id=order_id, amount=amount, task_id=self.request.id))
+            return {"paid": amount}
+
+        return db.ledger.run_once(self, effect, session=callers[-1])
+
+    app = body_app(body)
+    # Two calls with one key in one transaction of the caller's: the second's row is refused by the
+    # first's, uncommitted in that same transaction; then the caller rolls back
+    with db.engine.connect() as caller:
+        callers.append(caller)
+        caller.begin()
+        pay(app, 3, 300, key)
+        pay(app, 3, 300, key)
+        caller.rollback()
+    assert db.payment_rows() == [] and db.ledger_rows() == []
+    record = Idempotency.of(app).get(TASK, key)
+    assert record is None or record.state is not State.COMPLETED

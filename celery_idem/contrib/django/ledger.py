@@ -156,7 +156,7 @@ class DjangoLedger:
             committed = self._settle_commit(call, failed)
             if committed is None:
                 commit.run_callbacks()  # ours committed: the on_commit work fn registered runs after all
-        call.ended(committed=own or committed is not None)
+        call.ended(committed=own, answered_by=committed)
         return value if committed is None else call.answer(committed)
 
     def _record(self, call: LedgerCall, fn: Callable[[], T]) -> tuple[LedgerEntry | None, T]:
