@@ -112,6 +112,13 @@ def store_url(kind: str, tmp_path: Any) -> str:
 
 
 def make_store(kind: str, tmp_path: Any, prefix: str, **options: Any) -> Store:
+    if kind == "django":
+        # The django:// store on Django's PostgreSQL database (tests/django_project.py: a schema of
+        # this process, migrated): the SQL store built from DATABASES, tables from the migration.
+        import django_project
+
+        django_project.require_alias("postgresql")
+        return store_from_url("django://postgresql", key_prefix=prefix, **options)
     require_server(kind)
     return store_from_url(store_url(kind, tmp_path), key_prefix=prefix, **options)
 
@@ -123,7 +130,7 @@ def wipe(store: Store) -> None:
         keys = list(client.scan_iter(match=f"{{{store.key_prefix}:*", count=1000))
         for start in range(0, len(keys), 500):
             client.delete(*keys[start : start + 500])
-    elif type(store).__name__ == "SQLStore":
+    elif type(store).__name__ in ("SQLStore", "DjangoStore"):
         import sqlalchemy as sa
 
         table = store.table  # type: ignore[attr-defined]

@@ -8,7 +8,11 @@ URL                                                        store             ext
 ``postgresql+psycopg://``, ``postgresql://``,              SQLStore          ``celery-idem[sql]``
 ``sqlite:///path``
 ``memory://``                                              MemoryStore       (none)
+``django://``, ``django://<alias>``                        DjangoStore       ``celery-idem[sql,django]``
 =========================================================  ================  =====================
+
+A package adds a scheme with :func:`register_scheme` (``celery_idem.contrib.django`` adds
+``django://`` when Django starts it, from ``INSTALLED_APPS``).
 """
 
 from __future__ import annotations
@@ -42,8 +46,14 @@ __all__ = [
     "Store",
     "Transition",
     "Wait",
+    "register_scheme",
     "store_from_url",
 ]
+
+# Schemes packages register (register_scheme): scheme -> a class with from_url(url, **options).
+_REGISTERED: dict[str, Any] = {}
+# Schemes a package of ours registers once it is set up, and what that takes.
+_NEEDS = {"django": "'celery_idem.contrib.django' in INSTALLED_APPS, and Django set up (django.setup())"}
 
 _REDIS = ("redis", "rediss", "redis+sentinel", "redis+cluster", "unix")
 _SQL = ("postgresql", "postgresql+psycopg", "postgres", "sqlite", "sqlite+pysqlite")
@@ -73,8 +83,17 @@ def store_from_url(url: str, **options: Any) -> Store:
         from .sql import SQLStore
 
         return _opened(SQLStore, url, options)
-    known = ", ".join(f"{s}://" for s in ("memory", *_REDIS, *_SQL))
+    if scheme in _REGISTERED:
+        return _opened(_REGISTERED[scheme], url, options)
+    if scheme in _NEEDS:
+        raise ConfigurationError(f"the store URL {url!r} needs {_NEEDS[scheme]}")
+    known = ", ".join(f"{s}://" for s in ("memory", *_REDIS, *_SQL, *_REGISTERED))
     raise ConfigurationError(f"unknown store URL scheme {scheme!r} in {url!r}; use one of {known}")
+
+
+def register_scheme(scheme: str, cls: Any) -> None:
+    """Let :func:`store_from_url` build ``cls.from_url(url, **options)`` for ``scheme://`` URLs."""
+    _REGISTERED[scheme.lower()] = cls
 
 
 def _opened(cls: Any, url: str, options: dict[str, Any]) -> Store:

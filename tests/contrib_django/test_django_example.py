@@ -27,6 +27,7 @@ from django.test import Client
 from django_shop.celery import app
 from storefront.models import Order, Payment
 app.conf.task_always_eager = True  # the charge runs here, at commit: no worker needed to count it
+app.conf.task_eager_propagates = True  # and its error, if any, fails the run
 order = Order.objects.create(amount=500)
 client = Client()
 statuses = [client.post(f"/checkout/{order.pk}/", headers={"Idempotency-Key": "pay-1"}).status_code for _ in range(3)]
@@ -38,12 +39,17 @@ print(json.dumps({"statuses": statuses, "payments": Payment.objects.filter(order
 """
 
 
-@pytest.mark.parametrize("alias", django_project.ALIASES)
-def test_the_example_project_migrates_checks_and_charges_a_retried_checkout_once(alias: str) -> None:
+@pytest.mark.parametrize(
+    ("alias", "store"),
+    [(alias, "redis") for alias in django_project.ALIASES] + [("sqlite", "django"), ("postgresql", "django")],
+)
+def test_the_example_project_migrates_checks_and_charges_a_retried_checkout_once(alias: str, store: str) -> None:
+    # With store "django", the project runs on its one database: no Redis for idempotency
     require_alias(alias)
     require_server("redis")
     prefix = f"djx{uuid.uuid4().hex[:10]}"
-    env = dict(shop_env(alias), DJANGO_SHOP_STORE=REDIS_URL, DJANGO_SHOP_KEY_PREFIX=prefix)
+    url = REDIS_URL if store == "redis" else "django://"
+    env = dict(shop_env(alias), DJANGO_SHOP_STORE=url, DJANGO_SHOP_KEY_PREFIX=prefix)
 
     def run(*argv: str) -> str:
         done = subprocess.run(

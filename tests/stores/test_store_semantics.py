@@ -9,10 +9,17 @@ import time
 from typing import Any
 
 import pytest
-from conftest import make_store, wipe
+from conftest import STORE_KINDS, make_store, wipe
 
 from celery_idem.records import Decision, ErrorInfo, Identity, State, Transition
 from celery_idem.stores import Store
+
+
+@pytest.fixture(params=(*STORE_KINDS, "django"))
+def store_kind(request: pytest.FixtureRequest) -> str:
+    """Every store, and the django:// store (the SQL store on a database of Django's settings)."""
+    return str(request.param)
+
 
 ID = Identity("", "shop.charge", "order-42")
 FP, OTHER_FP = "a" * 64, "b" * 64
@@ -787,7 +794,7 @@ def test_acquire_takes_a_record_that_went_back_to_pending_while_it_looked(store:
     # Given an attempt holding the record
     held = acquire(store).record
     assert held is not None
-    if type(store).__name__ == "SQLStore":
+    if type(store).__name__ in ("SQLStore", "DjangoStore"):
         # the SQL store decides BUSY in a statement after its upsert declined: the attempt releases
         # to PENDING (a Celery retry queued) exactly between the two
         run = store._run  # type: ignore[attr-defined]

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.apps import AppConfig
 from django.core import checks
 
 
 class CeleryIdemConfig(AppConfig):
-    """Registers celery-idem's system checks when Django starts."""
+    """Registers celery-idem's system checks, and the ``django://`` store URL, when Django starts."""
 
     name = "celery_idem.contrib.django"
     label = "celery_idem"
@@ -15,7 +17,19 @@ class CeleryIdemConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"  # pinned: a project's own default never changes our tables
 
     def ready(self) -> None:
+        from ...stores import register_scheme
         from . import checks as ours
 
         checks.register(ours.check_settings, "celery_idem")
         checks.register(ours.check_delivery, "celery_idem")
+        register_scheme("django", _DjangoStoreURL)
+
+
+class _DjangoStoreURL:
+    """``django://`` for store_from_url: the store (and SQLAlchemy) is imported only when one is built."""
+
+    @staticmethod
+    def from_url(url: str, **options: Any) -> Any:
+        from .store import DjangoStore
+
+        return DjangoStore.from_url(url, **options)

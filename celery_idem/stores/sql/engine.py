@@ -55,7 +55,10 @@ def private_engine(engine: sa.Engine, timeout: float) -> sa.Engine:
     return own
 
 
-def engine_from_url(url: str, timeout: float) -> sa.Engine:
+def engine_from_url(url: str, timeout: float, connect_args: dict[str, Any] | None = None) -> sa.Engine:
+    """An engine for ``url`` with the store's pool and timeouts; ``connect_args`` adds the driver's own
+    (a Django database's OPTIONS)."""
+    extra = dict(connect_args or {})
     scheme, _, rest = url.partition("://")
     if scheme in ("postgresql", "postgres"):
         url = f"postgresql+psycopg://{rest}"  # psycopg 3 is the driver the `sql` extra installs
@@ -65,9 +68,9 @@ def engine_from_url(url: str, timeout: float) -> sa.Engine:
             pool_size=10,
             max_overflow=20,
             pool_timeout=timeout,
-            connect_args={"connect_timeout": max(2, math.ceil(timeout))},  # libpq's minimum is 2 seconds
+            connect_args={"connect_timeout": max(2, math.ceil(timeout)), **extra},  # libpq's minimum is 2 seconds
         )
-    engine = sa.create_engine(url, pool_timeout=timeout, connect_args={"timeout": timeout})
+    engine = sa.create_engine(url, pool_timeout=timeout, connect_args={"timeout": timeout, **extra})
 
     @sa.event.listens_for(engine, "connect")
     def _sqlite_wal(dbapi_connection: Any, _: Any) -> None:

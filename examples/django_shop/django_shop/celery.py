@@ -17,5 +17,6 @@ app.autodiscover_tasks()
 
 # The ledger records each task's outcome in the transaction of its ORM writes; the app's readers
 # (a duplicate's result, the reconciler) ask it too.
-ledger = DjangoLedger()
+# Its namespace is the store's key prefix: apps that share the database keep their rows apart.
+ledger = DjangoLedger(namespace=app.conf.idempotency_key_prefix or "idem")
 Idempotency(app, ledger=ledger)

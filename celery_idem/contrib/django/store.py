@@ -1,0 +1,86 @@
+"""A store on Django's database: ``CELERY_IDEMPOTENCY_STORE = "django://"`` (the ``default``
+database) or ``"django://<alias>"``, so a project with only PostgreSQL (or SQLite) and Django needs
+no Redis for idempotency.
+
+It is the SQL store (:class:`~celery_idem.stores.sql.SQLStore`: every transition one conditional
+statement, the same statements the store semantics suite and the model checker hold every SQL
+store to) on the database ``settings.DATABASES[alias]`` names, through its own connections in
+autocommit mode: a record's transitions never join a business transaction (the ledger is what
+does). Its tables come from the app's migration (``manage.py migrate celery_idem``), which creates
+them through the store's own schema code; the store creates them too if they are missing.
+
+Needs the ``sql`` and ``django`` extras (SQLAlchemy beside Django, psycopg for PostgreSQL). MySQL
+and MariaDB are not supported by the SQL store yet: ``django://`` on one is refused with that reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+
+from ...errors import ConfigurationError
+from ...stores.sql import SQLStore
+from ...stores.sql.engine import engine_from_url
+
+__all__ = ["DjangoStore", "engine_url"]
+
+# Django's OPTIONS that are Django's own, not the driver's.
+_DJANGO_ONLY = {"isolation_level", "server_side_binding", "pool", "assume_role", "init_command", "transaction_mode"}
+
+
+def engine_url(database: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The SQLAlchemy URL and driver arguments of a Django ``DATABASES`` entry.
+
+    Raises:
+        ConfigurationError: a database engine the SQL store does not run on.
+    """
+    engine = str(database.get("ENGINE", ""))
+    options = {k: v for k, v in (database.get("OPTIONS") or {}).items() if k not in _DJANGO_ONLY}
+    if engine.endswith(".sqlite3"):
+        name = str(database.get("NAME", ""))
+        if name in ("", ":memory:") or name.startswith("file:"):
+            raise ConfigurationError(
+                "django:// needs a SQLite database in a file: an in-memory one is private to each connection"
+            )
+        return f"sqlite:///{name}", {}
+    if engine.endswith((".postgresql", ".postgresql_psycopg2")):
+        url = sa.engine.URL.create(
+            "postgresql+psycopg",
+            username=database.get("USER") or None,
+            password=database.get("PASSWORD") or None,
+            host=database.get("HOST") or None,
+            port=int(database["PORT"]) if database.get("PORT") else None,
+            database=database.get("NAME") or None,
+        )
+        return url.render_as_string(hide_password=False), options
+    raise ConfigurationError(
+        f"django:// runs on PostgreSQL and SQLite; this database's ENGINE is {engine!r} "
+        "(MySQL/MariaDB: use a redis:// or postgresql:// store meanwhile)"
+    )
+
+
+class DjangoStore(SQLStore):
+    """The SQL store on a database of Django's settings (``django://<alias>``)."""
+
+    alias: str = "default"
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> DjangoStore:
+        """``django://`` (the ``default`` database) or ``django://<alias>``."""
+        from django.conf import settings
+
+        alias = url.partition("://")[2].strip("/") or "default"
+        databases = settings.DATABASES
+        if alias not in databases:
+            raise ConfigurationError(
+                f"django://{alias}: settings.DATABASES has no such alias (it has {', '.join(sorted(databases))})"
+            )
+        address, connect_args = engine_url(databases[alias])
+        engine = engine_from_url(address, float(options.get("timeout_seconds", 2.0)), connect_args)
+        store = cls(engine, **options)
+        store.alias = alias
+        return store
+
+    def __repr__(self) -> str:
+        return f"DjangoStore(django://{self.alias}, key_prefix={self.key_prefix!r})"
