@@ -92,8 +92,17 @@ def store_from_url(url: str, **options: Any) -> Store:
 
 
 def register_scheme(scheme: str, cls: Any) -> None:
-    """Let :func:`store_from_url` build ``cls.from_url(url, **options)`` for ``scheme://`` URLs."""
-    _REGISTERED[scheme.lower()] = cls
+    """Let :func:`store_from_url` build ``cls.from_url(url, **options)`` for ``scheme://`` URLs.
+
+    One registry per process; registering a scheme again replaces its class.
+
+    Raises:
+        ConfigurationError: ``scheme`` is one of celery-idem's own (``redis``, ``memory``, ...).
+    """
+    name = scheme.lower()
+    if name in ("memory", *_REDIS, *_SQL):
+        raise ConfigurationError(f"{name}:// is one of celery-idem's own store URL schemes: it cannot be registered")
+    _REGISTERED[name] = cls
 
 
 def _opened(cls: Any, url: str, options: dict[str, Any]) -> Store:
@@ -108,9 +117,13 @@ def _opened(cls: Any, url: str, options: dict[str, Any]) -> Store:
         raise ConfigurationError(f"invalid store URL {_redacted(url)} (setting 'store'): {exc}") from exc
     except IdempotencyError:
         raise
+    except ImportError as exc:  # a driver or an extra the store needs is not installed
+        raise ConfigurationError(f"the store URL {_redacted(url)} needs a package that is missing: {exc}") from exc
     except Exception as exc:
-        fix = cls._misconfiguration(exc)
-        if cls._is_mistake(exc) or fix is not None:
+        # A registered scheme's class may have only from_url: Store's own judgement then applies.
+        judge = cls if hasattr(cls, "_misconfiguration") else Store
+        fix = judge._misconfiguration(exc)
+        if judge._is_mistake(exc) or fix is not None:
             raise ConfigurationError(
                 f"invalid store URL {_redacted(url)} (setting 'store'): {type(exc).__name__}: {exc}"
                 + (f"; {fix}" if fix else "")
@@ -119,7 +132,7 @@ def _opened(cls: Any, url: str, options: dict[str, Any]) -> Store:
             f"could not open the idempotency store {_redacted(url)}: {type(exc).__name__}: {exc}; "
             "check that the store is up and the URL is right"
         )
-        error.unexpected = not cls._is_outage(exc)
+        error.unexpected = not judge._is_outage(exc)
         raise error from exc
     store.url = _redacted(url)
     return store

@@ -5,7 +5,9 @@ checks what is its own: the URL, the DATABASES entry it is built from, and the m
 
 from __future__ import annotations
 
+import sys
 import uuid
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -14,6 +16,7 @@ pytest.importorskip("django", reason="celery_idem.contrib.django needs the djang
 
 import django_project  # noqa: E402, F401 - configures Django for this module
 from celery import Celery  # noqa: E402
+from django.conf import settings  # noqa: E402
 from django.core.management import call_command  # noqa: E402
 from django.db import connections  # noqa: E402
 from django_project import require_alias  # noqa: E402
@@ -68,9 +71,11 @@ def test_a_database_entry_becomes_the_engine_url_and_the_drivers_options() -> No
         "PORT": "6432",
         "OPTIONS": {"sslmode": "require", "isolation_level": 1, "pool": True},
     }
-    assert engine_url(entry) == ("postgresql+psycopg://app:p%40ss@db.internal:6432/shop", {"sslmode": "require"})
-    sqlite = {"ENGINE": "django.db.backends.sqlite3", "NAME": "/var/shop.db"}
-    assert engine_url(sqlite) == ("sqlite:////var/shop.db", {})
+    url, options = engine_url(entry)
+    assert url.render_as_string(hide_password=False) == "postgresql+psycopg://app:p%40ss@db.internal:6432/shop"
+    assert options == {"sslmode": "require"}
+    sqlite, _ = engine_url({"ENGINE": "django.db.backends.sqlite3", "NAME": "/var/shop.db"})
+    assert sqlite.drivername == "sqlite" and sqlite.database == "/var/shop.db"
 
 
 @pytest.mark.parametrize(
@@ -94,3 +99,109 @@ def test_without_the_app_set_up_the_scheme_says_what_it_needs(monkeypatch: Any) 
     monkeypatch.setattr(stores, "_REGISTERED", {})
     with pytest.raises(ConfigurationError, match=r"needs 'celery_idem.contrib.django' in INSTALLED_APPS"):
         store_from_url("django://")
+
+
+# ---- what DATABASES holds, and what a registered scheme gets from store_from_url ---------------------
+
+PG = {"ENGINE": "django.db.backends.postgresql", "NAME": "shop", "USER": "app"}
+
+
+# store_from_url's _opened asks the registered class for _misconfiguration/_is_mistake/_is_outage,
+#    which _DjangoStoreURL (and any class following register_scheme's documented contract) lacks:
+#    every error from from_url other than a ConfigurationError becomes an AttributeError.
+def test_a_bad_port_in_databases_is_a_configuration_error_not_an_attribute_error(monkeypatch: Any) -> None:
+    monkeypatch.setitem(settings.DATABASES, "badport", dict(PG, PORT="54x2"))
+    with pytest.raises(ConfigurationError):
+        store_from_url("django://badport")
+
+
+def test_without_sqlalchemy_django_url_says_to_install_the_sql_extra(monkeypatch: Any) -> None:
+    monkeypatch.setitem(sys.modules, "sqlalchemy", None)  # `import sqlalchemy` fails
+    monkeypatch.delitem(sys.modules, "celery_idem.contrib.django.store")
+    with pytest.raises(ConfigurationError):
+        store_from_url("django://sqlite")
+
+
+def test_a_third_party_scheme_with_only_from_url_gets_its_errors_classified(monkeypatch: Any) -> None:
+    from celery_idem import stores
+
+    class Mine:  # what register_scheme's docstring asks for: "a class with from_url(url, **options)"
+        @staticmethod
+        def from_url(url: str, **options: Any) -> Any:
+            raise OSError("connection refused")
+
+    monkeypatch.setitem(stores._REGISTERED, "mine", Mine)
+    from celery_idem.errors import StoreUnavailableError
+
+    with pytest.raises(StoreUnavailableError):
+        store_from_url("mine://x")
+
+
+# HOST as a unix-socket directory (libpq's usual local setup; Cloud SQL's /cloudsql/<instance>):
+#    the rendered URL puts the path into the database name and loses the host.
+@pytest.mark.parametrize("port", [None, "5432"])
+def test_a_unix_socket_host_reaches_the_socket_and_the_named_database(port: str | None) -> None:
+    entry = dict(PG, HOST="/var/run/postgresql", PORT=port)
+    url, _ = engine_url(entry)
+    # the socket directory is libpq's host=, and the database is "shop"
+    assert url.database == "shop" and url.host is None and url.query["host"] == "/var/run/postgresql", url
+
+
+def test_a_unix_socket_host_store_engine_targets_database_shop(monkeypatch: Any) -> None:
+    monkeypatch.setitem(settings.DATABASES, "socket", dict(PG, HOST="/cloudsql/proj:region:inst"))
+    store = DjangoStore.from_url("django://socket")
+    try:
+        assert store.engine.url.database == "shop", store.engine.url
+    finally:
+        store.close()
+
+
+# The migration on PostgreSQL crashes `migrate` when SQLAlchemy is installed but psycopg (3) is
+#    not, e.g. a Django project on psycopg2 that never asked for the sql extra: _store() only
+#    swallows import errors of the module, not the driver's, raised by create_engine.
+def test_the_migration_does_not_crash_migrate_without_psycopg3(monkeypatch: Any) -> None:
+    require_alias("postgresql")
+    migration = __import__("celery_idem.contrib.django.migrations.0002_store", fromlist=["create_tables"])
+    monkeypatch.setitem(sys.modules, "psycopg", None)
+    for name in [m for m in sys.modules if m.startswith("psycopg.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    editor = SimpleNamespace(connection=connections["postgresql"])
+    migration.create_tables(None, editor)  # a no-op: no django:// store without psycopg 3
+
+
+# PostGIS / SpatiaLite are PostgreSQL / SQLite (connection.vendor says so), but ENGINE's suffix
+#    is checked: the store is refused, with a message saying it runs on PostgreSQL, and the
+#    migration silently creates no tables on them.
+@pytest.mark.parametrize(
+    "entry",
+    [
+        dict(PG, ENGINE="django.contrib.gis.db.backends.postgis"),
+        {"ENGINE": "django.contrib.gis.db.backends.spatialite", "NAME": "/tmp/geo.db"},
+    ],
+)
+def test_geodjango_backends_are_postgresql_and_sqlite(entry: dict[str, Any]) -> None:
+    url, _ = engine_url(entry)
+    assert url.drivername.startswith(("postgresql", "sqlite"))
+
+
+# A SQLite NAME with '?' or '#' (legal in a file name) is rendered unescaped into the URL:
+#    the store opens another file than Django's database.
+def test_a_sqlite_name_with_a_question_mark_is_the_same_file(tmp_path: Any) -> None:
+    name = str(tmp_path / "shop?v2.sqlite3")
+    url, _ = engine_url({"ENGINE": "django.db.backends.sqlite3", "NAME": name})
+    assert url.database == name, url
+
+
+# A password typed into django:// (someone mistaking it for a database URL) is echoed back in
+#    the ConfigurationError: _opened redacts the URL it prints but not DjangoStore's own message.
+def test_a_password_in_a_django_url_is_not_echoed() -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        store_from_url("django://app:s3cret@db.internal/shop")
+    assert "s3cret" not in str(caught.value), str(caught.value)
+
+
+def test_a_scheme_of_celery_idems_own_cannot_be_registered() -> None:
+    from celery_idem.stores import register_scheme
+
+    with pytest.raises(ConfigurationError, match=r"redis:// is one of celery-idem's own store URL schemes"):
+        register_scheme("REDIS", DjangoStore)

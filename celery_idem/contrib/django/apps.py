@@ -33,3 +33,22 @@ class _DjangoStoreURL:
         from .store import DjangoStore
 
         return DjangoStore.from_url(url, **options)
+
+    # How store_from_url tells a mistake from an outage: the SQL store's judgement
+    @staticmethod
+    def _misconfiguration(exc: Exception) -> str | None:
+        from .store import DjangoStore
+
+        return DjangoStore._misconfiguration(exc)
+
+    @staticmethod
+    def _is_mistake(exc: Exception) -> bool:
+        from .store import DjangoStore
+
+        return DjangoStore._is_mistake(exc)
+
+    @staticmethod
+    def _is_outage(exc: Exception) -> bool:
+        from .store import DjangoStore
+
+        return DjangoStore._is_outage(exc)

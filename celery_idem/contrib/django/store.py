@@ -15,6 +15,7 @@ and MariaDB are not supported by the SQL store yet: ``django://`` on one is refu
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import sqlalchemy as sa
@@ -25,35 +26,46 @@ from ...stores.sql.engine import engine_from_url
 
 __all__ = ["DjangoStore", "engine_url"]
 
+_ALIAS = re.compile(r"[A-Za-z0-9_.-]{1,100}")
 # Django's OPTIONS that are Django's own, not the driver's.
 _DJANGO_ONLY = {"isolation_level", "server_side_binding", "pool", "assume_role", "init_command", "transaction_mode"}
 
 
-def engine_url(database: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """The SQLAlchemy URL and driver arguments of a Django ``DATABASES`` entry.
+def engine_url(database: dict[str, Any]) -> tuple[sa.URL, dict[str, Any]]:
+    """The SQLAlchemy URL and driver arguments of a Django ``DATABASES`` entry (GeoDjango's PostGIS
+    and SpatiaLite backends are PostgreSQL and SQLite to the store).
 
     Raises:
-        ConfigurationError: a database engine the SQL store does not run on.
+        ConfigurationError: a database engine the SQL store does not run on, or an in-memory SQLite one.
     """
     engine = str(database.get("ENGINE", ""))
     options = {k: v for k, v in (database.get("OPTIONS") or {}).items() if k not in _DJANGO_ONLY}
-    if engine.endswith(".sqlite3"):
+    if engine.endswith((".sqlite3", ".spatialite")):
         name = str(database.get("NAME", ""))
         if name in ("", ":memory:") or name.startswith("file:"):
             raise ConfigurationError(
                 "django:// needs a SQLite database in a file: an in-memory one is private to each connection"
             )
-        return f"sqlite:///{name}", {}
-    if engine.endswith((".postgresql", ".postgresql_psycopg2")):
+        return sa.engine.URL.create("sqlite", database=name), {}
+    if engine.endswith((".postgresql", ".postgresql_psycopg2", ".postgis")):
+        host = str(database.get("HOST") or "") or None
+        query: dict[str, str] = {}
+        if host is not None and host.startswith("/"):  # a unix socket's directory (libpq's host=)
+            query["host"], host = host, None
+        try:
+            port = int(database["PORT"]) if database.get("PORT") else None
+        except (TypeError, ValueError) as exc:
+            raise ConfigurationError(f"django://: the database's PORT is not a number: {database['PORT']!r}") from exc
         url = sa.engine.URL.create(
             "postgresql+psycopg",
             username=database.get("USER") or None,
             password=database.get("PASSWORD") or None,
-            host=database.get("HOST") or None,
-            port=int(database["PORT"]) if database.get("PORT") else None,
+            host=host,
+            port=port,
             database=database.get("NAME") or None,
+            query=query,
         )
-        return url.render_as_string(hide_password=False), options
+        return url, options
     raise ConfigurationError(
         f"django:// runs on PostgreSQL and SQLite; this database's ENGINE is {engine!r} "
         "(MySQL/MariaDB: use a redis:// or postgresql:// store meanwhile)"
@@ -71,6 +83,8 @@ class DjangoStore(SQLStore):
         from django.conf import settings
 
         alias = url.partition("://")[2].strip("/") or "default"
+        if not _ALIAS.fullmatch(alias):  # never echoed: it may be a URL with a password in it
+            raise ConfigurationError("django:// takes the alias of a database in DATABASES: django://<alias>")
         databases = settings.DATABASES
         if alias not in databases:
             raise ConfigurationError(

@@ -55,14 +55,16 @@ def private_engine(engine: sa.Engine, timeout: float) -> sa.Engine:
     return own
 
 
-def engine_from_url(url: str, timeout: float, connect_args: dict[str, Any] | None = None) -> sa.Engine:
-    """An engine for ``url`` with the store's pool and timeouts; ``connect_args`` adds the driver's own
-    (a Django database's OPTIONS)."""
+def engine_from_url(url: str | sa.URL, timeout: float, connect_args: dict[str, Any] | None = None) -> sa.Engine:
+    """An engine for ``url`` (a string, or a URL object built part by part) with the store's pool and
+    timeouts; ``connect_args`` adds the driver's own (a Django database's OPTIONS)."""
     extra = dict(connect_args or {})
-    scheme, _, rest = url.partition("://")
-    if scheme in ("postgresql", "postgres"):
-        url = f"postgresql+psycopg://{rest}"  # psycopg 3 is the driver the `sql` extra installs
-    if url.startswith("postgresql"):
+    if isinstance(url, str):
+        scheme, _, rest = url.partition("://")
+        if scheme in ("postgresql", "postgres"):
+            url = f"postgresql+psycopg://{rest}"  # psycopg 3 is the driver the `sql` extra installs
+    driver = url if isinstance(url, str) else url.drivername
+    if driver.startswith("postgresql"):
         return sa.create_engine(
             url,
             pool_size=10,

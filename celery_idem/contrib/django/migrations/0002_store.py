@@ -24,7 +24,7 @@ def _store(schema_editor: Any) -> Any:
         return None
     try:
         return DjangoStore.from_url(f"django://{schema_editor.connection.alias}")
-    except ConfigurationError:
+    except (ConfigurationError, ImportError):  # not a database the store runs on; or no psycopg 3
         return None
 
 
