@@ -148,10 +148,8 @@ def test_the_ledger_entries_are_listed_read_only() -> None:
 def test_admin_release_never_deletes_a_record_that_completed_between_its_read_and_its_delete(
     idem: Idempotency, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The release reads the record (IN_PROGRESS, stuck-looking), then calls forget(), which deletes in
-    any state. The attempt completes in between (its lease only looked stuck: a slow store, a GC pause,
-    an operator releasing the 'running' row): the COMPLETED outcome is deleted and the next call with
-    the key runs the effect again."""
+    # The attempt completes between the page's read and its release (a slow store, a GC pause, an
+    # operator releasing the 'running' row): the release is fenced, so the COMPLETED outcome stands
     store = idem.store
     identity = Identity("", TASK, f"k-{uuid.uuid4().hex[:6]}")
     taken = store.acquire(identity, FP, "task-1", lease_seconds=60, ttl_seconds=600)

@@ -215,7 +215,7 @@ def test_manage_py_check_reads_the_django_settings_through_celerys_namespace(pro
 def test_checks_survive_a_task_with_many_backoff_retries(project: Any) -> None:
     from celery_idem import Idempotency, IdempotentTask
 
-    """max_retries=1100 with retry_backoff: 2.0**n overflows a float at n=1024 (OverflowError)."""
+    # max_retries=1100 with retry_backoff: doubling past 2**1023 would overflow a float
     app = project(IDEMPOTENCY_STORE="redis://localhost:6379/2")
     Idempotency(app)
     app.task(

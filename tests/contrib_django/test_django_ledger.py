@@ -100,6 +100,16 @@ def pay_app(
     return app
 
 
+def body_app(ledger: DjangoLedger, body: Callable[..., Any]) -> Celery:
+    """An eager app (its own memory store) whose idempotent task ``djledger.pay`` runs ``body``."""
+    app = Celery("djledger-body", set_as_current=False)
+    app.conf.task_always_eager = True
+    app.conf.task_eager_propagates = True
+    Idempotency(app, ledger=ledger)
+    app.task(base=IdempotentTask, bind=True, shared=False, name=TASK)(body)
+    return app
+
+
 def pay(app: Celery, order: int, amount: int, key: str) -> Any:
     return app.tasks[TASK].apply_async((order, amount), idempotency_key=key).get(disable_sync_subtasks=False)
 
@@ -371,18 +381,11 @@ def pg_ledger() -> Iterator[DjangoLedger]:
 def test_on_commit_callbacks_of_fn_run_when_an_ambiguous_commit_is_settled_as_committed(
     ledger: DjangoLedger, order: int
 ) -> None:
-    """The COMMIT succeeds on the server but its answer is lost (the connection drops after it).
-    run_once probes, finds its own row committed and returns fn's value as a success: the payment
-    is committed, so the on_commit work fn registered with it (send the receipt, publish the next
-    task with apply_async_on_commit) must run too. Django's Atomic.__exit__ calls rollback() after
-    the failed commit(), which empties connection.run_on_commit: the callbacks are silently lost."""
+    # The COMMIT succeeds on the server but its answer is lost (the connection drops after it):
+    # run_once finds its own row committed and returns fn's value, so the on_commit work fn
+    # registered with it runs too (Django's rollback after the failed commit() had dropped it)
     sent: list[int] = []
-    app = Celery("attack-oncommit", set_as_current=False)
-    app.conf.task_always_eager = True
-    app.conf.task_eager_propagates = True
-    Idempotency(app, ledger=ledger)
 
-    @app.task(base=IdempotentTask, bind=True, shared=False, name=TASK)
     def charge(self: Any, order_id: int, amount: int) -> dict[str, Any]:
         def effect() -> dict[str, Any]:
             Payment.objects.using(ledger.using).create(order_id=order_id, amount=amount, task_id=self.request.id)
@@ -391,6 +394,7 @@ def test_on_commit_callbacks_of_fn_run_when_an_ambiguous_commit_is_settled_as_co
 
         return ledger.run_once(self, effect)
 
+    charge = body_app(ledger, charge).tasks[TASK]
     connection = connections[ledger.using]
     connection.ensure_connection()
     real_commit = connection._commit
@@ -413,12 +417,8 @@ def test_on_commit_callbacks_of_fn_run_when_an_ambiguous_commit_is_settled_as_co
 
 
 def test_a_call_whose_callers_transaction_rolled_back_is_not_answered_as_done(ledger: DjangoLedger, order: int) -> None:
-    """The documented pattern "inside a caller's atomic() it runs in a savepoint" (an eager call, or
-    a task body running another idempotent task with .apply() inside its own atomic block, or a view
-    under ATOMIC_REQUESTS with task_always_eager). The caller rolls back: the payment and the ledger
-    row are gone, yet the handler already completed the store record with fn's value, so every later
-    call with the key is answered {"paid": 500} without running: a payment that never happened is
-    reported done until the record's TTL (24 h) expires."""
+    # An eager call inside the caller's atomic block runs in a savepoint of it: the caller's
+    # rollback takes the payment and the row, and the same store must not answer the key as done
     calls: list[str] = []
     app = pay_app(ledger, calls)
     with pytest.raises(RuntimeError), transaction.atomic(using=ledger.using):
@@ -482,10 +482,9 @@ def test_the_loser_of_a_race_under_serializable_returns_the_committed_outcome(
 
 
 def test_completed_does_not_pile_up_reader_threads_while_the_ledger_hangs(pg_ledger: DjangoLedger) -> None:
-    """A migration (or any ACCESS EXCLUSIVE lock) holds the ledger table: each completed() times out
-    after read_timeout_seconds, as promised, but its reader thread and its connection stay blocked
-    until the lock goes (no statement_timeout, no watchdog as the SQLAlchemy ledger has): a handler
-    or a reconciler asking in a loop piles up threads and server connections without bound."""
+    # A lock on the ledger table (a migration's ACCESS EXCLUSIVE): each completed() times out after
+    # read_timeout_seconds, and its reader gives up too (statement and lock timeouts), so a handler
+    # or a reconciler asking in a loop never piles up threads and server connections
     import psycopg
 
     identity = Identity("", TASK, "k")
@@ -512,15 +511,10 @@ def test_completed_does_not_pile_up_reader_threads_while_the_ledger_hangs(pg_led
 
 
 def test_a_second_run_once_after_the_first_ones_atomic_block_rolled_back_runs(ledger: DjangoLedger, order: int) -> None:
-    app = Celery("attack-second", set_as_current=False)
-    app.conf.task_always_eager = True
-    app.conf.task_eager_propagates = True
-    Idempotency(app, ledger=ledger)
 
     class Oops(Exception):
         pass
 
-    @app.task(base=IdempotentTask, bind=True, shared=False, name=TASK)
     def charge(self: Any, order_id: int, amount: int) -> Any:
         def effect(n: int) -> Any:
             Payment.objects.using(ledger.using).create(order_id=order_id, amount=n, task_id=self.request.id)
@@ -534,6 +528,7 @@ def test_a_second_run_once_after_the_first_ones_atomic_block_rolled_back_runs(le
             pass
         return ledger.run_once(self, lambda: effect(2))
 
+    charge = body_app(ledger, charge).tasks[TASK]
     assert charge.apply_async((order, 5), idempotency_key="k").get(disable_sync_subtasks=False) == 2
     assert [p.amount for p in payments(ledger, order)] == [2]
 
@@ -567,12 +562,6 @@ def test_a_winner_that_rolls_back_after_the_loser_waited_lets_the_loser_run(ledg
 def test_fn_that_swallows_a_database_error_does_not_commit_half_an_effect(ledger: DjangoLedger, order: int) -> None:
     from django.db import IntegrityError
 
-    app = Celery("attack-swallow", set_as_current=False)
-    app.conf.task_always_eager = True
-    app.conf.task_eager_propagates = True
-    Idempotency(app, ledger=ledger)
-
-    @app.task(base=IdempotentTask, bind=True, shared=False, name=TASK)
     def charge(self: Any, order_id: int, amount: int) -> Any:
         def effect() -> Any:
             Payment.objects.using(ledger.using).create(order_id=order_id, amount=amount, task_id=self.request.id)
@@ -584,6 +573,7 @@ def test_fn_that_swallows_a_database_error_does_not_commit_half_an_effect(ledger
 
         return ledger.run_once(self, effect)
 
+    charge = body_app(ledger, charge).tasks[TASK]
     try:
         charge.apply_async((order, 5), idempotency_key="k").get(disable_sync_subtasks=False)
     except Exception:  # noqa: BLE001, S110 - either outcome is fine as long as it is all or nothing
@@ -598,19 +588,10 @@ def test_fn_that_swallows_a_database_error_does_not_commit_half_an_effect(ledger
 
 
 def test_a_database_error_from_an_on_commit_callback_is_not_swallowed(ledger: DjangoLedger, order: int) -> None:
-    """Django runs on_commit callbacks inside Atomic.__exit__, after the COMMIT succeeded: an error one
-    raises is not the COMMIT's. run_once catches every DatabaseError leaving its atomic block as an
-    ambiguous COMMIT, probes, finds its row and returns success: the callback's error (and every
-    callback after it, which Django then skips) disappears behind a misleading "COMMIT raised" log.
-    Plain Django would propagate it to the task."""
+    # Django runs on_commit callbacks after the COMMIT succeeded: an error one raises is the
+    # callback's, raised to the task as plain Django raises it, never taken for an ambiguous COMMIT
     from django.db import IntegrityError
 
-    app = Celery("attack-hook", set_as_current=False)
-    app.conf.task_always_eager = True
-    app.conf.task_eager_propagates = True
-    Idempotency(app, ledger=ledger)
-
-    @app.task(base=IdempotentTask, bind=True, shared=False, name=TASK)
     def charge(self: Any, order_id: int, amount: int) -> Any:
         def effect() -> Any:
             Payment.objects.using(ledger.using).create(order_id=order_id, amount=amount, task_id=self.request.id)
@@ -623,6 +604,7 @@ def test_a_database_error_from_an_on_commit_callback_is_not_swallowed(ledger: Dj
 
         return ledger.run_once(self, effect)
 
+    charge = body_app(ledger, charge).tasks[TASK]
     with pytest.raises(IntegrityError):
         charge.apply_async((order, 5), idempotency_key="k").get(disable_sync_subtasks=False)
 
@@ -631,12 +613,8 @@ def test_a_database_error_from_an_on_commit_callback_is_not_swallowed(ledger: Dj
 
 
 def test_a_schema_mistake_is_not_counted_as_the_ledger_being_down(pg_ledger: DjangoLedger) -> None:
-    """completed() promises ConfigurationError for a missing table and LedgerUnavailableError for a
-    database that is down. Any other DatabaseError (a column a migration has not added yet, a
-    REVOKEd privilege: ProgrammingError) is also turned into LedgerUnavailableError, so the handler
-    leaves every touched failure "to the reconciler" and the reconciler skips its whole run as
-    "ledger down", for ever. The SQLAlchemy ledger counts only OperationalError/InterfaceError/...
-    as down and lets a statement error through."""
+    # A schema mistake (a column a migration has not added, a revoked privilege) is raised as it is:
+    # only an outage is LedgerUnavailableError (which leaves records to the reconciler for ever)
     identity = Identity("", TASK, "k")
     pg_ledger.completed(identity, "fp")  # the table exists
     with connections["postgresql"].cursor() as cursor:
@@ -654,10 +632,8 @@ def test_a_schema_mistake_is_not_counted_as_the_ledger_being_down(pg_ledger: Dja
 def test_a_task_body_running_an_idempotent_task_inline_in_its_atomic_block_then_failing(
     ledger: DjangoLedger, order: int
 ) -> None:
-    """F2 without task_always_eager: a worker's task body runs the idempotent charge inline
-    (.apply()) inside its own atomic block, then fails and is retried. The first try rolled the
-    payment and its ledger row back, but the charge's store record is COMPLETED, so the retry's
-    charge is answered from the store and nothing is ever paid."""
+    # Without task_always_eager: a worker's task body runs the idempotent charge inline (apply())
+    # inside its own atomic block, then fails and is retried: the retry pays
     from celery_idem.stores import MemoryStore
 
     calls: list[str] = []
@@ -721,11 +697,9 @@ def test_a_call_under_manual_transactions_is_not_stored_done_before_its_commit(l
 def test_a_permanent_failure_after_run_once_in_a_callers_transaction_that_commits_is_not_stored_failed(
     ledger: DjangoLedger,
 ) -> None:
-    """An eager call (task_eager_propagates=False, Celery's default) inside the caller's atomic block:
-    run_once writes the payment and its row in a savepoint, then the body raises a permanent error. The
-    handler asks the ledger on its own connection (nothing committed yet) and stores FAILED. The caller
-    (who got an EagerResult, no exception) commits: the payment and the COMPLETED row stand, and every
-    later call with the key is replayed the failure; the ledger never wins."""
+    # An eager call (task_eager_propagates=False, Celery's default) inside the caller's atomic
+    # block raises a permanent error after run_once: the caller gets no exception and commits, so
+    # the store must not hold a FAILED the committed payment would contradict
     order = uuid.uuid4().int % 2_000_000_000
     calls: list[str] = []
 
@@ -746,9 +720,8 @@ def test_a_permanent_failure_after_run_once_in_a_callers_transaction_that_commit
 def test_a_soft_time_limit_in_the_release_of_an_uncommitted_row_does_not_store_it_done(
     ledger: DjangoLedger, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """when_committed frees the key of a row that is not committed; SoftTimeLimitExceeded striking in
-    that release reaches _run_owned's handler, whose defer_value has the heartbeat COMPLETE the record
-    unconditionally. The caller then rolls back: nothing paid, the key answered 'paid' for its TTL."""
+    # A soft time limit striking in the release of a row that is not committed: the heartbeat
+    # frees the key then, never completes it; the caller rolls back, and the next call pays
     order = uuid.uuid4().int % 2_000_000_000
     calls: list[str] = []
     app = pay_app(ledger, calls)
