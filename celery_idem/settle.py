@@ -282,7 +282,7 @@ class Settler:
                     down,
                 )
                 return
-            logger.warning("%s; the failure is stored", down)
+            logger.warning("%s; %s", down, "the key is freed" if in_flight else "the failure is stored")
             entry = None
         except Exception as broken:  # noqa: BLE001 - a misconfigured ledger never hides the task's error
             logger.error("could not read the ledger for %s: %r; the failure stands", identity, broken)
