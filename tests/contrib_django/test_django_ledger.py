@@ -481,6 +481,29 @@ def test_the_loser_of_a_race_under_serializable_returns_the_committed_outcome(
 # ---- readers: bounded, one at a time, and an outage told from a mistake --------------------------
 
 
+def test_readers_asking_at_once_are_not_taken_for_an_outage(ledger: DjangoLedger, monkeypatch: Any) -> None:
+    # Two tasks failing at once on a threads pool both ask the ledger: a read still under way in
+    # another thread is no outage; only a read stuck past its timeout makes the next one fail fast
+    def slow_read(self: DjangoLedger, identity: Identity) -> None:
+        time.sleep(0.3)
+
+    monkeypatch.setattr(DjangoLedger, "_checked_read", slow_read)
+    answers: list[Any] = []
+
+    def ask() -> None:
+        try:
+            answers.append(ledger.completed(Identity("", TASK, "k"), "fp"))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            answers.append(exc)
+
+    threads = [threading.Thread(target=ask) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert answers == [None, None]
+
+
 def test_completed_does_not_pile_up_reader_threads_while_the_ledger_hangs(pg_ledger: DjangoLedger) -> None:
     # A lock on the ledger table (a migration's ACCESS EXCLUSIVE): each completed() times out after
     # read_timeout_seconds, and its reader gives up too (statement and lock timeouts), so a handler

@@ -99,8 +99,7 @@ class DjangoLedger:
         self.read_timeout_seconds = read_timeout_seconds
         self._warned = False  # run_once: told once that the app reads another ledger
         self._table_checked = False
-        self._reading: threading.Thread | None = None  # the bounded read in flight (completed())
-        self._reading_lock = threading.Lock()
+        self._stuck: threading.Thread | None = None  # a bounded read still waiting past its timeout
 
     def __repr__(self) -> str:
         return f"DjangoLedger(using={self.using!r}, namespace={self.namespace!r})"
@@ -283,7 +282,8 @@ class DjangoLedger:
     def completed(self, identity: Identity, fingerprint: str | None) -> LedgerEntry | None:
         """The entry of this very call (``fingerprint``) if its outcome is committed, else None;
         bounded by ``read_timeout_seconds``, on a connection of its own whose statements and lock
-        waits are bounded by it too. One read waits at a time: while one is stuck, the next fails fast.
+        waits are bounded by it too. A read stuck past its timeout makes the next ones fail fast
+        until it ends.
 
         Raises:
             LedgerUnavailableError: the database could not be reached, or did not answer in time.
@@ -292,11 +292,11 @@ class DjangoLedger:
         """
         if fingerprint is None:
             return None
-        with self._reading_lock:
-            if self._reading is not None and self._reading.is_alive():
-                raise LedgerUnavailableError(
-                    f"the ledger could not be asked about {identity}: an earlier read is still waiting for it"
-                )
+        stuck = self._stuck
+        if stuck is not None and stuck.is_alive():
+            raise LedgerUnavailableError(
+                f"the ledger could not be asked about {identity}: an earlier read is still stuck on it"
+            )
         try:
             entry = self._on_own_connection(lambda: self._checked_read(identity), self.read_timeout_seconds)
         except TimeoutError as exc:
@@ -373,12 +373,10 @@ class DjangoLedger:
                 connections[self.using].close()
 
         reader = threading.Thread(target=run, name="celery-idem-ledger-read", daemon=True)
-        if timeout is not None:
-            with self._reading_lock:
-                self._reading = reader
         reader.start()
         reader.join(timeout)
         if reader.is_alive():
+            self._stuck = reader  # until it ends, the next bounded read fails fast instead of piling up
             raise TimeoutError(f"no answer within {timeout:g}s")
         if failure:
             raise failure[0]
