@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 from . import attempts, timing
 from .calling import TaskCalls, log_decision
 from .errors import DuplicateTaskError, StoreUnavailableError
-from .protocol import BYPASS_HEADER, HANDOVER_HEADER, KEY_HEADER, SCOPE_HEADER
-from .records import Decision, Identity
+from .protocol import BYPASS_HEADER, HANDOVER_HEADER, KEY_HEADER, RESEND_OPTION, SCOPE_HEADER
+from .records import Decision, Identity, State
 from .result import bind_handle
 from .settle import Settler
 from .stores.base import new_token
@@ -46,6 +46,7 @@ def publish(
     key = options.pop(KEY_HEADER, None)
     scope = options.pop(SCOPE_HEADER, None)
     enabled = options.pop(BYPASS_HEADER, True)
+    resend = options.pop(RESEND_OPTION, False) is True
     headers = dict(options.get("headers") or {})
     key = headers.get(KEY_HEADER) if key is None else key
     scope = headers.get(SCOPE_HEADER) if scope is None else scope
@@ -127,6 +128,12 @@ def publish(
     if claimed.decision is Decision.MISMATCH and not handed:
         idem.count("mismatches")
         raise calls.mismatch(identity, record)
+    if resend and task_id == record.task_id and not handed:
+        # The outbox's relay again, for the call it claimed before: no duplicate of it. While no
+        # attempt took the claim its message may never have reached the broker: a copy is sent.
+        if record.state is State.PENDING and not record.attempt:
+            return bind_handle(send(args, kwargs, options), identity, idem, deduplicated=False, record=record)
+        return bind_handle(task.AsyncResult(task_id), identity, idem, deduplicated=False, record=record)
     idem.count("replays" if claimed.decision is Decision.REPLAY else "duplicates")
     if policy.on_duplicate == "raise" and not handed:
         raise DuplicateTaskError(

@@ -1,0 +1,169 @@
+"""The outbox on SQLAlchemy: :class:`SQLOutbox`, one small table beside the business tables.
+
+    outbox = SQLOutbox(engine)          # once; outbox.create_schema() creates its table
+    with Session(engine) as session, session.begin():
+        session.add(Order(...))
+        handle = outbox.apply_async(session, charge, (order_id,), idempotency_key=f"order-{order_id}")
+    # committed: published at once (best effort); rolled back: nothing was ever published
+
+A relay (``outbox.relay(app)`` from a beat task or a loop) publishes what the commit-time attempt
+did not (the process died, the broker was down), oldest first, each row locked ``FOR UPDATE SKIP
+LOCKED`` so relays share the work (SQLite, which has no row locks, may publish a row twice: a copy
+of the same task id, which a worker takes for a redelivery).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import orm
+
+from ..stores.sql.engine import server_clock
+from ..stores.sql.schema import create_all
+from .staging import RelayReport, backoff_seconds, relay_rows, stage_call
+
+__all__ = ["SQLOutbox", "outbox_table"]
+
+logger = logging.getLogger("celery_idem.outbox")
+
+
+def outbox_table(metadata: sa.MetaData, name: str = "celery_idem_outbox") -> sa.Table:
+    """The outbox table: one row per staged call, deleted once published (times are the database's
+    clock as POSIX seconds; ``dead`` rows are the dead letter, kept with their last error)."""
+    return sa.Table(
+        name,
+        metadata,
+        sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True, autoincrement=True),
+        sa.Column("task_id", sa.String(255), nullable=False),
+        sa.Column("task_name", sa.String(255), nullable=False),
+        sa.Column("body", sa.LargeBinary, nullable=False),
+        sa.Column("created_at", sa.Double, nullable=False),
+        sa.Column("available_at", sa.Double, nullable=False),
+        sa.Column("attempts", sa.Integer, nullable=False, default=0),
+        sa.Column("last_error", sa.Text, nullable=True),
+        sa.Column("dead", sa.Boolean, nullable=False, default=False),
+        sa.UniqueConstraint("task_id", name=f"uq_{name}_task_id"),
+        sa.Index(f"ix_{name}_due", "dead", "available_at", "id"),
+    )
+
+
+def _clock(dialect: str) -> sa.ColumnElement[float]:
+    """The database's time when the statement runs: PostgreSQL's now() is its transaction's start,
+    and a relay's transaction lasts as long as its publishes."""
+    if dialect == "postgresql":
+        return sa.cast(sa.extract("epoch", sa.func.clock_timestamp()), sa.Double)
+    return server_clock(dialect)
+
+
+class SQLOutbox:
+    """A transactional outbox on ``engine``'s database (PostgreSQL, SQLite).
+
+    Args:
+        engine: the business database's engine (the rows are written on the caller's session).
+        table_name: the outbox table's name.
+        max_attempts: failed publishes of one row before it moves to the dead letter.
+        publish_on_commit: publish a staged call as soon as its transaction commits (the relay
+            still publishes whatever that attempt did not).
+    """
+
+    def __init__(
+        self,
+        engine: sa.Engine,
+        *,
+        table_name: str = "celery_idem_outbox",
+        max_attempts: int = 20,
+        publish_on_commit: bool = True,
+    ) -> None:
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1; got {max_attempts!r}")
+        self.engine = engine
+        self.metadata = sa.MetaData()
+        self.table = outbox_table(self.metadata, table_name)
+        self.max_attempts = max_attempts
+        self.publish_on_commit = publish_on_commit
+        self._now = _clock(engine.dialect.name)
+
+    def create_schema(self) -> None:
+        """Create the outbox table (safe to call from many processes at once)."""
+        create_all(self.metadata, self.engine)
+
+    def apply_async(
+        self,
+        session: orm.Session | sa.Connection,
+        task: Any,
+        args: Sequence[Any] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+        **options: Any,
+    ) -> Any:
+        """Stage ``task.apply_async(args, kwargs, **options)`` in ``session``'s transaction and
+        return the handle of its task id. Nothing is claimed or published before the commit.
+
+        Raises:
+            InvalidKeyError: the key or scope breaks the rule, before anything is written.
+            SerializationError: the call is not JSON, or is over 64 KiB.
+        """
+        staged, handle = stage_call(task, args, kwargs, options)
+        now = self._now
+        row_id = session.execute(
+            sa.insert(self.table)
+            .values(
+                task_id=staged.task_id,
+                task_name=staged.task_name,
+                body=staged.body,
+                created_at=now,
+                available_at=now,
+                attempts=0,
+                dead=False,
+            )
+            .returning(self.table.c.id)
+        ).scalar_one()
+        if self.publish_on_commit and isinstance(session, orm.Session):
+            app = task.app
+            sa.event.listen(session, "after_commit", lambda _: self._publish_now(app, row_id), once=True)
+        return handle
+
+    def delay(self, session: orm.Session | sa.Connection, task: Any, *args: Any, **kwargs: Any) -> Any:
+        """``apply_async(session, task, args, kwargs)``."""
+        return self.apply_async(session, task, args, kwargs)
+
+    def relay(self, app: Any, *, limit: int = 100, ids: Collection[Any] | None = None) -> RelayReport:
+        """Publish up to ``limit`` due rows (oldest first), in one transaction that holds them locked:
+        published rows are deleted, failed ones put off from the end of the pass (doubling, up to 5
+        minutes), and a row that
+        can never be published (or failed ``max_attempts`` times) is kept as dead."""
+        t = self.table
+        with self.engine.begin() as connection:
+            now = float(connection.execute(sa.select(self._now)).scalar_one())
+            due = sa.and_(t.c.dead.is_(False), t.c.available_at <= now)
+            if ids is not None:
+                due = sa.and_(due, t.c.id.in_(list(ids)))
+            rows = connection.execute(
+                sa.select(t.c.id, t.c.task_id, t.c.task_name, t.c.body, t.c.attempts)
+                .where(due)
+                .order_by(t.c.id)
+                .limit(limit)
+                .with_for_update(skip_locked=True)
+            ).all()
+            report = relay_rows(app, rows, max_attempts=self.max_attempts)
+            if report.published:
+                connection.execute(sa.delete(t).where(t.c.id.in_(report.published)))
+            for row_id, attempts, error in report.failed:
+                connection.execute(
+                    sa.update(t)
+                    .where(t.c.id == row_id)
+                    .values(attempts=attempts, last_error=error, available_at=self._now + backoff_seconds(attempts))
+                )
+            for row_id, attempts, error in report.dead:
+                connection.execute(
+                    sa.update(t).where(t.c.id == row_id).values(attempts=attempts, last_error=error, dead=True)
+                )
+        return report
+
+    def _publish_now(self, app: Any, row_id: Any) -> None:
+        try:
+            self.relay(app, limit=1, ids=[row_id])
+        except Exception:  # the relay publishes it later; the caller's commit stands
+            logger.warning("outbox: could not publish row %s after its commit; the relay will", row_id, exc_info=True)

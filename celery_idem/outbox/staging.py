@@ -1,0 +1,212 @@
+"""A call staged in an outbox, whatever the database library: what the caller's transaction writes,
+and what the relay does with it once that transaction committed.
+
+Staging (in the caller's transaction) checks the call as ``apply_async`` would before anything is
+written, decides its task id and its identity, and hands back the handle of that task id. Nothing
+touches the store or the broker: a transaction that rolls back leaves nothing behind.
+
+Relaying (after the commit, any number of times) calls the task's own ``apply_async`` with the
+staged task id and identity, so the claim is made then. A relay that dies after publishing and
+before deleting the row publishes again: the claim finds the record of that task id and publishes
+nothing, unless the record is still PENDING under it (the first publish may never have reached the
+broker), in which case it publishes a copy of the same task id, which a worker treats as a
+redelivery. The effect happens once; the message arrives at least once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
+
+from celery.exceptions import NotRegistered
+from celery.utils.time import maybe_iso8601
+from kombu.exceptions import DecodeError
+from kombu.utils import json as kombu_json
+
+from ..calls import MAX_CALL_BYTES, published_options
+from ..errors import (
+    ConfigurationError,
+    DuplicateTaskError,
+    InvalidKeyError,
+    PayloadMismatchError,
+    SerializationError,
+)
+from ..protocol import BYPASS_HEADER, KEY_HEADER, RESEND_OPTION, SCOPE_HEADER
+from ..result import bind_handle
+
+__all__ = ["FINAL_ERRORS", "RelayReport", "Staged", "backoff_seconds", "relay_call", "relay_rows", "stage_call"]
+
+logger = logging.getLogger("celery_idem.outbox")
+
+VERSION = 1
+# Options that belong to the caller's process, never to a call kept in a table.
+_REFUSED = ("producer", "connection", "publisher", "result_cls", "add_to_parent", "retries", "retry_policy")
+# A staged call the relay can never publish: kept as dead (the dead letter), with the reason.
+FINAL_ERRORS: tuple[type[BaseException], ...] = (
+    NotRegistered,
+    PayloadMismatchError,
+    DuplicateTaskError,
+    InvalidKeyError,
+    ConfigurationError,
+    SerializationError,
+    DecodeError,
+)
+
+
+class Staged(NamedTuple):
+    """What an outbox row holds: the call's task id and task name, and the call as JSON."""
+
+    task_id: str
+    task_name: str
+    body: bytes
+
+
+def stage_call(
+    task: Any, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, options: Mapping[str, Any]
+) -> tuple[Staged, Any]:
+    """The row for a call of ``task``, and the handle the caller gets: that of the staged task id
+    (a call the relay finds deduplicated is published under it anyway, and the worker replays the
+    original's outcome into it).
+
+    Raises:
+        InvalidKeyError: the key or scope breaks the rule (or the policy requires a key).
+        SerializationError: the call is not JSON, or is over 64 KiB.
+        TypeError: an option that belongs to this process (a producer, a connection).
+    """
+    options = dict(options)
+    for name in _REFUSED:
+        if options.pop(name, None) is not None:
+            raise TypeError(f"{name}= cannot be staged in an outbox: the relay publishes with its own")
+    task_id = str(options.pop("task_id", None) or uuid.uuid4())
+    countdown = options.pop("countdown", None)
+    if countdown is not None and options.get("eta") is None:
+        # As Celery turns a countdown into an ETA when it publishes: counted from the call.
+        options["eta"] = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=float(countdown))
+    handler = getattr(task, "idempotency_handler", None)
+    identity = None
+    headers = dict(options.get("headers") or {})
+    key = options.pop(KEY_HEADER, headers.get(KEY_HEADER))
+    scope = options.pop(SCOPE_HEADER, headers.get(SCOPE_HEADER))
+    bypass = options.pop(BYPASS_HEADER, headers.get(BYPASS_HEADER)) is False
+    if handler is not None and not bypass:
+        # The identity is decided now, as apply_async would decide it here, and rides in the row.
+        args, kwargs = handler.as_sent(args, kwargs, options)
+        fp = handler.fingerprint(args, kwargs)
+        if key is None and scope is None:
+            key, scope = handler.running_identity(fp)
+        identity = handler.identify(key, scope, fp)
+        headers = {**headers, KEY_HEADER: identity.key, **({SCOPE_HEADER: identity.scope} if identity.scope else {})}
+    elif bypass:
+        headers[BYPASS_HEADER] = False
+    kept = published_options({**options, "headers": headers})
+    for name in ("eta",):
+        if isinstance(options.get(name), datetime.datetime):
+            kept[name] = options[name].isoformat()
+    document = {"v": VERSION, "args": list(args or ()), "kwargs": dict(kwargs or {}), "options": kept}
+    try:
+        body = str(kombu_json.dumps(document)).encode("utf-8")  # type: ignore[no-untyped-call]
+    except (TypeError, ValueError) as exc:
+        raise SerializationError(f"a call of {task.name!r} cannot be staged: it is not JSON ({exc})") from exc
+    if len(body) > MAX_CALL_BYTES:
+        raise SerializationError(f"a call of {task.name!r} is {len(body)} bytes, over the outbox's {MAX_CALL_BYTES}")
+    handle = task.AsyncResult(task_id)
+    if handler is not None and identity is not None:
+        handle = bind_handle(handle, identity, handler.idem, deduplicated=False)
+    return Staged(task_id, task.name, body), handle
+
+
+def relay_call(app: Any, task_id: str, task_name: str, body: bytes) -> Any:
+    """Publish a staged call through its task's ``apply_async``: claimed now, under its task id.
+
+    Raises:
+        NotRegistered: no task of that name in ``app``.
+        DecodeError: the row is not a staged call.
+        PayloadMismatchError, DuplicateTaskError: the claim refused the call (a final answer).
+        Exception: whatever publishing raised (the broker or the store down: tried again later).
+    """
+    task = app.tasks[task_name]
+    try:
+        document = kombu_json.loads(body)  # type: ignore[no-untyped-call]
+    except (TypeError, ValueError) as exc:
+        raise DecodeError(f"outbox row {task_id} cannot be read ({exc})") from exc
+    if not isinstance(document, dict) or document.get("v") != VERSION:
+        raise DecodeError(f"outbox row {task_id} is in an unknown format")
+    options = dict(document.get("options") or {})
+    if isinstance(options.get("eta"), str):
+        options["eta"] = maybe_iso8601(options["eta"])
+    if getattr(task, "idempotency_handler", None) is not None:
+        options[RESEND_OPTION] = True
+    args, kwargs = list(document.get("args") or ()), dict(document.get("kwargs") or {})
+    return task.apply_async(args, kwargs, task_id=task_id, **options)
+
+
+def backoff_seconds(attempts: int, *, base: float = 2.0, cap: float = 300.0) -> float:
+    """How long a row waits after its ``attempts``-th failed publish (doubling, capped)."""
+    return float(min(cap, base * 2 ** min(max(attempts - 1, 0), 32)))
+
+
+class Row(Protocol):
+    """An outbox row as the relay reads it (a Django model instance or a SQLAlchemy row)."""
+
+    id: Any
+    task_id: str
+    task_name: str
+    body: Any
+    attempts: int
+
+
+@dataclass
+class RelayReport:
+    """What one relay pass did: rows published (and deleted), put off after a failure, and moved
+    to the dead letter (a final refusal, or ``max_attempts`` failures)."""
+
+    published: list[Any] = field(default_factory=list)
+    failed: list[tuple[Any, int, str]] = field(default_factory=list)  # (row id, attempts, error)
+    dead: list[tuple[Any, int, str]] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return f"published {len(self.published)}, put off {len(self.failed)}, dead {len(self.dead)}"
+
+
+def relay_rows(app: Any, rows: Iterable[Row], *, max_attempts: int) -> RelayReport:
+    """Publish each row's call; say which rows to delete, to put off, and to move to the dead
+    letter. The caller holds the rows locked and applies the report in the same transaction."""
+    report = RelayReport()
+    for row in rows:
+        try:
+            relay_call(app, row.task_id, row.task_name, bytes(row.body))
+        except FINAL_ERRORS as exc:
+            logger.error("outbox: task %s (%s) can never be published: %r", row.task_id, row.task_name, exc)
+            report.dead.append((row.id, row.attempts + 1, _describe(exc)))
+        except Exception as exc:  # the broker or the store down, or anything else: tried again later
+            attempts = row.attempts + 1
+            if attempts >= max_attempts:
+                logger.error(
+                    "outbox: task %s (%s) failed %d times, moved to the dead letter: %r",
+                    row.task_id,
+                    row.task_name,
+                    attempts,
+                    exc,
+                )
+                report.dead.append((row.id, attempts, _describe(exc)))
+            else:
+                logger.warning(
+                    "outbox: task %s (%s) not published (try %d of %d): %r",
+                    row.task_id,
+                    row.task_name,
+                    attempts,
+                    max_attempts,
+                    exc,
+                )
+                report.failed.append((row.id, attempts, _describe(exc)))
+        else:
+            report.published.append(row.id)
+    return report
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:2000]

@@ -1,0 +1,290 @@
+"""The transactional outbox on SQLAlchemy (SQLite and PostgreSQL), with a real broker, store and
+``celery worker``: a rolled-back transaction publishes nothing and claims nothing; a committed one
+is published even when the process dies before publishing; a relay killed after it published (or
+after its claim, before the message reached the broker) is followed by one that publishes again,
+and the effect still happens once. Effects and publishes are counted in Redis by the task body and
+``before_task_publish`` (tests/outbox_shop.py), never read from our records."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import outbox_shop
+import pytest
+import sqlalchemy as sa
+from conftest import POSTGRES_URL, REDIS_URL, require_server
+from sqlalchemy import orm
+from workers import BACKEND, TESTS, Worker, wait_for
+
+from celery_idem import Idempotency, InvalidKeyError, SerializationError
+from celery_idem.outbox import SQLOutbox
+
+BROKER = "redis://127.0.0.1:6379/14"
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db(request: pytest.FixtureRequest, tmp_path: Path, prefix: str) -> Iterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path}/orders.db"
+        return
+    require_server("postgresql")
+    yield POSTGRES_URL
+    engine = sa.create_engine(POSTGRES_URL, poolclass=sa.pool.NullPool)
+    with engine.begin() as connection:
+        connection.exec_driver_sql(f'DROP TABLE IF EXISTS "outbox_{prefix}"')
+    engine.dispose()
+
+
+@pytest.fixture
+def shop(db: str, prefix: str) -> Iterator[tuple[Any, SQLOutbox]]:
+    require_server("redis")
+    app, outbox = outbox_shop.make(
+        broker=BROKER, backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix, db=db, table=f"outbox_{prefix}"
+    )
+    outbox.create_schema()
+    yield app, outbox
+    Idempotency.of(app).store.close()
+
+
+def env(db: str, prefix: str, **more: str) -> dict[str, str]:
+    return {"SHOP_OUTBOX_DB": db, "SHOP_OUTBOX_TABLE": f"outbox_{prefix}", **more}
+
+
+def worker(tmp_path: Path, db: str, prefix: str) -> Worker:
+    return Worker(tmp_path, BROKER, REDIS_URL, prefix, app="outbox_shop", pool="threads", env=env(db, prefix))
+
+
+def relay_process(db: str, prefix: str, dies: str = "") -> subprocess.CompletedProcess[str]:
+    """One relay pass in a process of its own (SHOP_RELAY_DIES: where it SIGKILLs itself)."""
+    environment = {
+        **os.environ,
+        "SHOP_BROKER": BROKER,
+        "SHOP_BACKEND": BACKEND,
+        "SHOP_STORE": REDIS_URL,
+        "SHOP_PREFIX": prefix,
+        "SHOP_QUEUE": prefix,
+        "SHOP_RELAY_DIES": dies,
+        "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)]),
+        **env(db, prefix),
+    }
+    return subprocess.run(
+        [sys.executable, str(TESTS / "outbox_shop.py"), "relay"],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def rows(outbox: SQLOutbox) -> list[Any]:
+    with outbox.engine.connect() as connection:
+        return list(connection.execute(sa.select(outbox.table)).all())
+
+
+def stage(outbox: SQLOutbox, app: Any, *args: Any, key: str, **options: Any) -> Any:
+    with orm.Session(outbox.engine) as session, session.begin():
+        return outbox.apply_async(session, app.tasks["outbox.charge"], args, idempotency_key=key, **options)
+
+
+def test_a_rolled_back_transaction_publishes_nothing_and_leaves_no_claim(shop: Any, prefix: str) -> None:
+    app, outbox = shop
+    handle = None
+    with pytest.raises(Boom), orm.Session(outbox.engine) as session, session.begin():
+        handle = outbox.apply_async(session, app.tasks["outbox.charge"], (1, 100), idempotency_key="order-1")
+        raise Boom
+    assert handle is not None
+    assert rows(outbox) == []
+    assert outbox_shop.publishes(prefix, handle.id) == 0
+    assert Idempotency.of(app).store.get(handle.identity) is None  # the key is free for any call
+    assert outbox.relay(app).published == []
+
+
+def test_a_committed_call_is_published_at_commit_and_runs_once(shop: Any, db: str, prefix: str, tmp_path: Path) -> None:
+    app, outbox = shop
+    running = worker(tmp_path, db, prefix)
+    try:
+        handle = stage(outbox, app, 7, 700, key="order-7")
+        assert handle.get(timeout=30) == {"order_id": 7, "charged": 700}
+    finally:
+        running.stop()
+    assert outbox_shop.effects(prefix, 7) == 1
+    assert outbox_shop.publishes(prefix, handle.id) == 1
+    assert rows(outbox) == []
+
+
+def test_a_call_whose_process_died_before_publishing_is_published_by_the_relay(
+    shop: Any, db: str, prefix: str, tmp_path: Path
+) -> None:
+    app, outbox = shop
+    outbox.publish_on_commit = False  # as if the process died right after its commit
+    handle = stage(outbox, app, 8, 800, key="order-8")
+    assert len(rows(outbox)) == 1 and outbox_shop.publishes(prefix, handle.id) == 0
+    report = outbox.relay(app)
+    assert len(report.published) == 1
+    running = worker(tmp_path, db, prefix)
+    try:
+        assert handle.get(timeout=30) == {"order_id": 8, "charged": 800}
+    finally:
+        running.stop()
+    assert outbox_shop.effects(prefix, 8) == 1
+    assert rows(outbox) == []
+
+
+@pytest.mark.parametrize("worker_first", [False, True], ids=["resent-before-the-worker-ran", "worker-ran-first"])
+def test_a_relay_killed_after_publishing_is_followed_by_one_more_publish_at_most_and_one_effect(
+    shop: Any, db: str, prefix: str, tmp_path: Path, worker_first: bool
+) -> None:
+    app, outbox = shop
+    outbox.publish_on_commit = False
+    handle = stage(outbox, app, 9, 900, key="order-9")
+    died = relay_process(db, prefix, dies="after_publish")
+    assert died.returncode == -9, died.stderr
+    assert outbox_shop.publishes(prefix, handle.id) == 1
+    assert len(rows(outbox)) == 1  # its DELETE never committed
+    running = worker(tmp_path, db, prefix) if worker_first else None
+    try:
+        if running is not None:
+            wait_for(lambda: outbox_shop.effects(prefix, 9) == 1, "the first message ran")
+        assert len(outbox.relay(app).published) == 1
+        # Resent while the claim was still PENDING (the first message may never have arrived); once
+        # a worker took it, the second relay has nothing to send.
+        assert outbox_shop.publishes(prefix, handle.id) == (1 if worker_first else 2)
+        running = running or worker(tmp_path, db, prefix)
+        assert handle.get(timeout=30) == {"order_id": 9, "charged": 900}
+        wait_for(lambda: "succeeded" in running.output(), "the worker ran it")
+    finally:
+        if running is not None:
+            running.stop()
+    assert outbox_shop.effects(prefix, 9) == 1
+    assert rows(outbox) == []
+
+
+def test_a_relay_killed_between_its_claim_and_its_publish_is_followed_by_a_copy_that_runs_once(
+    shop: Any, db: str, prefix: str, tmp_path: Path
+) -> None:
+    app, outbox = shop
+    outbox.publish_on_commit = False
+    handle = stage(outbox, app, 10, 1000, key="order-10")
+    died = relay_process(db, prefix, dies="before_publish")
+    assert died.returncode == -9, died.stderr
+    record = Idempotency.of(app).store.get(handle.identity)
+    assert record is not None and record.task_id == handle.id  # claimed, and no message carries it
+    assert outbox_shop.publishes(prefix, handle.id) == 0
+    assert len(outbox.relay(app).published) == 1
+    assert outbox_shop.publishes(prefix, handle.id) == 1
+    running = worker(tmp_path, db, prefix)
+    try:
+        assert handle.get(timeout=30) == {"order_id": 10, "charged": 1000}
+    finally:
+        running.stop()
+    assert outbox_shop.effects(prefix, 10) == 1
+
+
+def test_two_calls_under_one_key_run_once_and_both_handles_answer(
+    shop: Any, db: str, prefix: str, tmp_path: Path
+) -> None:
+    app, outbox = shop
+    first = stage(outbox, app, 11, 1100, key="order-11")
+    second = stage(outbox, app, 11, 1100, key="order-11")
+    assert first.id != second.id
+    running = worker(tmp_path, db, prefix)
+    try:
+        assert first.get(timeout=30) == second.get(timeout=30) == {"order_id": 11, "charged": 1100}
+    finally:
+        running.stop()
+    assert outbox_shop.effects(prefix, 11) == 1
+
+
+def test_relays_racing_publish_each_row_once(shop: Any, db: str, prefix: str) -> None:
+    app, outbox = shop
+    if outbox.engine.dialect.name == "sqlite":
+        pytest.skip("SQLite has no row locks: two relays may both publish a row (a copy of one task id)")
+    outbox.publish_on_commit = False
+    handles = [stage(outbox, app, n, n, key=f"race-{n}") for n in range(30)]
+    reports: list[Any] = []
+    barrier = threading.Barrier(3)
+
+    def relay() -> None:
+        barrier.wait()
+        reports.append(outbox.relay(app, limit=10))
+
+    threads = [threading.Thread(target=relay) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sum(len(report.published) for report in reports) == 30
+    assert [outbox_shop.publishes(prefix, handle.id) for handle in handles] == [1] * 30
+    assert rows(outbox) == []
+
+
+def test_a_broker_that_is_down_puts_the_row_off_then_into_the_dead_letter(shop: Any, prefix: str) -> None:
+    app, outbox = shop
+    app.conf.broker_url = "redis://127.0.0.1:1/0"  # nothing listens there
+    app.conf.task_publish_retry = False
+    outbox.publish_on_commit = False
+    outbox.max_attempts = 2
+    handle = stage(outbox, app, 12, 1200, key="order-12")
+    first = outbox.relay(app)
+    assert [row_id for row_id, _, _ in first.failed] and first.published == []
+    (row,) = rows(outbox)
+    assert row.attempts == 1 and not row.dead and "OperationalError" in row.last_error
+    assert outbox.relay(app).failed == []  # put off: not due yet
+    assert Idempotency.of(app).store.get(handle.identity) is None  # the failed publish gave its claim back
+    with outbox.engine.begin() as connection:
+        connection.execute(sa.update(outbox.table).values(available_at=0.0))
+    assert len(outbox.relay(app).dead) == 1
+    (row,) = rows(outbox)
+    assert row.dead and row.attempts == 2
+    assert outbox.relay(app).dead == []  # the dead letter is never tried again
+
+
+def test_a_call_that_can_never_be_published_goes_to_the_dead_letter_at_once(shop: Any, prefix: str) -> None:
+    app, outbox = shop
+    outbox.publish_on_commit = False
+    charge = app.tasks["outbox.charge"]
+    charge.apply_async((13, 1), idempotency_key="order-13")  # another call takes the key first
+    stage(outbox, app, 13, 1300, key="order-13")
+    report = outbox.relay(app)
+    assert len(report.dead) == 1
+    (row,) = rows(outbox)
+    assert row.dead and row.last_error.startswith("PayloadMismatchError")
+    stage(outbox, app, 14, 1400, key="order-14")
+    del app.tasks["outbox.charge"]  # a relay whose app lacks the task
+    assert len(outbox.relay(app).dead) == 1
+    assert sorted(row.last_error.split(":")[0] for row in rows(outbox)) == ["NotRegistered", "PayloadMismatchError"]
+
+
+def test_staging_refuses_what_apply_async_refuses_before_writing_anything(shop: Any) -> None:
+    app, outbox = shop
+    charge = app.tasks["outbox.charge"]
+    with orm.Session(outbox.engine) as session, session.begin():
+        with pytest.raises(InvalidKeyError, match="whitespace"):
+            outbox.apply_async(session, charge, (1, 1), idempotency_key="has space")
+        with pytest.raises(SerializationError, match="not JSON"):
+            outbox.apply_async(session, charge, (object(), 1), idempotency_key="order-x")
+        with pytest.raises(TypeError, match="producer= cannot be staged"):
+            outbox.apply_async(session, charge, (1, 1), idempotency_key="order-y", producer=object())
+    assert rows(outbox) == []
+
+
+def test_a_plain_task_is_relayed_too(shop: Any, db: str, prefix: str, tmp_path: Path) -> None:
+    app, outbox = shop
+    with orm.Session(outbox.engine) as session, session.begin():
+        handle = outbox.apply_async(session, app.tasks["outbox.plain"], (15,))
+    running = worker(tmp_path, db, prefix)
+    try:
+        assert handle.get(timeout=30) == 15
+    finally:
+        running.stop()
+    assert rows(outbox) == []
