@@ -230,3 +230,32 @@ def test_admin_forged_identities_with_invalid_keys_do_not_crash(idem: Idempotenc
     for action in ("release", "reconcile"):
         response = client.post(URL, {"action": action, "selected": forged})
         assert response.status_code == 302
+
+
+def test_the_outbox_lists_its_entries_and_gives_dead_ones_back_to_the_relay_with_the_change_permission() -> None:
+    from django.db.models.functions import Now
+
+    from celery_idem.contrib.django.models import OutboxEntry
+
+    def entry(dead: bool) -> OutboxEntry:
+        task_id = str(uuid.uuid4())
+        return OutboxEntry.objects.create(
+            task_id=task_id, task_name=TASK, body=b"{}", created_at=Now(), available_at=Now(), attempts=3, dead=dead
+        )
+
+    dead, waiting = entry(True), entry(False)
+    try:
+        viewer = user("view_outboxentry")
+        page = viewer.get("/admin/celery_idem/outboxentry/?dead__exact=1")
+        assert page.status_code == 200 and dead.task_id in page.text and waiting.task_id not in page.text
+        assert viewer.get("/admin/celery_idem/outboxentry/add/").status_code == 403
+        action = {"action": "retry", "_selected_action": [dead.pk, waiting.pk]}
+        viewer.post("/admin/celery_idem/outboxentry/", action)
+        dead.refresh_from_db()
+        assert dead.dead  # the action needs the change permission
+        user("view_outboxentry", "change_outboxentry").post("/admin/celery_idem/outboxentry/", action)
+        dead.refresh_from_db()
+        waiting.refresh_from_db()
+        assert not dead.dead and dead.attempts == 0 and waiting.attempts == 3
+    finally:
+        OutboxEntry.objects.filter(pk__in=[dead.pk, waiting.pk]).delete()

@@ -13,6 +13,8 @@ filters by state and task, searches by key and task id, and offers, each behind 
   whose lease still runs are left alone.
 
 The ledger's entries are listed read-only (``LedgerEntry``): they are the record of what committed.
+The outbox's entries (``OutboxEntry``) are listed read-only too, with one action behind
+``celery_idem.change_outboxentry``: give dead ones back to the relay.
 """
 
 from __future__ import annotations
@@ -32,15 +34,16 @@ from ...errors import IdempotencyError
 from ...extension import Idempotency
 from ...records import IdempotencyRecord, Identity, State
 from ...runtime import installed_on
-from .models import LedgerEntry, Record
+from .models import LedgerEntry, OutboxEntry, Record
 
-__all__ = ["LIMIT", "LedgerEntryAdmin", "RecordAdmin"]
+__all__ = ["LIMIT", "LedgerEntryAdmin", "OutboxEntryAdmin", "RecordAdmin"]
 
 if TYPE_CHECKING:  # ModelAdmin is generic to django-stubs, not at runtime
     _RecordAdmin = admin.ModelAdmin[Record]
     _LedgerEntryAdmin = admin.ModelAdmin[LedgerEntry]
+    _OutboxEntryAdmin = admin.ModelAdmin[OutboxEntry]
 else:
-    _RecordAdmin = _LedgerEntryAdmin = admin.ModelAdmin
+    _RecordAdmin = _LedgerEntryAdmin = _OutboxEntryAdmin = admin.ModelAdmin
 
 LIMIT = 500  # records read per page view (on Redis, listing scans the key space)
 
@@ -174,6 +177,35 @@ class LedgerEntryAdmin(_LedgerEntryAdmin):
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
+
+
+@admin.register(OutboxEntry)
+class OutboxEntryAdmin(_OutboxEntryAdmin):
+    """The outbox's entries: calls staged and not published yet, and the dead letter."""
+
+    list_display = ("task_id", "task_name", "dead", "attempts", "available_at", "created_at", "last_error")
+    list_filter = ("dead", "task_name")
+    search_fields = ("task_id",)
+    ordering = ("id",)
+    exclude = ("body",)
+    actions = ["retry"]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        return [field.name for field in OutboxEntry._meta.fields if field.name != "body"]
+
+    @admin.action(description="Give dead entries back to the relay", permissions=["change"])
+    def retry(self, request: HttpRequest, queryset: Any) -> None:
+        from .outbox import DjangoOutbox
+
+        ids = [entry.pk for entry in queryset if entry.dead]
+        retried = DjangoOutbox(queryset.db).retry_dead(ids)
+        messages.success(request, f"{retried} dead entr{'y' if retried == 1 else 'ies'} given back to the relay.")
 
 
 def _row(record: IdempotencyRecord) -> dict[str, Any]:

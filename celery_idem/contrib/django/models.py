@@ -1,5 +1,6 @@
 """The models of ``celery_idem.contrib.django``: :class:`LedgerEntry`, the ledger's table on the
-Django ORM (:class:`~celery_idem.contrib.django.ledger.DjangoLedger` writes it)."""
+Django ORM (:class:`~celery_idem.contrib.django.ledger.DjangoLedger` writes it), and
+:class:`OutboxEntry`, the outbox's (:class:`~celery_idem.contrib.django.outbox.DjangoOutbox`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from ...ledger.calls import decode_entry
 from ...outcome import JSON_ONLY
 from ...records import Identity
 
-__all__ = ["LedgerEntry"]
+__all__ = ["LedgerEntry", "OutboxEntry"]
 
 
 class LedgerEntry(models.Model):
@@ -87,3 +88,30 @@ class Record(models.Model):
         permissions = [("reconcile_record", "Can run the reconciler on idempotency records")]
         verbose_name = "idempotency record"
         verbose_name_plural = "idempotency records"
+
+
+class OutboxEntry(models.Model):
+    """A call staged in the caller's transaction, deleted once the relay published it; a ``dead``
+    one is the dead letter (it can never be published, or failed ``max_attempts`` times), kept
+    with its last error until an operator retries or deletes it."""
+
+    id: models.BigAutoField[int, int] = models.BigAutoField(primary_key=True)  # the relay's order
+    task_id: models.CharField[str, str] = models.CharField(max_length=255)
+    task_name: models.CharField[str, str] = models.CharField(max_length=255)
+    body: models.BinaryField[bytes | memoryview, bytes | memoryview] = models.BinaryField()  # the call as JSON
+    created_at: models.DateTimeField[datetime | str | Combinable, datetime] = models.DateTimeField()
+    # When the relay may try it (again): the database's clock, put off after each failed publish.
+    available_at: models.DateTimeField[datetime | str | Combinable, datetime] = models.DateTimeField()
+    attempts: models.PositiveIntegerField[int | Combinable, int] = models.PositiveIntegerField(default=0)
+    last_error: models.TextField[str | None, str | None] = models.TextField(null=True, blank=True)
+    dead: models.BooleanField[bool | Combinable, bool] = models.BooleanField(default=False)
+
+    class Meta:
+        db_table = "celery_idem_outbox"
+        verbose_name = "outbox entry"
+        verbose_name_plural = "outbox entries"
+        constraints = [models.UniqueConstraint(fields=["task_id"], name="celery_idem_outbox_task_id_uq")]
+        indexes = [models.Index(fields=["dead", "available_at", "id"], name="celery_idem_outbox_due_ix")]
+
+    def __str__(self) -> str:
+        return f"{self.task_name} {self.task_id}{' (dead)' if self.dead else ''}"

@@ -1,0 +1,140 @@
+"""The transactional outbox on the Django ORM: :class:`DjangoOutbox`, and ``outbox``, the one on
+the default database.
+
+    from celery_idem.contrib.django.outbox import outbox
+
+    with transaction.atomic():
+        order = Order.objects.create(...)
+        handle = outbox.apply_async(charge, (order.pk,), idempotency_key=f"order-{order.pk}")
+
+The call is a row of ``celery_idem_outbox`` (model :class:`~celery_idem.contrib.django.models.OutboxEntry`,
+migration ``0003_outbox``) written in the caller's transaction: if it rolls back, nothing was ever
+claimed or published. When it commits, the row is published at once (``transaction.on_commit``);
+whatever that misses (the process died, the broker was down) the relay publishes:
+``manage.py celery_idem_relay`` (a loop) or ``outbox.relay()`` from a beat task. Rows are locked
+``SELECT ... FOR UPDATE SKIP LOCKED`` (PostgreSQL, MariaDB 10.6+, MySQL 8), so relays share the
+work; SQLite has no row locks, and two relays there may publish a row twice (a copy of one task id,
+which a worker takes for a redelivery).
+
+Each publish goes through the task's own ``apply_async`` under the staged task id and identity: a
+relay that died after publishing and before deleting the row publishes again, and the claim makes
+that a no-op (or a copy of the same task id while no worker has taken it). The effect happens once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+from django.db import models, transaction
+from django.db.models.functions import Now
+
+from ...outbox.staging import RelayReport, backoff_seconds, relay_rows, stage_call
+from .models import OutboxEntry
+
+__all__ = ["DjangoOutbox", "outbox"]
+
+logger = logging.getLogger("celery_idem.outbox")
+
+
+class DjangoOutbox:
+    """A transactional outbox on a Django database.
+
+    Args:
+        using: the database alias whose transaction decides (the default database otherwise).
+        max_attempts: failed publishes of one row before it moves to the dead letter.
+        publish_on_commit: publish a staged call as soon as its transaction commits (the relay
+            still publishes whatever that attempt did not).
+    """
+
+    def __init__(self, using: str | None = None, *, max_attempts: int = 20, publish_on_commit: bool = True) -> None:
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1; got {max_attempts!r}")
+        self.using = using
+        self.max_attempts = max_attempts
+        self.publish_on_commit = publish_on_commit
+
+    def _alias(self) -> str:
+        from django.db import router
+
+        return self.using or router.db_for_write(OutboxEntry)
+
+    def apply_async(
+        self, task: Any, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None, **options: Any
+    ) -> Any:
+        """Stage ``task.apply_async(args, kwargs, **options)`` in the current transaction of the
+        outbox's database and return the handle of its task id. Nothing is claimed or published
+        before the commit (outside a transaction the row commits, and is published, at once).
+
+        Raises:
+            InvalidKeyError: the key or scope breaks the rule, before anything is written.
+            SerializationError: the call is not JSON, or is over 64 KiB.
+        """
+        staged, handle = stage_call(task, args, kwargs, options)
+        alias = self._alias()
+        entry = OutboxEntry.objects.using(alias).create(
+            task_id=staged.task_id,
+            task_name=staged.task_name,
+            body=staged.body,
+            created_at=Now(),
+            available_at=Now(),
+        )
+        if self.publish_on_commit:
+            app = task.app
+            transaction.on_commit(lambda: self._publish_now(app, entry.pk), using=alias)
+        return handle
+
+    def delay(self, task: Any, *args: Any, **kwargs: Any) -> Any:
+        """``apply_async(task, args, kwargs)``."""
+        return self.apply_async(task, args, kwargs)
+
+    def relay(self, app: Any = None, *, limit: int = 100, ids: Collection[int] | None = None) -> RelayReport:
+        """Publish up to ``limit`` due rows (oldest first), in one transaction that holds them
+        locked: published rows are deleted, failed ones put off (doubling, up to 5 minutes), and a
+        row that can never be published (or failed ``max_attempts`` times) is kept as dead.
+        ``app`` resolves the task names (Celery's current app otherwise)."""
+        if app is None:
+            from celery import current_app
+
+            app = current_app
+        alias = self._alias()
+        with transaction.atomic(using=alias):
+            due = OutboxEntry.objects.using(alias).filter(dead=False, available_at__lte=Now())
+            if ids is not None:
+                due = due.filter(pk__in=list(ids))
+            rows = list(
+                due.select_for_update(skip_locked=True)
+                .order_by("id")
+                .only("id", "task_id", "task_name", "body", "attempts")[:limit]
+            )
+            report = relay_rows(app, rows, max_attempts=self.max_attempts)
+            entries = OutboxEntry.objects.using(alias)
+            if report.published:
+                entries.filter(pk__in=report.published).delete()
+            for row_id, attempts, error in report.failed:
+                later = models.ExpressionWrapper(
+                    Now() + timedelta(seconds=backoff_seconds(attempts)), output_field=models.DateTimeField()
+                )
+                entries.filter(pk=row_id).update(attempts=attempts, last_error=error, available_at=later)
+            for row_id, attempts, error in report.dead:
+                entries.filter(pk=row_id).update(attempts=attempts, last_error=error, dead=True)
+        return report
+
+    def retry_dead(self, ids: Collection[int] | None = None) -> int:
+        """Give dead rows (all, or those of ``ids``) back to the relay, with their tries counted
+        from zero; returns how many."""
+        dead = OutboxEntry.objects.using(self._alias()).filter(dead=True)
+        if ids is not None:
+            dead = dead.filter(pk__in=list(ids))
+        return int(dead.update(dead=False, attempts=0, available_at=Now()))
+
+    def _publish_now(self, app: Any, row_id: int) -> None:
+        try:
+            self.relay(app, limit=1, ids=[row_id])
+        except Exception:  # the relay publishes it later; the caller's commit stands
+            logger.warning("outbox: could not publish row %s after its commit; the relay will", row_id, exc_info=True)
+
+
+outbox = DjangoOutbox()
