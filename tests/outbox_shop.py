@@ -8,7 +8,8 @@ counter Redis (never our records), and every message published is counted there 
 
 ``relay`` runs one relay pass; ``SHOP_RELAY_DIES=after_publish`` SIGKILLs the relay after its
 first publish returned (before the transaction that deletes the row commits), ``before_publish``
-after its claim and before the message reaches the broker.
+after its claim and before the message reaches the broker; ``SHOP_RELAY_LEASE`` is how long the rows
+it took stay its own (seconds).
 """
 
 from __future__ import annotations
@@ -105,4 +106,5 @@ def _relay_dying(when: str) -> None:
 if __name__ == "__main__" and sys.argv[1:] == ["relay"]:
     if os.environ.get("SHOP_RELAY_DIES"):
         _relay_dying(os.environ["SHOP_RELAY_DIES"])
+    outbox.lease_seconds = float(os.environ.get("SHOP_RELAY_LEASE") or outbox.lease_seconds)
     print(outbox.relay(app))

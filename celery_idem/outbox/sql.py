@@ -7,9 +7,8 @@
     # committed: published at once (best effort); rolled back: nothing was ever published
 
 A relay (``outbox.relay(app)`` from a beat task or a loop) publishes what the commit-time attempt
-did not (the process died, the broker was down), oldest first, each row locked ``FOR UPDATE SKIP
-LOCKED`` so relays share the work (SQLite, which has no row locks, may publish a row twice: a copy
-of the same task id, which a worker takes for a redelivery).
+did not (the process died, the broker was down), oldest first, taking rows ``FOR UPDATE SKIP
+LOCKED`` and leasing them, so relays share the work.
 """
 
 from __future__ import annotations
@@ -50,14 +49,6 @@ def outbox_table(metadata: sa.MetaData, name: str = "celery_idem_outbox") -> sa.
     )
 
 
-def _clock(dialect: str) -> sa.ColumnElement[float]:
-    """The database's time when the statement runs: PostgreSQL's now() is its transaction's start,
-    and a relay's transaction lasts as long as its publishes."""
-    if dialect == "postgresql":
-        return sa.cast(sa.extract("epoch", sa.func.clock_timestamp()), sa.Double)
-    return server_clock(dialect)
-
-
 class SQLOutbox:
     """A transactional outbox on ``engine``'s database (PostgreSQL, SQLite).
 
@@ -67,6 +58,8 @@ class SQLOutbox:
         max_attempts: failed publishes of one row before it moves to the dead letter.
         publish_on_commit: publish a staged call as soon as its transaction commits (the relay
             still publishes whatever that attempt did not).
+        lease_seconds: how long rows a relay took stay its own; a relay that dies leaves them
+            due again after this.
     """
 
     def __init__(
@@ -76,15 +69,19 @@ class SQLOutbox:
         table_name: str = "celery_idem_outbox",
         max_attempts: int = 20,
         publish_on_commit: bool = True,
+        lease_seconds: float = 60.0,
     ) -> None:
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1; got {max_attempts!r}")
+        if not lease_seconds > 0:
+            raise ValueError(f"lease_seconds must be positive; got {lease_seconds!r}")
+        self.lease_seconds = float(lease_seconds)
         self.engine = engine
         self.metadata = sa.MetaData()
         self.table = outbox_table(self.metadata, table_name)
         self.max_attempts = max_attempts
         self.publish_on_commit = publish_on_commit
-        self._now = _clock(engine.dialect.name)
+        self._now = server_clock(engine.dialect.name)
 
     def create_schema(self) -> None:
         """Create the outbox table (safe to call from many processes at once)."""
@@ -130,24 +127,19 @@ class SQLOutbox:
         return self.apply_async(session, task, args, kwargs)
 
     def relay(self, app: Any, *, limit: int = 100, ids: Collection[Any] | None = None) -> RelayReport:
-        """Publish up to ``limit`` due rows (oldest first), in one transaction that holds them locked:
-        published rows are deleted, failed ones put off from the end of the pass (doubling, up to 5
-        minutes), and a row that
-        can never be published (or failed ``max_attempts`` times) is kept as dead."""
+        """Publish up to ``limit`` due rows, oldest first. A short transaction takes them (locked
+        ``SKIP LOCKED``, then leased for ``lease_seconds``: due again only if this relay dies);
+        they are published with no transaction open (a store on the same database, or a task run
+        eagerly, writes meanwhile); a second short transaction deletes the published ones, puts
+        off the failed ones (doubling from 2 s up to 5 minutes) and keeps as dead a row that can
+        never be published or failed ``max_attempts`` times."""
         t = self.table
         with self.engine.begin() as connection:
-            now = float(connection.execute(sa.select(self._now)).scalar_one())
-            due = sa.and_(t.c.dead.is_(False), t.c.available_at <= now)
-            if ids is not None:
-                due = sa.and_(due, t.c.id.in_(list(ids)))
-            rows = connection.execute(
-                sa.select(t.c.id, t.c.task_id, t.c.task_name, t.c.body, t.c.attempts)
-                .where(due)
-                .order_by(t.c.id)
-                .limit(limit)
-                .with_for_update(skip_locked=True)
-            ).all()
-            report = relay_rows(app, rows, max_attempts=self.max_attempts)
+            rows = self._take(connection, limit, ids)
+        report = relay_rows(app, rows, max_attempts=self.max_attempts)
+        if not rows:
+            return report
+        with self.engine.begin() as connection:
             if report.published:
                 connection.execute(sa.delete(t).where(t.c.id.in_(report.published)))
             for row_id, attempts, error in report.failed:
@@ -161,6 +153,25 @@ class SQLOutbox:
                     sa.update(t).where(t.c.id == row_id).values(attempts=attempts, last_error=error, dead=True)
                 )
         return report
+
+    def _take(self, connection: sa.Connection, limit: int, ids: Collection[Any] | None) -> Sequence[Any]:
+        """Lock and lease up to ``limit`` due rows. SQLite's driver begins its transaction at the
+        first write, not at a SELECT, so there the rows are taken by one UPDATE ... RETURNING,
+        which holds the database's write lock for the whole statement."""
+        t = self.table
+        due = sa.and_(t.c.dead.is_(False), t.c.available_at <= self._now)
+        if ids is not None:
+            due = sa.and_(due, t.c.id.in_(list(ids)))
+        oldest = sa.select(t.c.id).where(due).order_by(t.c.id).limit(limit)
+        columns = (t.c.id, t.c.task_id, t.c.task_name, t.c.body, t.c.attempts)
+        leased = {"available_at": self._now + self.lease_seconds}
+        if connection.dialect.name == "sqlite":
+            taken = sa.update(t).where(due, t.c.id.in_(oldest.scalar_subquery())).values(leased).returning(*columns)
+            return sorted(connection.execute(taken).all(), key=lambda row: row.id)
+        rows = connection.execute(oldest.with_only_columns(*columns).with_for_update(skip_locked=True)).all()
+        if rows:
+            connection.execute(sa.update(t).where(t.c.id.in_([row.id for row in rows])).values(leased))
+        return rows
 
     def _publish_now(self, app: Any, row_id: Any) -> None:
         try:

@@ -1,6 +1,7 @@
 """The Django outbox's relay in a process of its own, on the example project (``django_worker``'s
 app and environment): one pass of ``DjangoOutbox().relay``; ``SHOP_RELAY_DIES=after_publish``
-SIGKILLs it after its first publish returned, before the transaction that deletes the row commits.
+SIGKILLs it after its first publish returned, before the transaction that deletes the row commits;
+``SHOP_RELAY_LEASE`` is how long the rows it took stay its own (seconds).
 """
 
 from __future__ import annotations
@@ -23,4 +24,4 @@ if os.environ.get("SHOP_RELAY_DIES") == "after_publish":
 
     staging.relay_call = published_then_die  # type: ignore[assignment]
 
-print(DjangoOutbox().relay(app))
+print(DjangoOutbox(lease_seconds=float(os.environ.get("SHOP_RELAY_LEASE") or 60)).relay(app))

@@ -1,6 +1,6 @@
 """examples/django_shop, run as its README says: ``manage.py migrate`` and ``manage.py check`` on its
 own settings module, then its checkout view through Django's test client (``Idempotency-Key``
-header -> the charge published at commit -> the ORM ledger), on a SQLite file and a PostgreSQL
+header -> the charge staged in the outbox, published at commit -> the ORM ledger), on a SQLite file and a PostgreSQL
 schema. A retried checkout pays once; a checkout whose transaction fails publishes nothing."""
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ django.setup()
 from django.test import Client
 from django_shop.celery import app
 from storefront.models import Order, Payment
+from celery_idem.contrib.django.models import OutboxEntry
 app.conf.task_always_eager = True  # the charge runs here, at commit: no worker needed to count it
 app.conf.task_eager_propagates = True  # and its error, if any, fails the run
 order = Order.objects.create(amount=500)
@@ -35,7 +36,7 @@ statuses.append(client.post(f"/checkout/{order.pk}/").status_code)
 statuses.append(client.post("/checkout/0/", headers={"Idempotency-Key": "pay-2"}).status_code)
 order.refresh_from_db()
 print(json.dumps({"statuses": statuses, "payments": Payment.objects.filter(order_id=order.pk).count(),
-                  "status": order.status}))
+                  "status": order.status, "outbox": OutboxEntry.objects.count()}))
 """
 
 
@@ -64,5 +65,6 @@ def test_the_example_project_migrates_checks_and_charges_a_retried_checkout_once
         answer = json.loads(run("-c", CHECKOUT).strip().splitlines()[-1])
     finally:
         wipe(store_from_url(REDIS_URL, key_prefix=prefix))
-    # Three posts of one key: accepted each time, one payment; no key: 400; no such order: 404
-    assert answer == {"statuses": [202, 202, 202, 400, 404], "payments": 1, "status": "paid"}
+    # Three posts of one key: accepted each time, one payment, the outbox drained; no key: 400; no
+    # such order: 404
+    assert answer == {"statuses": [202, 202, 202, 400, 404], "payments": 1, "status": "paid", "outbox": 0}

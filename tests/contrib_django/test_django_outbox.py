@@ -13,6 +13,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -154,14 +155,17 @@ def test_a_relay_killed_after_publishing_is_followed_by_a_resend_and_the_payment
         )
     died = subprocess.run(
         [sys.executable, str(TESTS / "contrib_django" / "django_relay.py")],
-        env=child_env(alias, prefix, SHOP_RELAY_DIES="after_publish"),
+        env=child_env(alias, prefix, SHOP_RELAY_DIES="after_publish", SHOP_RELAY_LEASE="300"),
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert died.returncode == -9, died.stderr
     assert OutboxEntry.objects.using(alias).count() == 1  # its DELETE never committed
-    assert len(DjangoOutbox(alias).relay(producer).published) == 1  # a copy of the same task id
+    outbox = DjangoOutbox(alias)
+    assert outbox.relay(producer).published == []  # leased by the dead relay
+    OutboxEntry.objects.using(alias).update(available_at=datetime(2000, 1, 1, tzinfo=timezone.utc))  # lease ran out
+    assert len(outbox.relay(producer).published) == 1  # a copy of the same task id
     workers()
     assert handle.get(timeout=GET) == {"paid": 400, "order": order}
     assert payments(alias, order) == 1 and not OutboxEntry.objects.using(alias).exists()

@@ -11,10 +11,9 @@ The call is a row of ``celery_idem_outbox`` (model :class:`~celery_idem.contrib.
 migration ``0003_outbox``) written in the caller's transaction: if it rolls back, nothing was ever
 claimed or published. When it commits, the row is published at once (``transaction.on_commit``);
 whatever that misses (the process died, the broker was down) the relay publishes:
-``manage.py celery_idem_relay`` (a loop) or ``outbox.relay()`` from a beat task. Rows are locked
-``SELECT ... FOR UPDATE SKIP LOCKED`` (PostgreSQL, MariaDB 10.6+, MySQL 8), so relays share the
-work; SQLite has no row locks, and two relays there may publish a row twice (a copy of one task id,
-which a worker takes for a redelivery).
+``manage.py celery_idem_relay`` (a loop) or ``outbox.relay()`` from a beat task. Rows are taken
+``SELECT ... FOR UPDATE SKIP LOCKED`` (PostgreSQL, MariaDB 10.6+, MySQL 8) and leased, so relays
+share the work.
 
 Each publish goes through the task's own ``apply_async`` under the staged task id and identity: a
 relay that died after publishing and before deleting the row publishes again, and the claim makes
@@ -47,11 +46,23 @@ class DjangoOutbox:
         max_attempts: failed publishes of one row before it moves to the dead letter.
         publish_on_commit: publish a staged call as soon as its transaction commits (the relay
             still publishes whatever that attempt did not).
+        lease_seconds: how long rows a relay took stay its own; a relay that dies leaves them
+            due again after this.
     """
 
-    def __init__(self, using: str | None = None, *, max_attempts: int = 20, publish_on_commit: bool = True) -> None:
+    def __init__(
+        self,
+        using: str | None = None,
+        *,
+        max_attempts: int = 20,
+        publish_on_commit: bool = True,
+        lease_seconds: float = 60.0,
+    ) -> None:
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1; got {max_attempts!r}")
+        if not lease_seconds > 0:
+            raise ValueError(f"lease_seconds must be positive; got {lease_seconds!r}")
+        self.lease_seconds = float(lease_seconds)
         self.using = using
         self.max_attempts = max_attempts
         self.publish_on_commit = publish_on_commit
@@ -91,17 +102,21 @@ class DjangoOutbox:
         return self.apply_async(task, args, kwargs)
 
     def relay(self, app: Any = None, *, limit: int = 100, ids: Collection[int] | None = None) -> RelayReport:
-        """Publish up to ``limit`` due rows (oldest first), in one transaction that holds them
-        locked: published rows are deleted, failed ones put off (doubling, up to 5 minutes), and a
-        row that can never be published (or failed ``max_attempts`` times) is kept as dead.
-        ``app`` resolves the task names (Celery's current app otherwise)."""
+        """Publish up to ``limit`` due rows, oldest first. A short transaction takes them (locked
+        ``SKIP LOCKED``, then leased for ``lease_seconds``: due again only if this relay dies);
+        they are published with no transaction open (a ``django://`` store on the same database,
+        or a task run eagerly, writes meanwhile); a second short transaction deletes the published
+        ones, puts off the failed ones (doubling from 2 s up to 5 minutes) and keeps as dead a row
+        that can never be published or failed ``max_attempts`` times. ``app`` resolves the task
+        names (Celery's current app otherwise)."""
         if app is None:
             from celery import current_app
 
             app = current_app
         alias = self._alias()
+        entries = OutboxEntry.objects.using(alias)
         with transaction.atomic(using=alias):
-            due = OutboxEntry.objects.using(alias).filter(dead=False, available_at__lte=Now())
+            due = entries.filter(dead=False, available_at__lte=Now())
             if ids is not None:
                 due = due.filter(pk__in=list(ids))
             rows = list(
@@ -109,14 +124,16 @@ class DjangoOutbox:
                 .order_by("id")
                 .only("id", "task_id", "task_name", "body", "attempts")[:limit]
             )
-            report = relay_rows(app, rows, max_attempts=self.max_attempts)
-            entries = OutboxEntry.objects.using(alias)
+            if rows:
+                entries.filter(pk__in=[row.pk for row in rows]).update(available_at=_later(self.lease_seconds))
+        report = relay_rows(app, rows, max_attempts=self.max_attempts)
+        if not rows:
+            return report
+        with transaction.atomic(using=alias):
             if report.published:
                 entries.filter(pk__in=report.published).delete()
             for row_id, attempts, error in report.failed:
-                later = models.ExpressionWrapper(
-                    Now() + timedelta(seconds=backoff_seconds(attempts)), output_field=models.DateTimeField()
-                )
+                later = _later(backoff_seconds(attempts))
                 entries.filter(pk=row_id).update(attempts=attempts, last_error=error, available_at=later)
             for row_id, attempts, error in report.dead:
                 entries.filter(pk=row_id).update(attempts=attempts, last_error=error, dead=True)
@@ -135,6 +152,11 @@ class DjangoOutbox:
             self.relay(app, limit=1, ids=[row_id])
         except Exception:  # the relay publishes it later; the caller's commit stands
             logger.warning("outbox: could not publish row %s after its commit; the relay will", row_id, exc_info=True)
+
+
+def _later(seconds: float) -> Any:
+    """The database's clock ``seconds`` from now."""
+    return models.ExpressionWrapper(Now() + timedelta(seconds=seconds), output_field=models.DateTimeField())
 
 
 outbox = DjangoOutbox()

@@ -1,5 +1,7 @@
 """Checkout: the client's ``Idempotency-Key`` header becomes the charge's idempotency key, and the
-charge is published when the order's transaction commits."""
+charge is staged in the outbox in the order's transaction: published when it commits (by this
+process at once, or by ``manage.py celery_idem_relay`` if this process dies first), never if it
+rolls back."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
 
 from celery_idem import InvalidKeyError
+from celery_idem.contrib.django.outbox import outbox
 
 from .models import Order
 from .tasks import charge
@@ -23,10 +26,10 @@ def checkout(request: HttpRequest, order_id: int) -> JsonResponse:
     try:
         with transaction.atomic():
             order = Order.objects.select_for_update().get(pk=order_id)
-            # Claimed and published when this transaction commits; a rollback sends nothing.
-            charge.apply_async_on_commit((order.pk,), idempotency_key=key)
+            # A row of this transaction: published after the commit; a rollback sends nothing.
+            handle = outbox.apply_async(charge, (order.pk,), idempotency_key=key)
     except Order.DoesNotExist:
         return JsonResponse({"error": f"no order {order_id}"}, status=404)
     except InvalidKeyError as exc:
         return JsonResponse({"error": str(exc)}, status=400)
-    return JsonResponse({"order": order_id, "idempotency_key": key}, status=202)
+    return JsonResponse({"order": order_id, "idempotency_key": key, "task_id": handle.id}, status=202)

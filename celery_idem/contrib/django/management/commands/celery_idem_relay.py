@@ -7,6 +7,7 @@ import threading
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandParser
+from django.db import DatabaseError
 
 from ...outbox import DjangoOutbox
 
@@ -22,17 +23,29 @@ class Command(BaseCommand):
         parser.add_argument("--limit", type=int, default=100, help="rows per pass (default: 100)")
         parser.add_argument("--interval", type=float, default=1.0, help="seconds between passes that found nothing")
         parser.add_argument("--max-attempts", type=int, default=20, help="failed publishes before the dead letter")
+        parser.add_argument(
+            "--lease-seconds", type=float, default=60.0, help="how long taken rows stay this relay's (default: 60)"
+        )
         parser.add_argument("--once", action="store_true", help="one pass, then exit")
 
     def handle(self, *args: Any, **options: Any) -> None:
         from celery import current_app
 
-        outbox = DjangoOutbox(options["database"], max_attempts=options["max_attempts"])
+        outbox = DjangoOutbox(
+            options["database"], max_attempts=options["max_attempts"], lease_seconds=options["lease_seconds"]
+        )
         stop = threading.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: stop.set())
         while not stop.is_set():
-            report = outbox.relay(current_app, limit=options["limit"])
+            try:
+                report = outbox.relay(current_app, limit=options["limit"])
+            except DatabaseError as exc:  # the database down, or SQLite locked by another relay
+                if options["once"]:
+                    raise
+                self.stderr.write(f"celery_idem_relay: the pass failed ({exc!r}); trying again")
+                stop.wait(options["interval"])
+                continue
             if report.published or report.failed or report.dead or options["once"]:
                 self.stdout.write(f"celery_idem_relay: {report}")
             if options["once"]:
