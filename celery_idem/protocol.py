@@ -15,7 +15,6 @@ __all__ = [
     "KEY_HEADER",
     "OPTION_HEADERS",
     "OUTAGE_HEADER",
-    "RESEND_OPTION",
     "REPLACED_FAILED_TASK",
     "REPLACED_TASK",
     "SCOPE_HEADER",
@@ -39,10 +38,6 @@ REPLACED_TASK, REPLACED_FAILED_TASK = "celery_idem.replaced", "celery_idem.repla
 # The token a self.replace() hands its record over to, carried by the replacement's message. Input
 # like any header: it is worth something only while the store holds the record under that token.
 HANDOVER_HEADER = "idempotency_handover"
-# An apply_async option, never a header: the outbox's relay publishing a staged call again. A claim
-# that finds the call's own task id still PENDING sends a copy of it (the earlier relay may have
-# died before its publish reached the broker); a worker takes the copy for a redelivery.
-RESEND_OPTION = "idempotency_resend"
 
 
 def request_header(request: Any, name: str) -> Any:

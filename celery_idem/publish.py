@@ -12,13 +12,15 @@ replays the stored outcome into it instead of running the body.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from . import attempts, timing
 from .calling import TaskCalls, log_decision
 from .errors import DuplicateTaskError, StoreUnavailableError
-from .protocol import BYPASS_HEADER, HANDOVER_HEADER, KEY_HEADER, RESEND_OPTION, SCOPE_HEADER
+from .protocol import BYPASS_HEADER, HANDOVER_HEADER, KEY_HEADER, SCOPE_HEADER
 from .records import Decision, Identity, State
 from .result import bind_handle
 from .settle import Settler
@@ -27,9 +29,25 @@ from .stores.base import new_token
 if TYPE_CHECKING:
     from .runtime import Runtime
 
-__all__ = ["publish"]
+__all__ = ["publish", "resending"]
 
 _CONTINUATIONS = ("link", "link_error", "chain", "chord", "group_id")
+# The task id the outbox's relay is publishing again on this thread (outbox/staging.py): known from
+# the relay itself, never from an option or a header a producer could set.
+_RESENDING: ContextVar[str | None] = ContextVar("celery_idem_resending", default=None)
+
+
+@contextmanager
+def resending(task_id: str) -> Iterator[None]:
+    """Within the block, a claim that finds ``task_id``'s own record is the outbox's relay publishing
+    that staged call again: no duplicate of it. While no attempt took the claim, its message may
+    never have reached the broker, so a copy of the same task id is sent (a worker takes it for a
+    redelivery); otherwise nothing is."""
+    token = _RESENDING.set(task_id)
+    try:
+        yield
+    finally:
+        _RESENDING.reset(token)
 
 
 def publish(
@@ -46,7 +64,6 @@ def publish(
     key = options.pop(KEY_HEADER, None)
     scope = options.pop(SCOPE_HEADER, None)
     enabled = options.pop(BYPASS_HEADER, True)
-    resend = options.pop(RESEND_OPTION, False) is True
     headers = dict(options.get("headers") or {})
     key = headers.get(KEY_HEADER) if key is None else key
     scope = headers.get(SCOPE_HEADER) if scope is None else scope
@@ -128,9 +145,8 @@ def publish(
     if claimed.decision is Decision.MISMATCH and not handed:
         idem.count("mismatches")
         raise calls.mismatch(identity, record)
-    if resend and task_id == record.task_id and not handed:
-        # The outbox's relay again, for the call it claimed before: no duplicate of it. While no
-        # attempt took the claim its message may never have reached the broker: a copy is sent.
+    if _RESENDING.get() == task_id == record.task_id and not handed:
+        # The outbox's relay again, for the call it claimed before (see resending).
         if record.state is State.PENDING and not record.attempt:
             return bind_handle(send(args, kwargs, options), identity, idem, deduplicated=False, record=record)
         return bind_handle(task.AsyncResult(task_id), identity, idem, deduplicated=False, record=record)

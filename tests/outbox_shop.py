@@ -8,8 +8,8 @@ counter Redis (never our records), and every message published is counted there 
 
 ``relay`` runs one relay pass; ``SHOP_RELAY_DIES=after_publish`` SIGKILLs the relay after its
 first publish returned (before the transaction that deletes the row commits), ``before_publish``
-after its claim and before the message reaches the broker; ``SHOP_RELAY_LEASE`` is how long the rows
-it took stay its own (seconds).
+after its claim and before the message reaches the broker, ``before_claim`` before its first
+claim; ``SHOP_RELAY_LEASE`` is how long the rows it took stay its own (seconds).
 """
 
 from __future__ import annotations
@@ -88,7 +88,9 @@ if os.environ.get("SHOP_OUTBOX_DB"):
 def _relay_dying(when: str) -> None:
     """Make this process die at ``when`` in its first publish (no handler runs: SIGKILL)."""
     die = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
-    if when == "after_publish":
+    if when == "before_claim":
+        staging.relay_call = lambda *args, **kwargs: die()  # type: ignore[assignment]
+    elif when == "after_publish":
         relay_call = staging.relay_call
 
         def published_then_die(*args: Any, **kwargs: Any) -> Any:
@@ -100,7 +102,7 @@ def _relay_dying(when: str) -> None:
         charge = app.tasks["outbox.charge"]
         charge._send = lambda *args, **kwargs: die()  # type: ignore[method-assign]
     else:
-        raise SystemExit(f"SHOP_RELAY_DIES={when!r}: after_publish or before_publish")
+        raise SystemExit(f"SHOP_RELAY_DIES={when!r}: before_claim, before_publish or after_publish")
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["relay"]:

@@ -22,7 +22,7 @@ from sqlalchemy import orm
 
 from ..stores.sql.engine import server_clock
 from ..stores.sql.schema import create_all
-from .staging import RelayReport, backoff_seconds, relay_rows, stage_call
+from .staging import RelayReport, Taken, backoff_seconds, relay_rows, stage_call
 
 __all__ = ["SQLOutbox", "outbox_table"]
 
@@ -44,8 +44,12 @@ def outbox_table(metadata: sa.MetaData, name: str = "celery_idem_outbox") -> sa.
         sa.Column("attempts", sa.Integer, nullable=False, default=0),
         sa.Column("last_error", sa.Text, nullable=True),
         sa.Column("dead", sa.Boolean, nullable=False, default=False),
-        sa.UniqueConstraint("task_id", name=f"uq_{name}_task_id"),
+        # When a relay took it and has not ended its pass over it yet (a relay that died did not).
+        sa.Column("taken_at", sa.Double, nullable=True),
         sa.Index(f"ix_{name}_due", "dead", "available_at", "id"),
+        # Not unique: a call staged twice under one chosen task id is published twice, and the
+        # second finds the first's claim (the caller's transaction never fails on it).
+        sa.Index(f"ix_{name}_task_id", "task_id"),
     )
 
 
@@ -146,7 +150,12 @@ class SQLOutbox:
                 connection.execute(
                     sa.update(t)
                     .where(t.c.id == row_id)
-                    .values(attempts=attempts, last_error=error, available_at=self._now + backoff_seconds(attempts))
+                    .values(
+                        attempts=attempts,
+                        last_error=error,
+                        available_at=self._now + backoff_seconds(attempts),
+                        taken_at=None,  # this pass ended, and knows it did not publish
+                    )
                 )
             for row_id, attempts, error in report.dead:
                 connection.execute(
@@ -154,24 +163,38 @@ class SQLOutbox:
                 )
         return report
 
-    def _take(self, connection: sa.Connection, limit: int, ids: Collection[Any] | None) -> Sequence[Any]:
-        """Lock and lease up to ``limit`` due rows. SQLite's driver begins its transaction at the
-        first write, not at a SELECT, so there the rows are taken by one UPDATE ... RETURNING,
-        which holds the database's write lock for the whole statement."""
-        t = self.table
-        due = sa.and_(t.c.dead.is_(False), t.c.available_at <= self._now)
+    def _take(self, connection: sa.Connection, limit: int, ids: Collection[Any] | None) -> list[Taken]:
+        """Lock and lease up to ``limit`` due rows, marking when they were taken (kept from an
+        earlier pass that never ended: its relay died). SQLite's driver begins its transaction at
+        the first write, not at a SELECT, so there one UPDATE ... RETURNING takes the rows, holding
+        the database's write lock for the whole statement."""
+        t, now = self.table, self._now
+        due = sa.and_(t.c.dead.is_(False), t.c.available_at <= now)
         if ids is not None:
             due = sa.and_(due, t.c.id.in_(list(ids)))
         oldest = sa.select(t.c.id).where(due).order_by(t.c.id).limit(limit)
         columns = (t.c.id, t.c.task_id, t.c.task_name, t.c.body, t.c.attempts)
-        leased = {"available_at": self._now + self.lease_seconds}
+        leased = {"available_at": now + self.lease_seconds, "taken_at": sa.func.coalesce(t.c.taken_at, now)}
         if connection.dialect.name == "sqlite":
-            taken = sa.update(t).where(due, t.c.id.in_(oldest.scalar_subquery())).values(leased).returning(*columns)
-            return sorted(connection.execute(taken).all(), key=lambda row: row.id)
-        rows = connection.execute(oldest.with_only_columns(*columns).with_for_update(skip_locked=True)).all()
-        if rows:
-            connection.execute(sa.update(t).where(t.c.id.in_([row.id for row in rows])).values(leased))
-        return rows
+            # Returned after the update: this pass's "now" is the new lease's start.
+            orphaned = t.c.available_at - self.lease_seconds - t.c.taken_at
+            take = sa.update(t).where(due, t.c.id.in_(oldest.scalar_subquery())).values(leased)
+            found = connection.execute(take.returning(*columns, orphaned.label("orphaned"))).all()
+        else:
+            orphaned = now - t.c.taken_at  # read before the update
+            locked = oldest.with_only_columns(*columns, orphaned.label("orphaned")).with_for_update(skip_locked=True)
+            found = list(connection.execute(locked).all())
+            if found:
+                connection.execute(sa.update(t).where(t.c.id.in_([row.id for row in found])).values(leased))
+        # A row first taken by this statement has 0 (or none); one a dead relay took was due again
+        # only after that relay's lease ran out.
+        floor = self.lease_seconds / 2
+
+        def taken(row: Any) -> Taken:
+            orphaned_for = row.orphaned if row.orphaned is not None and row.orphaned > floor else None
+            return Taken(row.id, row.task_id, row.task_name, row.body, row.attempts, orphaned_for)
+
+        return sorted((taken(row) for row in found), key=lambda row: row.id)
 
     def _publish_now(self, app: Any, row_id: Any) -> None:
         try:

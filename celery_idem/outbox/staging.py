@@ -20,7 +20,7 @@ import logging
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 from celery.exceptions import NotRegistered
 from celery.utils.time import maybe_iso8601
@@ -35,19 +35,38 @@ from ..errors import (
     PayloadMismatchError,
     SerializationError,
 )
-from ..protocol import BYPASS_HEADER, KEY_HEADER, RESEND_OPTION, SCOPE_HEADER
+from ..protocol import BYPASS_HEADER, KEY_HEADER, SCOPE_HEADER
+from ..publish import resending
 from ..result import bind_handle
 
-__all__ = ["FINAL_ERRORS", "RelayReport", "Staged", "backoff_seconds", "relay_call", "relay_rows", "stage_call"]
+__all__ = [
+    "FINAL_ERRORS",
+    "AmbiguousRelay",
+    "RelayReport",
+    "Staged",
+    "Taken",
+    "backoff_seconds",
+    "relay_call",
+    "relay_rows",
+    "stage_call",
+]
 
 logger = logging.getLogger("celery_idem.outbox")
 
 VERSION = 1
 # Options that belong to the caller's process, never to a call kept in a table.
 _REFUSED = ("producer", "connection", "publisher", "result_cls", "add_to_parent", "retries", "retry_policy")
+
+
+class AmbiguousRelay(Exception):
+    """A relay died with this call in flight longer ago than its key's TTL, and the key has no
+    record: the call may have run and its record expired, or never have been claimed."""
+
+
 # A staged call the relay can never publish: kept as dead (the dead letter), with the reason.
 FINAL_ERRORS: tuple[type[BaseException], ...] = (
     NotRegistered,
+    AmbiguousRelay,
     PayloadMismatchError,
     DuplicateTaskError,
     InvalidKeyError,
@@ -119,44 +138,67 @@ def stage_call(
     return Staged(task_id, task.name, body), handle
 
 
-def relay_call(app: Any, task_id: str, task_name: str, body: bytes) -> Any:
+class Taken(NamedTuple):
+    """An outbox row a relay took: its call, its failed publishes so far, and how long ago a relay
+    that died took it (None when no relay did: every earlier pass over it ended)."""
+
+    id: Any
+    task_id: str
+    task_name: str
+    body: bytes
+    attempts: int
+    orphaned_for: float | None = None
+
+
+def relay_call(app: Any, row: Taken) -> Any:
     """Publish a staged call through its task's ``apply_async``: claimed now, under its task id.
 
     Raises:
         NotRegistered: no task of that name in ``app``.
         DecodeError: the row is not a staged call.
+        AmbiguousRelay: see the class (the operator decides).
         PayloadMismatchError, DuplicateTaskError: the claim refused the call (a final answer).
         Exception: whatever publishing raised (the broker or the store down: tried again later).
     """
-    task = app.tasks[task_name]
+    task = app.tasks[row.task_name]
     try:
-        document = kombu_json.loads(body)  # type: ignore[no-untyped-call]
+        document = kombu_json.loads(bytes(row.body))  # type: ignore[no-untyped-call]
     except (TypeError, ValueError) as exc:
-        raise DecodeError(f"outbox row {task_id} cannot be read ({exc})") from exc
+        raise DecodeError(f"outbox row {row.task_id} cannot be read ({exc})") from exc
     if not isinstance(document, dict) or document.get("v") != VERSION:
-        raise DecodeError(f"outbox row {task_id} is in an unknown format")
+        raise DecodeError(f"outbox row {row.task_id} is in an unknown format")
     options = dict(document.get("options") or {})
     if isinstance(options.get("eta"), str):
         options["eta"] = maybe_iso8601(options["eta"])
-    if getattr(task, "idempotency_handler", None) is not None:
-        options[RESEND_OPTION] = True
+    if row.orphaned_for is not None:
+        _check_orphan(task, row.orphaned_for, options.get("headers") or {})
     args, kwargs = list(document.get("args") or ()), dict(document.get("kwargs") or {})
-    return task.apply_async(args, kwargs, task_id=task_id, **options)
+    with resending(row.task_id):
+        return task.apply_async(args, kwargs, task_id=row.task_id, **options)
+
+
+def _check_orphan(task: Any, orphaned_for: float, headers: Mapping[str, Any]) -> None:
+    """Within its key's TTL, a dead relay's call is published again and its claim decides (the
+    record of that task id, or none because the claim never landed). Past the TTL, a key with no
+    record cannot tell "never claimed" from "ran, and its record expired": the row is refused."""
+    handler = getattr(task, "idempotency_handler", None)
+    if handler is None or headers.get(BYPASS_HEADER) is False:
+        return  # not deduplicated anyway: at least once
+    ttl = handler.policy.ttl_seconds
+    if orphaned_for < ttl:
+        return
+    identity = handler.identify(headers.get(KEY_HEADER), headers.get(SCOPE_HEADER), "")
+    if handler.idem.store.get(identity) is None:
+        raise AmbiguousRelay(
+            f"a relay died with this call in flight {orphaned_for:.0f}s ago, longer than its key's TTL "
+            f"({ttl:.0f}s), and the key has no record: it may have run, or never have been published; "
+            "check, then give it back to the relay or delete it"
+        )
 
 
 def backoff_seconds(attempts: int, *, base: float = 2.0, cap: float = 300.0) -> float:
     """How long a row waits after its ``attempts``-th failed publish (doubling, capped)."""
     return float(min(cap, base * 2 ** min(max(attempts - 1, 0), 32)))
-
-
-class Row(Protocol):
-    """An outbox row as the relay reads it (a Django model instance or a SQLAlchemy row)."""
-
-    id: Any
-    task_id: str
-    task_name: str
-    body: Any
-    attempts: int
 
 
 @dataclass
@@ -172,16 +214,17 @@ class RelayReport:
         return f"published {len(self.published)}, put off {len(self.failed)}, dead {len(self.dead)}"
 
 
-def relay_rows(app: Any, rows: Iterable[Row], *, max_attempts: int) -> RelayReport:
+def relay_rows(app: Any, rows: Iterable[Taken], *, max_attempts: int) -> RelayReport:
     """Publish each row's call; say which rows to delete, to put off, and to move to the dead
-    letter. The caller holds the rows locked and applies the report in the same transaction."""
+    letter (whose handles are answered with the error, in the result backend)."""
     report = RelayReport()
     for row in rows:
         try:
-            relay_call(app, row.task_id, row.task_name, bytes(row.body))
+            relay_call(app, row)
         except FINAL_ERRORS as exc:
             logger.error("outbox: task %s (%s) can never be published: %r", row.task_id, row.task_name, exc)
             report.dead.append((row.id, row.attempts + 1, _describe(exc)))
+            _answer(app, row.task_id, exc)
         except Exception as exc:  # the broker or the store down, or anything else: tried again later
             attempts = row.attempts + 1
             if attempts >= max_attempts:
@@ -193,6 +236,7 @@ def relay_rows(app: Any, rows: Iterable[Row], *, max_attempts: int) -> RelayRepo
                     exc,
                 )
                 report.dead.append((row.id, attempts, _describe(exc)))
+                _answer(app, row.task_id, exc)
             else:
                 logger.warning(
                     "outbox: task %s (%s) not published (try %d of %d): %r",
@@ -206,6 +250,19 @@ def relay_rows(app: Any, rows: Iterable[Row], *, max_attempts: int) -> RelayRepo
         else:
             report.published.append(row.id)
     return report
+
+
+def _answer(app: Any, task_id: str, exc: BaseException) -> None:
+    """The staged handle's answer: the error that put its call in the dead letter, stored for its
+    task id while that id has no outcome (a call a dead relay published may have run)."""
+    if isinstance(exc, AmbiguousRelay) or getattr(exc, "task_id", None) == task_id:
+        return
+    try:
+        if app.backend.get_state(task_id) != "PENDING":  # Celery's "unknown"
+            return
+        app.backend.mark_as_failure(task_id, exc)
+    except Exception:  # no result backend, or it is down: the row keeps the error
+        logger.warning("outbox: could not store the dead letter's error for task %s", task_id, exc_info=True)
 
 
 def _describe(exc: BaseException) -> str:

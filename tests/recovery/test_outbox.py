@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import threading
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from conftest import POSTGRES_URL, REDIS_URL, require_server
 from sqlalchemy import orm
 from workers import BACKEND, TESTS, Worker, wait_for
 
-from celery_idem import Idempotency, InvalidKeyError, SerializationError
+from celery_idem import Idempotency, InvalidKeyError, PayloadMismatchError, SerializationError
 from celery_idem.outbox import SQLOutbox
 
 BROKER = "redis://127.0.0.1:6379/14"
@@ -269,11 +270,13 @@ def test_a_call_that_can_never_be_published_goes_to_the_dead_letter_at_once(shop
     outbox.publish_on_commit = False
     charge = app.tasks["outbox.charge"]
     charge.apply_async((13, 1), idempotency_key="order-13")  # another call takes the key first
-    stage(outbox, app, 13, 1300, key="order-13")
+    refused = stage(outbox, app, 13, 1300, key="order-13")
     report = outbox.relay(app)
     assert len(report.dead) == 1
     (row,) = rows(outbox)
     assert row.dead and row.last_error.startswith("PayloadMismatchError")
+    with pytest.raises(PayloadMismatchError):  # the staged handle is answered with the refusal
+        refused.get(timeout=10)
     stage(outbox, app, 14, 1400, key="order-14")
     del app.tasks["outbox.charge"]  # a relay whose app lacks the task
     assert len(outbox.relay(app).dead) == 1
@@ -303,3 +306,66 @@ def test_a_plain_task_is_relayed_too(shop: Any, db: str, prefix: str, tmp_path: 
     finally:
         running.stop()
     assert rows(outbox) == []
+
+
+def test_a_relay_killed_before_its_claim_is_followed_by_a_publish_that_runs_once(
+    shop: Any, db: str, prefix: str, tmp_path: Path
+) -> None:
+    app, outbox = shop
+    outbox.publish_on_commit = False
+    handle = stage(outbox, app, 16, 1600, key="order-16")
+    died = relay_process(db, prefix, dies="before_claim")
+    assert died.returncode == -9, died.stderr
+    assert Idempotency.of(app).store.get(handle.identity) is None  # within the TTL: never claimed
+    assert len(relay_after_the_lease(outbox, app)) == 1
+    running = worker(tmp_path, db, prefix)
+    try:
+        assert handle.get(timeout=30) == {"order_id": 16, "charged": 1600}
+    finally:
+        running.stop()
+    assert outbox_shop.effects(prefix, 16) == outbox_shop.publishes(prefix, handle.id) == 1
+
+
+def test_a_row_a_dead_relay_left_for_longer_than_its_keys_ttl_is_refused_not_run_again(
+    shop: Any, db: str, prefix: str, tmp_path: Path
+) -> None:
+    app, outbox = shop
+    outbox.publish_on_commit = False
+    handle = stage(outbox, app, 17, 1700, key="order-17")
+    died = relay_process(db, prefix, dies="after_publish")
+    assert died.returncode == -9, died.stderr
+    running = worker(tmp_path, db, prefix)
+    try:
+        assert handle.get(timeout=30) == {"order_id": 17, "charged": 1700}
+    finally:
+        running.stop()
+    # As a day later: the record expired (forgotten here) and the dead relay took the row a TTL ago
+    idem = Idempotency.of(app)
+    assert idem.store.forget(handle.identity)
+    ttl = app.tasks["outbox.charge"].idempotency_handler.policy.ttl_seconds
+    t = outbox.table
+    with outbox.engine.begin() as connection:
+        connection.execute(sa.update(t).values(available_at=0.0, taken_at=t.c.taken_at - ttl - 1))
+    report = outbox.relay(app)
+    assert report.published == [] and len(report.dead) == 1
+    (row,) = rows(outbox)
+    assert row.dead and row.last_error.startswith("AmbiguousRelay")
+    assert outbox_shop.effects(prefix, 17) == 1
+    assert handle.get(timeout=5) == {"order_id": 17, "charged": 1700}  # its outcome stands
+
+
+def test_one_task_id_staged_twice_never_fails_the_transaction_and_runs_once(
+    shop: Any, db: str, prefix: str, tmp_path: Path
+) -> None:
+    app, outbox = shop
+    chosen = str(uuid.uuid4())
+    first = stage(outbox, app, 18, 1800, key="order-18", task_id=chosen)
+    second = stage(outbox, app, 18, 1800, key="order-18", task_id=chosen)
+    assert first.id == second.id == chosen
+    outbox.relay(app)
+    running = worker(tmp_path, db, prefix)
+    try:
+        assert first.get(timeout=30) == {"order_id": 18, "charged": 1800}
+    finally:
+        running.stop()
+    assert outbox_shop.effects(prefix, 18) == 1 and rows(outbox) == []

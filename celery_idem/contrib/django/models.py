@@ -105,13 +105,21 @@ class OutboxEntry(models.Model):
     attempts: models.PositiveIntegerField[int | Combinable, int] = models.PositiveIntegerField(default=0)
     last_error: models.TextField[str | None, str | None] = models.TextField(null=True, blank=True)
     dead: models.BooleanField[bool | Combinable, bool] = models.BooleanField(default=False)
+    # When a relay took it and has not ended its pass over it yet (a relay that died did not).
+    taken_at: models.DateTimeField[datetime | str | Combinable | None, datetime | None] = models.DateTimeField(
+        null=True, blank=True
+    )
 
     class Meta:
         db_table = "celery_idem_outbox"
         verbose_name = "outbox entry"
         verbose_name_plural = "outbox entries"
-        constraints = [models.UniqueConstraint(fields=["task_id"], name="celery_idem_outbox_task_id_uq")]
-        indexes = [models.Index(fields=["dead", "available_at", "id"], name="celery_idem_outbox_due_ix")]
+        indexes = [
+            models.Index(fields=["dead", "available_at", "id"], name="celery_idem_outbox_due_ix"),
+            # Not unique: a call staged twice under one chosen task id is published twice, and the
+            # second finds the first's claim (the caller's transaction never fails on it).
+            models.Index(fields=["task_id"], name="celery_idem_outbox_task_id_ix"),
+        ]
 
     def __str__(self) -> str:
         return f"{self.task_name} {self.task_id}{' (dead)' if self.dead else ''}"

@@ -28,9 +28,9 @@ from datetime import timedelta
 from typing import Any
 
 from django.db import models, transaction
-from django.db.models.functions import Now
+from django.db.models.functions import Coalesce, Now
 
-from ...outbox.staging import RelayReport, backoff_seconds, relay_rows, stage_call
+from ...outbox.staging import RelayReport, Taken, backoff_seconds, relay_rows, stage_call
 from .models import OutboxEntry
 
 __all__ = ["DjangoOutbox", "outbox"]
@@ -119,13 +119,17 @@ class DjangoOutbox:
             due = entries.filter(dead=False, available_at__lte=Now())
             if ids is not None:
                 due = due.filter(pk__in=list(ids))
-            rows = list(
+            found = list(
                 due.select_for_update(skip_locked=True)
                 .order_by("id")
-                .only("id", "task_id", "task_name", "body", "attempts")[:limit]
+                .annotate(db_now=Now())
+                .only("id", "task_id", "task_name", "body", "attempts", "taken_at")[:limit]
             )
-            if rows:
-                entries.filter(pk__in=[row.pk for row in rows]).update(available_at=_later(self.lease_seconds))
+            if found:
+                entries.filter(pk__in=[row.pk for row in found]).update(
+                    available_at=_later(self.lease_seconds), taken_at=Coalesce("taken_at", Now())
+                )
+        rows = [_taken(row) for row in found]
         report = relay_rows(app, rows, max_attempts=self.max_attempts)
         if not rows:
             return report
@@ -134,7 +138,8 @@ class DjangoOutbox:
                 entries.filter(pk__in=report.published).delete()
             for row_id, attempts, error in report.failed:
                 later = _later(backoff_seconds(attempts))
-                entries.filter(pk=row_id).update(attempts=attempts, last_error=error, available_at=later)
+                # This pass ended, and knows it did not publish.
+                entries.filter(pk=row_id).update(attempts=attempts, last_error=error, available_at=later, taken_at=None)
             for row_id, attempts, error in report.dead:
                 entries.filter(pk=row_id).update(attempts=attempts, last_error=error, dead=True)
         return report
@@ -152,6 +157,12 @@ class DjangoOutbox:
             self.relay(app, limit=1, ids=[row_id])
         except Exception:  # the relay publishes it later; the caller's commit stands
             logger.warning("outbox: could not publish row %s after its commit; the relay will", row_id, exc_info=True)
+
+
+def _taken(row: Any) -> Taken:
+    """A row the relay took, with how long ago a relay that died took it before."""
+    orphaned_for = None if row.taken_at is None else max(0.0, (row.db_now - row.taken_at).total_seconds())
+    return Taken(row.pk, row.task_id, row.task_name, bytes(row.body), row.attempts, orphaned_for)
 
 
 def _later(seconds: float) -> Any:

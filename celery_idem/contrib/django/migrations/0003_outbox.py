@@ -19,13 +19,16 @@ class Migration(migrations.Migration):
                 ("attempts", models.PositiveIntegerField(default=0)),
                 ("last_error", models.TextField(blank=True, null=True)),
                 ("dead", models.BooleanField(default=False)),
+                ("taken_at", models.DateTimeField(blank=True, null=True)),
             ],
             options={
                 "verbose_name": "outbox entry",
                 "verbose_name_plural": "outbox entries",
                 "db_table": "celery_idem_outbox",
-                "indexes": [models.Index(fields=["dead", "available_at", "id"], name="celery_idem_outbox_due_ix")],
-                "constraints": [models.UniqueConstraint(fields=("task_id",), name="celery_idem_outbox_task_id_uq")],
+                "indexes": [
+                    models.Index(fields=["dead", "available_at", "id"], name="celery_idem_outbox_due_ix"),
+                    models.Index(fields=["task_id"], name="celery_idem_outbox_task_id_ix"),
+                ],
             },
         ),
     ]
