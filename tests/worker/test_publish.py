@@ -16,7 +16,7 @@ from celery import Celery
 from conftest import REDIS_URL, require_server, wipe
 from kombu.exceptions import OperationalError
 
-from celery_idem import Idempotency, IdempotentTask, State, store_from_url
+from celery_idem import DuplicateTaskError, Idempotency, IdempotentTask, State, store_from_url
 
 POLICY = {"pending_timeout_seconds": 600, "ttl_seconds": 3600}
 
@@ -128,3 +128,30 @@ def test_a_naive_eta_is_read_as_celery_reads_it_in_utc_whatever_the_local_zone(p
     assert record.lease_expires_at >= before + delay + POLICY["pending_timeout_seconds"] - 1
     assert record.lease_expires_at <= time.time() + delay + POLICY["pending_timeout_seconds"] + 1
     app.connection_for_write().default_channel.queue_purge(prefix)
+
+
+def test_a_copy_of_a_claimed_task_id_is_sent_only_by_the_outboxs_relay_never_for_an_option(prefix: str) -> None:
+    # The outbox's relay publishes a call again under its claimed task id (publish.resending); a
+    # producer cannot ask for that with an option (a chain message's options are input too).
+    from celery_idem.publish import resending
+
+    app = Celery("pub", broker="redis://127.0.0.1:6379/14", set_as_current=False)
+    Idempotency(app, store=REDIS_URL, key_prefix=prefix)
+
+    @app.task(shared=False, base=IdempotentTask, idempotency={**POLICY, "on_duplicate": "raise"})
+    def charge(order_id: int, amount: int) -> int:
+        return amount
+
+    sent: list[str] = []
+    charge._send = lambda args, kwargs, options: (
+        sent.append(options["task_id"])
+        or charge.AsyncResult(  # type: ignore[method-assign]
+            options["task_id"]
+        )
+    )
+    first = charge.apply_async((1, 10), idempotency_key="k", task_id="t-1")
+    with pytest.raises(DuplicateTaskError):
+        charge.apply_async((1, 10), idempotency_key="k", task_id="t-1", idempotency_resend=True)
+    with resending("t-1"):
+        again = charge.apply_async((1, 10), idempotency_key="k", task_id="t-1")
+    assert first.id == again.id == "t-1" and sent == ["t-1", "t-1"]  # the relay's copy: PENDING, no attempt yet
