@@ -1,6 +1,7 @@
 """A producer of the django-celery-outbox interop project, in a process of its own: each call of
-``argv[1]`` (JSON: ``[{"key": ..., "order": ..., "rollback": bool}, ...]``) is made as a view makes
-it, ``dco.ship.apply_async((order,), idempotency_key=key)`` inside ``transaction.atomic()``, which
+``argv[1]`` (JSON: ``[{"key": ..., "order": ..., "rollback": bool, "by_name": bool}, ...]``) is made
+as a view makes it, ``dco.ship.apply_async((order,), idempotency_key=key)`` (with ``by_name``:
+``app.send_task("dco.ship", (order,), idempotency_key=key)``) inside ``transaction.atomic()``, which
 raises at its end when ``rollback`` is set. Prints, per call, JSON of what the caller got back, what
 the outbox held inside and after the transaction, and celery-idem's record of the key afterwards.
 """
@@ -22,11 +23,14 @@ class RolledBack(Exception):
     pass
 
 
-def call(key: str, order: int, rollback: bool) -> dict[str, Any]:
+def call(key: str, order: int, rollback: bool, by_name: bool) -> dict[str, Any]:
     staged = None
     try:
         with transaction.atomic():
-            handle = ship.apply_async((order,), idempotency_key=key)
+            if by_name:  # sent by name, the key an option: no claim at the call, none of the task's code
+                handle = app.send_task("dco.ship", (order,), idempotency_key=key)
+            else:
+                handle = ship.apply_async((order,), idempotency_key=key)
             staged = CeleryOutbox.objects.filter(task_id=handle.id).count()
             if rollback:
                 raise RolledBack
@@ -35,11 +39,12 @@ def call(key: str, order: int, rollback: bool) -> dict[str, Any]:
     record = Idempotency.of(app).get(ship, key)
     return {
         "task_id": handle.id,
-        "deduplicated": handle.deduplicated,
+        "deduplicated": getattr(handle, "deduplicated", None),
         "staged": staged,
         "outbox": list(CeleryOutbox.objects.values_list("task_id", flat=True)),
         "record": None if record is None else {"state": record.state.value, "task_id": record.task_id},
     }
 
 
-print(json.dumps([call(c["key"], c["order"], c.get("rollback", False)) for c in json.loads(sys.argv[1])]))
+calls = json.loads(sys.argv[1])
+print(json.dumps([call(c["key"], c["order"], c.get("rollback", False), c.get("by_name", False)) for c in calls]))

@@ -38,7 +38,8 @@ import redis  # noqa: E402
 from conftest import IN_CI, POSTGRES_URL, REDIS_URL, require_server, wipe  # noqa: E402
 from workers import TESTS, Worker, wait_for  # noqa: E402
 
-from celery_idem import store_from_url  # noqa: E402
+from celery_idem import State, store_from_url  # noqa: E402
+from celery_idem.keys import keyed_identity  # noqa: E402
 
 # The broker and the counts: db 3 of the tests' Redis (the store is the tests' own REDIS_URL)
 BROKER = urlunsplit(urlsplit(REDIS_URL)._replace(path="/3"))
@@ -286,6 +287,15 @@ def only_postgresql(alias: str) -> None:
         pytest.skip("django-celery-outbox's relay refuses SQLite (no SELECT ... FOR UPDATE SKIP LOCKED)")
 
 
+def record_of(prefix: str, key: str) -> Any:
+    """celery-idem's record of ``dco.ship`` under ``key``, read from the store."""
+    store = store_from_url(REDIS_URL, key_prefix=prefix)
+    try:
+        return store.get(keyed_identity("dco.ship", key, None))
+    finally:
+        store.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("alias", ["postgresql"])
 def test_a_relay_killed_after_publishing_resends_and_the_effect_happens_once(
@@ -328,3 +338,36 @@ def test_a_rolled_back_call_publishes_nothing(env: dict[str, str], project: Proj
     # Then the row was there inside it, and nothing is left to publish or published
     assert made["staged"] == 1 and made["outbox"] == []
     assert project.outbox(alias) == [] and Counts(prefix).queued() == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("alias", ["postgresql"])
+def test_a_key_given_to_send_task_as_an_option_survives_a_rollback_and_the_relay(
+    env: dict[str, str], prefix: str, worker: Callable[[], Worker], relays: Callable[..., Relay]
+) -> None:
+    # What works today: sent by name with the key as an option (not in headers=), a call is claimed by
+    # nobody at the call, and django-celery-outbox stores the unknown option with the row; its relay
+    # sends it as an option, which celery-idem's before_task_publish hook moves into the headers.
+    counts = Counts(prefix)
+    order, key, other = new_order(), f"ship-{uuid.uuid4().hex}", f"ship-{uuid.uuid4().hex}"
+    worker()
+    # Given a call rolled back, then committed twice, and a call under another key, all by name
+    rolled_back, made, again, elsewhere = call(
+        env,
+        {"key": key, "order": order, "rollback": True, "by_name": True},
+        {"key": key, "order": order, "by_name": True},
+        {"key": key, "order": order, "by_name": True},
+        {"key": other, "order": order, "by_name": True},
+    )
+    assert rolled_back["record"] is None and made["record"] is None  # no claim: the worker claims
+    assert len(elsewhere["outbox"]) == 3
+    # When the relay publishes the three rows
+    relays()
+    wait_for(lambda: len(counts.finished()) == 3, "the three messages finished", 60)
+    # Then each carried its key, and each key had its effect once: of the two calls under one key, the
+    # one the worker took second (two pool processes: either) was replayed the other's outcome
+    assert sorted(delivery["idempotency_key"] for delivery in counts.deliveries()) == sorted([key, key, other])
+    assert counts.effect(order) == 2
+    record = record_of(prefix, key)
+    assert record is not None and record.state is State.COMPLETED
+    assert record.task_id in (made["task_id"], again["task_id"])
