@@ -371,3 +371,44 @@ def test_a_key_given_to_send_task_as_an_option_survives_a_rollback_and_the_relay
     record = record_of(prefix, key)
     assert record is not None and record.state is State.COMPLETED
     assert record.task_id in (made["task_id"], again["task_id"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("alias", ["postgresql"])
+def test_the_relayed_message_carries_the_callers_idempotency_key(
+    env: dict[str, str], prefix: str, worker: Callable[[], Worker], relays: Callable[..., Relay]
+) -> None:
+    counts = Counts(prefix)
+    order, key = new_order(), f"ship-{uuid.uuid4().hex}"
+    worker()
+    # Given a keyed call, claimed by celery-idem and staged in a committed transaction
+    (made,) = call(env, {"key": key, "order": order})
+    assert made["record"] == {"state": "PENDING", "task_id": made["task_id"]}
+    # When the relay publishes it and the worker runs it
+    relays()
+    wait_for(lambda: counts.finished(), "the message finished", 60)
+    # Then the worker got the caller's key, and the key's record holds the outcome. (django-celery-outbox
+    # stores no "headers" option: serialize_options drops it as transient, and its relay publishes with
+    # headers={} plus Sentry's. The worker then keys the call by its arguments' fingerprint, and the
+    # caller's claim stays PENDING under a task id that has run, for pending_timeout_seconds.)
+    assert [delivery["idempotency_key"] for delivery in counts.deliveries()] == [key]
+    record = record_of(prefix, key)
+    assert record is not None and record.state is State.COMPLETED and record.task_id == made["task_id"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("alias", ["postgresql"])
+def test_two_keys_with_the_same_arguments_are_two_calls(
+    env: dict[str, str], prefix: str, worker: Callable[[], Worker], relays: Callable[..., Relay]
+) -> None:
+    counts = Counts(prefix)
+    order = new_order()
+    worker()
+    # Given two calls with the same arguments under two keys (two shipments the caller asked for)
+    first, second = call(env, {"key": f"ship-a-{order}", "order": order}, {"key": f"ship-b-{order}", "order": order})
+    assert not first["deduplicated"] and not second["deduplicated"] and first["task_id"] != second["task_id"]
+    # When the relay publishes both and the worker runs them
+    relays()
+    wait_for(lambda: len(counts.finished()) == 2, "both messages finished", 60)
+    # Then each key had its effect (without the key header, the second is replayed the first's outcome)
+    assert counts.effect(order) == 2
