@@ -412,3 +412,32 @@ def test_two_keys_with_the_same_arguments_are_two_calls(
     wait_for(lambda: len(counts.finished()) == 2, "both messages finished", 60)
     # Then each key had its effect (without the key header, the second is replayed the first's outcome)
     assert counts.effect(order) == 2
+
+
+def test_a_rolled_back_call_leaves_no_claim(env: dict[str, str], alias: str, prefix: str) -> None:
+    key = f"ship-{uuid.uuid4().hex}"
+    # Given a keyed call inside a transaction that then raises
+    (made,) = call(env, {"key": key, "order": new_order(), "rollback": True})
+    # Then nothing of it is left: no row, and no claim on the key. (Today the claim is made by
+    # IdempotentTask.apply_async before OutboxCelery.send_task writes the row; the rollback takes
+    # the row and leaves the PENDING claim, for pending_timeout_seconds.)
+    assert made["outbox"] == []
+    assert made["record"] is None and record_of(prefix, key) is None
+
+
+def test_a_call_repeated_after_a_rollback_runs(
+    env: dict[str, str], alias: str, prefix: str, worker: Callable[[], Worker], relays: Callable[..., Relay]
+) -> None:
+    counts = Counts(prefix)
+    order, key = new_order(), f"ship-{uuid.uuid4().hex}"
+    # Given a keyed call whose transaction rolled back, and the same call again, committed
+    rolled_back, again = call(env, {"key": key, "order": order, "rollback": True}, {"key": key, "order": order})
+    # Then the second call is a new call, staged: not a duplicate of the one that never happened
+    assert not again["deduplicated"], f"handed the rolled-back call's task id {rolled_back['task_id']}"
+    assert again["staged"] == 1 and again["outbox"] == [again["task_id"]] != [rolled_back["task_id"]]
+    only_postgresql(alias)
+    # and its effect happens once it is relayed
+    worker()
+    relays()
+    wait_for(lambda: counts.finished(), "the call's message finished", 60)
+    assert counts.effect(order) == 1
