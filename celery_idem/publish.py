@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from . import attempts, timing
 from .calling import TaskCalls, log_decision
 from .errors import DuplicateTaskError, StoreUnavailableError
-from .protocol import BYPASS_HEADER, HANDOVER_HEADER, KEY_HEADER, SCOPE_HEADER
+from .protocol import BYPASS_HEADER, HANDOVER_HEADER, KEY_HEADER, OPTION_HEADERS, SCOPE_HEADER
 from .records import Decision, Identity, State
 from .result import bind_handle
 from .settle import Settler
@@ -29,7 +29,7 @@ from .stores.base import new_token
 if TYPE_CHECKING:
     from .runtime import Runtime
 
-__all__ = ["publish", "resending"]
+__all__ = ["publish", "resending", "stages_messages"]
 
 _CONTINUATIONS = ("link", "link_error", "chain", "chord", "group_id")
 # The task id the outbox's relay is publishing again on this thread (outbox/staging.py): known from
@@ -61,6 +61,9 @@ def publish(
 ) -> Any:
     """Claim, then publish through ``send`` (Celery's own apply_async) or hand back the original."""
     task = calls.task
+    staged = stages_messages(task.app)
+    if staged:
+        send = _carrying_identity(send)
     key = options.pop(KEY_HEADER, None)
     scope = options.pop(SCOPE_HEADER, None)
     enabled = options.pop(BYPASS_HEADER, True)
@@ -90,6 +93,11 @@ def publish(
     task_id = options.get("task_id") or str(uuid.uuid4())
     options["task_id"] = task_id
     options["headers"] = {**headers, KEY_HEADER: identity.key, **({SCOPE_HEADER: scope} if scope else {})}
+    if staged:
+        # The app writes the message to an outbox in the caller's transaction, which may roll
+        # back: a claim made now would outlive it (and hand every later call a task id no message
+        # carries). The worker claims the key, as for a message sent by name.
+        return bind_handle(send(args, kwargs, options), identity, idem, deduplicated=False)
     policy = calls.policy
     claim_token = new_token()
     try:
@@ -165,6 +173,29 @@ def publish(
         # caller waits on) instead of running the body.
         return bind_handle(send(args, kwargs, options), identity, idem, deduplicated=True, record=record)
     return bind_handle(task.AsyncResult(record.task_id), identity, idem, deduplicated=True, record=record)
+
+
+def stages_messages(app: Any) -> bool:
+    """Whether ``app.send_task`` writes messages to a transactional outbox in the caller's database
+    transaction instead of publishing them: django-celery-outbox's ``OutboxCelery`` (and its
+    subclasses). Its relay publishes them after the commit, with the options a call was given but
+    not its headers."""
+    return any(klass.__module__.partition(".")[0] == "django_celery_outbox" for klass in type(app).__mro__)
+
+
+def _carrying_identity(send: Callable[[Any, Any, dict[str, Any]], Any]) -> Callable[[Any, Any, dict[str, Any]], Any]:
+    """``send`` with the call's idempotency headers given as options too: an outbox that keeps a
+    call's options but drops its headers (django-celery-outbox) still relays them, as message
+    properties, which ``before_task_publish`` moves back into the headers (celery_idem.signals)."""
+
+    def carrying(args: Any, kwargs: Any, options: dict[str, Any]) -> Any:
+        headers = options.get("headers") or {}
+        for name in OPTION_HEADERS:
+            if headers.get(name) is not None:
+                options.setdefault(name, headers[name])
+        return send(args, kwargs, options)
+
+    return carrying
 
 
 def _canvas(options: Mapping[str, Any]) -> bool:

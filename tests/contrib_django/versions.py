@@ -35,7 +35,15 @@ def environment(version: str) -> Path:
     marker = home / ".installed"
     pin = f"django=={version}" if version.count(".") == 2 else f"django~={version}.0"
     # The test tools, and PyMySQL for the tests' MariaDB database
-    wanted = [pin, "pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.90", "pymysql>=1.1"]
+    # django-celery-outbox: the interop test (test_django_celery_outbox.py) runs on this Django too
+    wanted = [
+        pin,
+        "pytest>=8",
+        "pytest-timeout>=2.2",
+        "hypothesis>=6.90",
+        "pymysql>=1.1",
+        "django-celery-outbox==0.4.3",
+    ]
     if not marker.exists() or marker.read_text() != " ".join(wanted):
         venv.create(home, with_pip=True, clear=True)
         subprocess.run([python, "-m", "pip", "install", "-q", "-e", f"{REPO}[redis,sql]", *wanted], check=True)
