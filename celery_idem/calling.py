@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from . import attempts
+from . import attempts, telemetry
 from .arguments import check_key_args
 from .calls import encode_call, published_options
 from .config import IdempotencyPolicy
@@ -122,8 +122,11 @@ class TaskCalls:
         )
 
 
-def log_decision(decision: Decision, identity: Identity, task_id: str, record: IdempotencyRecord) -> None:
-    """One INFO line per decision of a call or a message."""
+def log_decision(
+    decision: Decision, identity: Identity, task_id: str, record: IdempotencyRecord, *, side: str = "publish"
+) -> None:
+    """One INFO line per decision of a call (``side="publish"``) or a message (``"worker"``)."""
+    telemetry.decision(identity.task_name, side, decision.value)
     if logger.isEnabledFor(logging.INFO):
         logger.info(
             "%s key=%s scope=%s task=%s task_id=%s record_task_id=%s state=%s",

@@ -15,7 +15,7 @@ from typing import Any
 from celery import Task
 from pydantic import ValidationError
 
-from . import replacement, signals
+from . import metrics, replacement, signals
 from .config import IdempotencySettings, LeftBehind, invalid_settings
 from .errors import ConfigurationError
 from .reconciler import BEAT_ENTRY, TASK_NAME, Reconciler, ReconcileReport
@@ -75,6 +75,7 @@ class Idempotency(Runtime):
             previous.disconnect()
         setattr(app, INSTALLED_ATTRIBUTE, self)
         self._receivers = signals.connect(self)
+        metrics.install()  # Prometheus, when prometheus-client is installed
         _install_reconciler(self)
         replacement.install(self)
         if settings:

@@ -133,7 +133,7 @@ class Handler(TaskCalls):
                 raise outage.keep_message(task, args, kwargs, exc, self.republish) from None
             record = taken.record
             assert record is not None
-            log_decision(taken.decision, identity, task_id, record)
+            log_decision(taken.decision, identity, task_id, record, side="worker")
             if taken.decision is Decision.RUN:
                 return self._run_owned(record, args, kwargs)
             answer = self.mode.duplicate[taken.decision]  # a duplicate: what its mode gives it

@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from . import telemetry
 from .config import IdempotencyPolicy, IdempotencySettings, LeftBehind, invalid_settings
 from .endings import IDEMPOTENT, Mode
 from .errors import ConfigurationError
@@ -217,6 +218,7 @@ class Runtime:
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self._counters[name] += n
+        telemetry.counted(name, n)
 
     def metrics(self) -> dict[str, int]:
         """Counters since this process started: claims, duplicates, replays, mismatches, ..."""

@@ -13,6 +13,7 @@ from typing import ClassVar
 
 from celery.exceptions import SoftTimeLimitExceeded
 
+from .. import telemetry
 from ..config import MAX_STORE_TIMEOUT_SECONDS, MIN_STORE_TIMEOUT_SECONDS
 from ..errors import ConfigurationError, IdempotencyError, StoreUnavailableError
 from ..records import Identity
@@ -74,11 +75,13 @@ class StoreCore:
         operation was applied: every caller handles that one way, as an outage, never as a raw
         error that would consume a message or fail a task whose effect happened.
         """
+        started, outcome = time.perf_counter(), "ok"
         try:
             yield
         except (IdempotencyError, SoftTimeLimitExceeded, NotImplementedError):
             raise  # ours; the soft time limit, raised into whatever the task was doing; an optional query
         except Exception as exc:
+            outcome = "outage" if self._is_outage(exc) else "error"
             fix = self._misconfiguration(exc)
             if fix is not None:
                 # A setting that can never work: no waiting fixes it, so it is never an outage
@@ -103,6 +106,8 @@ class StoreCore:
             )
             error.unexpected = not self._is_outage(exc)  # may never pass: a worker gives up on it in time
             raise error from exc
+        finally:
+            telemetry.store_call(operation, time.perf_counter() - started, outcome)
 
     @classmethod
     def _is_mistake(cls, exc: Exception) -> bool:

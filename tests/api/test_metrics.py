@@ -142,3 +142,62 @@ def test_register_prometheus_without_the_extra_names_it(monkeypatch: pytest.Monk
     monkeypatch.setitem(sys.modules, "prometheus_client", None)
     with pytest.raises(ConfigurationError, match=r"pip install 'celery-idem\[prometheus\]'"):
         register_prometheus(idem, CollectorRegistry())
+
+
+# ---- prometheus-client's own metric types: a prefork worker's children reach one scrape ------------
+
+
+@pytest.mark.slow
+def test_a_prefork_workers_children_reach_one_aggregated_scrape_with_no_code_beyond_the_extension(
+    tmp_path: Any,
+) -> None:
+    from conftest import REDIS_URL, require_server, wipe
+    from prometheus_client import multiprocess
+    from shop import make_app
+    from workers import BACKEND, Worker, wait_for
+
+    from celery_idem import store_from_url
+
+    require_server("redis")
+    prefix, broker = f"prom{uuid.uuid4().hex[:8]}", "redis://127.0.0.1:6379/14"
+    files = tmp_path / "prometheus"
+    files.mkdir()
+    worker = Worker(tmp_path, broker, REDIS_URL, prefix, concurrency=2, env={"PROMETHEUS_MULTIPROC_DIR": str(files)})
+    try:
+        app = make_app(broker=broker, backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix)
+        slow = app.tasks["shop.slow"]
+        # Four calls that take a while (both children busy), then the same four sent by name: replayed
+        handles = [slow.apply_async((0.5, f"t{n}"), idempotency_key=f"k{n}") for n in range(4)]
+        assert [handle.get(timeout=30) for handle in handles] == ["slept 0.5"] * 4
+        sent = [app.send_task("shop.slow", (0.5, f"t{n}"), idempotency_key=f"k{n}") for n in range(4)]
+        assert [handle.get(timeout=30) for handle in sent] == ["slept 0.5"] * 4
+        wait_for(lambda: len({path.name for path in files.glob("counter_*.db")}) >= 2, "two processes' files")
+    finally:
+        worker.stop()
+        wipe(store_from_url(REDIS_URL, key_prefix=prefix))
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=str(files))
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for sample in family.samples
+    }
+
+    def decisions(side: str, decision: str) -> float:
+        labels = (("decision", decision), ("side", side), ("task", "shop.slow"))
+        return samples.get(("celery_idem_decisions_total", labels), 0.0)
+
+    # Summed over the pool's children (each wrote files of its own, by pid)
+    assert (decisions("worker", "RUN"), decisions("worker", "REPLAY")) == (4.0, 4.0)
+    pids = {path.stem.rsplit("_", 1)[1] for path in files.glob("counter_*.db")}
+    assert len(pids) >= 2, pids
+    acquires = [
+        value
+        for (name, labels), value in samples.items()
+        if name.endswith("_count") and ("operation", "acquire") in labels
+    ]
+    assert sum(acquires) >= 8
+    # and no label holds a key or a task id
+    labels = {value for _, pairs in samples for _, value in pairs}
+    assert not any(value.startswith("k") and value[1:].isdigit() for value in labels)
+    assert not any(handle.id in labels for handle in handles)
