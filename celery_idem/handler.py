@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from celery import Task as CeleryTask
 from celery.exceptions import Reject, Retry, SoftTimeLimitExceeded
 
-from . import attempts, evidence, outage, publish, replacement, timing
+from . import attempts, events, evidence, outage, publish, replacement, timing
 from .busy import BusyWait
 from .calling import TaskCalls, log_decision
 from .endings import Answer
@@ -136,6 +136,7 @@ class Handler(TaskCalls):
             log_decision(taken.decision, identity, task_id, record, side="worker")
             if taken.decision is Decision.RUN:
                 return self._run_owned(record, args, kwargs)
+            events.send_decision_event(task, taken.decision, identity, record)
             answer = self.mode.duplicate[taken.decision]  # a duplicate: what its mode gives it
             if answer is Answer.REPLAY:
                 if (quiet := wait.replayed(record)) is not None:
