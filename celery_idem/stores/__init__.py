@@ -7,6 +7,7 @@ URL                                                        store             ext
 ``redis+cluster://``
 ``postgresql+psycopg://``, ``postgresql://``,              SQLStore          ``celery-idem[sql]``
 ``sqlite:///path``
+``mysql://``, ``mariadb://``, ``mysql+pymysql://``         SQLStore          ``celery-idem[mysql]``
 ``memory://``                                              MemoryStore       (none)
 ``django://``, ``django://<alias>``                        DjangoStore       ``celery-idem[sql,django]``
 =========================================================  ================  =====================
@@ -56,7 +57,17 @@ _REGISTERED: dict[str, Any] = {}
 _NEEDS = {"django": "'celery_idem.contrib.django' in INSTALLED_APPS, and Django set up (django.setup())"}
 
 _REDIS = ("redis", "rediss", "redis+sentinel", "redis+cluster", "unix")
-_SQL = ("postgresql", "postgresql+psycopg", "postgres", "sqlite", "sqlite+pysqlite")
+_SQL = (
+    "postgresql",
+    "postgresql+psycopg",
+    "postgres",
+    "sqlite",
+    "sqlite+pysqlite",
+    "mysql",
+    "mysql+pymysql",
+    "mariadb",
+    "mariadb+pymysql",
+)
 
 
 def store_from_url(url: str, **options: Any) -> Store:

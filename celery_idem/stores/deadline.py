@@ -105,11 +105,15 @@ def _shut_down(fd: int) -> None:
 
 
 def socket_of(connection: Any) -> int | None:
-    """A SQLAlchemy connection's socket descriptor on PostgreSQL (psycopg's ``pgconn.socket``), else
-    None: SQLite is a file, whose busy timeout bounds every wait."""
-    if connection.dialect.name != "postgresql":
+    """A SQLAlchemy connection's socket descriptor on PostgreSQL (psycopg's ``pgconn.socket``) and on
+    MySQL/MariaDB (PyMySQL's socket), else None: SQLite is a file, whose busy timeout bounds every wait."""
+    name = connection.dialect.name
+    if name not in ("postgresql", "mysql", "mariadb"):
         return None
     try:
-        return int(connection.connection.dbapi_connection.pgconn.socket)
+        dbapi_connection = connection.connection.dbapi_connection
+        if name != "postgresql":
+            return int(dbapi_connection._sock.fileno())
+        return int(dbapi_connection.pgconn.socket)
     except Exception:  # noqa: BLE001 - another driver, or a closed connection: no watchdog
         return None

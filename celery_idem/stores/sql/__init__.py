@@ -1,4 +1,4 @@
-"""SQLStore on PostgreSQL (psycopg 3) and SQLite, by concern: the store and its transitions
+"""SQLStore on PostgreSQL (psycopg 3), SQLite and MySQL/MariaDB (PyMySQL), by concern: the store and its transitions
 (``store``), the reconciler's and operators' queries and the processes' liveness rows (``upkeep``),
 what it stands on (``base``: its private pool, what the database's errors mean, running one
 statement, its parameters and clock), every statement it runs (``statements``), its tables and how

@@ -5,8 +5,13 @@ Time is the database's: every statement reads the server clock itself (``:p_now`
 test injected a clock; a test that shifts the clock adds ``:p_shift`` to it), so clients whose
 clocks disagree still agree on every lease and expiry.
 The store runs on a private pool derived from the engine it is given, whose connections carry its
-timeouts (statement and lock timeouts on PostgreSQL, the busy timeout on SQLite); the caller's own
-sessions on that engine are untouched.
+timeouts (statement and lock timeouts on PostgreSQL and MySQL/MariaDB, the busy timeout on SQLite);
+the caller's own sessions on that engine are untouched.
+
+On MySQL/MariaDB a transition may be a :class:`~celery_idem.stores.sql.statements.Locked`
+transaction: it is run whole again when InnoDB picks it as a deadlock's victim (InnoDB rolled all of
+it back) or when its insert lost the race for a new key to another one (it then finds that row), a
+few times; past that it is an outage, never an answer.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import re
 import threading
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
@@ -26,35 +31,106 @@ from ..base import Store
 from ..deadline import Watchdog, socket_of
 from ..spi import Clock
 from . import codec
-from .engine import private_engine, server_clock
+from .engine import MYSQL, private_engine, server_clock
 from .migrate import upgrade_layout
 from .schema import add_columns, create_all, liveness_table, records_table
-from .statements import INSERTS, Statements
+from .statements import INSERTS, Locked, Statements
 
-__all__ = ["SQLBase", "one", "one_or_none", "rowcount", "rows"]
+__all__ = ["Answer", "SQLBase", "one", "one_or_none", "rowcount", "rows"]
 
 T = TypeVar("T")
 
 _WATCHDOG = Watchdog()
 _DEADLINE_MARGIN_SECONDS = 1.0  # past the server's own statement/lock timeout, which answers first
+_TRIES = 5  # runs of one statement or Locked transaction that InnoDB may roll back (see the docstring)
+_DEADLOCK, _DUPLICATE_KEY = 1213, 1062  # MySQL/MariaDB error codes
+_UNKNOWN_DATABASE, _ACCESS_DENIED = 1049, 1045
+_MYSQL_READ_ONLY = (1290, 1792)  # --read-only server; a READ ONLY transaction
+
+
+class Answer(Protocol):
+    """What a statement answers: a cursor's result, or the rows of a Locked transaction."""
+
+    @property
+    def rowcount(self) -> int: ...
+
+    def one(self) -> Any: ...
+
+    def one_or_none(self) -> Any: ...
+
+    def all(self) -> Sequence[Any]: ...
+
+
+class _Rows:
+    """The answer of a :class:`Locked` transaction: the rows it read."""
+
+    def __init__(self, found: Sequence[Any]) -> None:
+        self._rows = found
+
+    @property
+    def rowcount(self) -> int:
+        return len(self._rows)
+
+    def one(self) -> Any:
+        if len(self._rows) != 1:
+            raise sa_exc.NoResultFound(f"expected one row, got {len(self._rows)}")
+        return self._rows[0]
+
+    def one_or_none(self) -> Any:
+        return self._rows[0] if self._rows else None
+
+    def all(self) -> Sequence[Any]:
+        return self._rows
+
 
 # How a statement's answer is read (the ``fetch`` of :meth:`SQLBase._run`).
 
 
-def one(result: sa.CursorResult[Any]) -> Any:
+def one(result: Answer) -> Any:
     return result.one()
 
 
-def one_or_none(result: sa.CursorResult[Any]) -> Any:
+def one_or_none(result: Answer) -> Any:
     return result.one_or_none()
 
 
-def rows(result: sa.CursorResult[Any]) -> Sequence[Any]:
+def rows(result: Answer) -> Sequence[Any]:
     return result.all()
 
 
-def rowcount(result: sa.CursorResult[Any]) -> int:
+def rowcount(result: Answer) -> int:
     return result.rowcount
+
+
+def _mysql_code(exc: BaseException) -> int | None:
+    """The MySQL/MariaDB error code of a SQLAlchemy error of PyMySQL's (its ``args[0]``), else None."""
+    args = getattr(getattr(exc, "orig", None), "args", ())
+    return args[0] if args and isinstance(args[0], int) else None
+
+
+def _transaction(connection: sa.Connection, locked: Locked, params: dict[str, Any]) -> Answer:
+    """Run ``locked`` (see :class:`Locked`) in one transaction on ``connection`` (in autocommit mode)."""
+    connection.exec_driver_sql("START TRANSACTION")
+    try:
+        found = None if locked.lock is None else connection.execute(locked.lock, params).all()
+        if found is not None and not found:
+            wrote = locked.insert is not None
+            if locked.insert is not None:
+                connection.execute(locked.insert, params)
+        else:
+            wrote = connection.execute(locked.write, params).rowcount > 0
+        if locked.read is None:
+            answer: Sequence[Any] = found or []
+        else:
+            answer = connection.execute(locked.read, params).all() if wrote else []
+        connection.exec_driver_sql("COMMIT")
+    except BaseException:
+        try:
+            connection.exec_driver_sql("ROLLBACK")
+        except Exception:  # noqa: BLE001 - a connection cut off: the server rolls back when it notices
+            connection.invalidate()
+        raise
+    return _Rows(answer)
 
 
 class SQLBase(Statements, Store):
@@ -73,11 +149,12 @@ class SQLBase(Statements, Store):
 
     @classmethod
     def _misconfiguration(cls, exc: Exception) -> str | None:
-        # PostgreSQL refuses the connection (SQLSTATE 3D000, 28000): no waiting creates them.
+        # PostgreSQL refuses the connection (SQLSTATE 3D000, 28000), MySQL/MariaDB too (1049: unknown
+        # database): no waiting creates them.
         text = str(getattr(exc, "orig", None) or exc)
         if not isinstance(exc, sa_exc.DBAPIError):
             return None
-        if re.search(r'database "[^"]*" does not exist', text):
+        if re.search(r'database "[^"]*" does not exist', text) or _mysql_code(exc) == _UNKNOWN_DATABASE:
             return "create the database (CREATE DATABASE ...) or name an existing one in the URL"
         if re.search(r'role "[^"]*" does not exist', text):
             return "create the role (CREATE ROLE ... LOGIN) or name an existing user in the URL"
@@ -87,8 +164,10 @@ class SQLBase(Statements, Store):
     def _is_outage(cls, exc: Exception) -> bool:
         if isinstance(exc, sa_exc.InternalError) and getattr(exc.orig, "sqlstate", None) == cls._READ_ONLY_SQLSTATE:
             return True
-        if "password authentication failed" in str(exc):
+        if "password authentication failed" in str(exc) or _mysql_code(exc) == _ACCESS_DENIED:
             return False  # an OperationalError by class, a wrong password by nature (as on Redis): a surprise
+        if _mysql_code(exc) in _MYSQL_READ_ONLY:
+            return True  # the server or its transaction takes no writes (a replica): an outage, as on PostgreSQL
         return super()._is_outage(exc)
 
     def __init__(
@@ -106,7 +185,9 @@ class SQLBase(Statements, Store):
             key_prefix=key_prefix, timeout_seconds=timeout_seconds, max_result_bytes=max_result_bytes, clock=clock
         )
         if engine.dialect.name not in INSERTS:
-            raise ConfigurationError(f"SQLStore runs on PostgreSQL and SQLite; got the {engine.dialect.name!r} dialect")
+            raise ConfigurationError(
+                f"SQLStore runs on PostgreSQL, SQLite, MySQL and MariaDB; got the {engine.dialect.name!r} dialect"
+            )
         if len(key_prefix) > 64:
             raise ConfigurationError(f"key_prefix must be at most 64 characters for SQLStore; got {len(key_prefix)}")
         self.engine = private_engine(engine, self.timeout_seconds)  # in autocommit mode
@@ -119,14 +200,14 @@ class SQLBase(Statements, Store):
         # The injected clock when there is one, else the database's clock, in every statement.
         self._now = sa.func.coalesce(sa.bindparam("p_now", type_=sa.Double), server_clock(engine.dialect.name))
         self._shifting = False  # tests only: whether the statements add :p_shift to the server clock
-        self._build_statements(INSERTS[engine.dialect.name])
+        self._build_statements(engine.dialect.name)
 
     def advance_clock_for_tests(self, seconds: float) -> None:
         if not self._shifting and not self._injected_clock:
             # Production statements never carry the shift: it is built in on a test's first call.
             server = server_clock(self.engine.dialect.name) + sa.bindparam("p_shift", type_=sa.Double)
             self._now = sa.func.coalesce(sa.bindparam("p_now", type_=sa.Double), server)
-            self._build_statements(INSERTS[self.engine.dialect.name])
+            self._build_statements(self.engine.dialect.name)
             self._shifting = True
         super().advance_clock_for_tests(seconds)
 
@@ -153,8 +234,9 @@ class SQLBase(Statements, Store):
         }
         add_columns(self.engine, self.table.name, nullable)
 
-    def _run(self, statement: sa.Executable, params: dict[str, Any], fetch: Callable[[sa.CursorResult[Any]], T]) -> T:
-        """Run one prebuilt statement (autocommit: one transaction, one round trip) and read its answer."""
+    def _run(self, statement: sa.Executable | Locked, params: dict[str, Any], fetch: Callable[[Answer], T]) -> T:
+        """Run one prebuilt statement (autocommit: one transaction, one round trip), or a Locked
+        transaction, and read its answer."""
         if not self._schema_ready:
             # Another thread of this process may be moving a large table: waiting for it is bounded
             # like any store call (an outage, tried again), never the length of the move.
@@ -165,8 +247,25 @@ class SQLBase(Statements, Store):
                     self.create_schema()
             finally:
                 self._schema_lock.release()
-        with self.engine.connect() as connection, _WATCHDOG.guard(socket_of(connection), self._deadline):
-            return fetch(connection.execute(statement, params))
+        for tries_left in range(_TRIES - 1, -1, -1):
+            try:
+                with self.engine.connect() as connection, _WATCHDOG.guard(socket_of(connection), self._deadline):
+                    if isinstance(statement, Locked):
+                        return fetch(_transaction(connection, statement, params))
+                    return fetch(connection.execute(statement, params))
+            except sa_exc.DBAPIError as exc:
+                if not tries_left or not self._run_again(exc, statement):
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover - the last try returns or raises
+
+    def _run_again(self, exc: sa_exc.DBAPIError, statement: sa.Executable | Locked) -> bool:
+        """Whether a statement that failed with ``exc`` is run again: on MySQL/MariaDB, one InnoDB
+        rolled back whole as a deadlock's victim, or a Locked insert that another insert of the
+        same key beat (run again, the transaction finds and locks that row)."""
+        if self.engine.dialect.name not in MYSQL:
+            return False
+        code = _mysql_code(exc)
+        return code == _DEADLOCK or (code == _DUPLICATE_KEY and isinstance(statement, Locked))
 
     def _clock_params(self) -> dict[str, float | None]:
         """``:p_now`` of a statement: the injected clock's time, or NULL for the database's own

@@ -1,27 +1,53 @@
-"""The SQL store's connections: its own pool under its timeouts, and the database's clock."""
+"""The SQL store's connections: its own pool under its timeouts, and the database's clock.
+
+On MySQL and MariaDB (through PyMySQL) every connection of the store's pool also reads time in UTC
+(the clock below converts the server's local time to POSIX seconds: UTC has no hour that a DST
+change repeats) and runs its transactions under READ COMMITTED (a locked read of a missing row then
+takes no gap lock, so two claims of one new key queue on its insert instead of deadlocking).
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from typing import Any
 
 import sqlalchemy as sa
 
-__all__ = ["engine_from_url", "private_engine", "server_clock"]
+from ...errors import ConfigurationError
+
+__all__ = ["MYSQL", "engine_from_url", "private_engine", "server_clock"]
+
+MYSQL = ("mysql", "mariadb")  # SQLAlchemy's dialect names for MySQL and MariaDB (mariadb+pymysql://)
 
 
 def server_clock(dialect: str) -> sa.ColumnElement[float]:
-    """The database's own time as POSIX seconds (fixed for one statement on both dialects)."""
+    """The database's own time as POSIX seconds (fixed for one statement on every dialect)."""
     if dialect == "postgresql":
         return sa.cast(sa.extract("epoch", sa.func.now()), sa.Double)
+    if dialect in MYSQL:
+        # NOW(6) is the statement's start, to the microsecond; the session's time zone is UTC.
+        return sa.cast(sa.func.unix_timestamp(sa.func.now(6)), sa.Double)
     # SQLite: julianday('now') is one value per statement; 2440587.5 is the Julian day of the epoch.
     return sa.cast((sa.func.julianday("now") - 2440587.5) * 86400.0, sa.Double)
 
 
-def _session_settings(dialect: str, timeout: float) -> list[str]:
+def _session_settings(dialect: str, timeout: float, mariadb: bool = False) -> list[str]:
     milliseconds = max(1, math.ceil(timeout * 1000))  # 0 would mean "no timeout" to both
     if dialect == "postgresql":
         return [f"SET statement_timeout = {milliseconds}", f"SET lock_timeout = {milliseconds}"]
+    if dialect in MYSQL:
+        seconds = max(1, math.ceil(timeout))  # InnoDB's lock wait is whole seconds, at least one
+        return [
+            "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED",
+            "SET SESSION time_zone = '+00:00'",
+            f"SET SESSION innodb_lock_wait_timeout = {seconds}",  # a row lock
+            f"SET SESSION lock_wait_timeout = {seconds}",  # a table's metadata lock (DDL)
+            # MariaDB bounds every statement; MySQL's own bound covers SELECTs only.
+            f"SET SESSION max_statement_time = {milliseconds / 1000:.3f}"
+            if mariadb
+            else f"SET SESSION max_execution_time = {milliseconds}",
+        ]
     return [f"PRAGMA busy_timeout = {milliseconds}"]
 
 
@@ -39,12 +65,13 @@ def private_engine(engine: sa.Engine, timeout: float) -> sa.Engine:
     if engine.dialect.name == "sqlite" and engine.url.database in (None, "", ":memory:"):
         return engine.execution_options(isolation_level="AUTOCOMMIT")
     own = sa.create_engine(engine.url, pool=engine.pool.recreate(), isolation_level="AUTOCOMMIT")
-    settings = _session_settings(engine.dialect.name, timeout)
+    dialect = engine.dialect.name
 
     @sa.event.listens_for(own.pool, "connect")
     def _timeouts(dbapi_connection: Any, _: Any) -> None:
+        mariadb = dialect in MYSQL and "mariadb" in str(dbapi_connection.get_server_info()).lower()
         cursor = dbapi_connection.cursor()
-        for statement in settings:
+        for statement in _session_settings(dialect, timeout, mariadb):
             cursor.execute(statement)
         cursor.close()
         if engine.dialect.name == "postgresql":
@@ -63,7 +90,20 @@ def engine_from_url(url: str | sa.URL, timeout: float, connect_args: dict[str, A
         scheme, _, rest = url.partition("://")
         if scheme in ("postgresql", "postgres"):
             url = f"postgresql+psycopg://{rest}"  # psycopg 3 is the driver the `sql` extra installs
+        elif scheme in MYSQL:
+            url = f"mysql+pymysql://{rest}"  # PyMySQL, pure Python: the `mysql` extra installs it
     driver = url if isinstance(url, str) else url.drivername
+    if driver.startswith(MYSQL):
+        if importlib.util.find_spec("pymysql") is None:
+            raise ConfigurationError("a mysql:// or mariadb:// store needs PyMySQL: pip install 'celery-idem[mysql]'")
+        return sa.create_engine(
+            url,
+            pool_size=10,
+            max_overflow=20,
+            pool_timeout=timeout,
+            pool_recycle=3600,  # under the server's wait_timeout (8 hours), which closes idle connections
+            connect_args={"connect_timeout": max(1, math.ceil(timeout)), "charset": "utf8mb4", **extra},
+        )
     if driver.startswith("postgresql"):
         return sa.create_engine(
             url,

@@ -1,10 +1,18 @@
 """Every statement of the SQL store, built once with bind parameters from its tables and the clock
 it reads (``:p_now``, the database's clock by default): what each transition, read and liveness
-beat runs, in one place (how the store runs them: :mod:`~celery_idem.stores.sql.store`)."""
+beat runs, in one place (how the store runs them: :mod:`~celery_idem.stores.sql.store`).
+
+MySQL and MariaDB have no conditional upsert that returns the row (``ON DUPLICATE KEY UPDATE``
+has no ``WHERE`` and no ``RETURNING``; MariaDB has no ``UPDATE ... RETURNING``): there, a transition
+that PostgreSQL and SQLite run as one such statement is a :class:`Locked` transaction instead (its
+row locked, then the same conditional write, then the row read back), built from the same
+conditions, so the rules are written once.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
@@ -13,14 +21,70 @@ from sqlalchemy.dialects import postgresql, sqlite
 from ...records import State
 from ..rules import UNSETTLED
 from .codec import STATE_CODES
+from .engine import MYSQL
 from .schema import DATA, TIMES
 
-__all__ = ["INSERTS", "Statements"]
+__all__ = ["INSERTS", "Locked", "Statements", "in_order"]
 
 _UNSETTLED = [STATE_CODES[s] for s in UNSETTLED]
 _PENDING, _IN_PROGRESS = STATE_CODES[State.PENDING], STATE_CODES[State.IN_PROGRESS]
-# Both dialects' insert() has on_conflict_do_update and .excluded; the generic Insert has neither.
-INSERTS: dict[str, Callable[[sa.Table], Any]] = {"postgresql": postgresql.insert, "sqlite": sqlite.insert}
+# PostgreSQL's and SQLite's insert() have on_conflict_do_update and .excluded; MySQL's upserts are
+# Locked transactions of plain statements.
+INSERTS: dict[str, Callable[[sa.Table], Any]] = {
+    "postgresql": postgresql.insert,
+    "sqlite": sqlite.insert,
+    **dict.fromkeys(MYSQL, sa.insert),
+}
+
+
+@dataclass(frozen=True)
+class Locked:
+    """One transition as one short transaction (MySQL/MariaDB), run by ``SQLBase._run``:
+
+    1. ``lock`` (``SELECT ... FOR UPDATE``) reads and locks the row, if there is one;
+    2. no row: ``insert`` writes it (a concurrent insert of the same key makes ours fail on the
+       primary key: the transaction is run again, and then finds and locks that row); without an
+       ``insert``, nothing is written;
+    3. a row (or no ``lock``): ``write``, a conditional UPDATE or DELETE, changes it if its WHERE
+       holds, judged by its row count;
+    4. when something was written, ``read`` reads the row back (what ``RETURNING`` would return).
+
+    The answer is ``read``'s rows when it wrote (none when it did not), or ``lock``'s rows when
+    there is no ``read``.
+    """
+
+    write: sa.Executable
+    lock: sa.Select[Any] | None = None
+    insert: sa.Executable | None = None
+    read: sa.Select[Any] | None = None
+
+
+def in_order(table: sa.Table, values: dict[str, Any]) -> list[tuple[str, Any]]:
+    """``values`` in an order that gives MySQL's UPDATE PostgreSQL's meaning: MySQL assigns left to
+    right, each expression seeing the columns assigned before it, where PostgreSQL evaluates every
+    expression on the row as it was. So a column is assigned only after every expression that reads
+    it (its own reads its old value either way).
+
+    Raises:
+        ValueError: two expressions each read the other's column (no order keeps both).
+    """
+    reads = {name: {c.name for c in _columns_of(table, value)} - {name} for name, value in values.items()}
+    ordered: list[tuple[str, Any]] = []
+    left = dict(values)
+    while left:
+        # Free to assign: no expression still to come reads this column.
+        free = [name for name in left if not any(name in reads[other] for other in left if other != name)]
+        if not free:
+            raise ValueError(f"no order of the assignments to {sorted(left)} keeps their old values")
+        for name in free:
+            ordered.append((name, left.pop(name)))
+    return ordered
+
+
+def _columns_of(table: sa.Table, value: Any) -> Iterable[sa.Column[Any]]:
+    if not isinstance(value, sa.ClauseElement):
+        return ()
+    return [e for e in sa.sql.visitors.iterate(value) if isinstance(e, sa.Column) and e.table is table]
 
 
 class Statements:
@@ -30,8 +94,11 @@ class Statements:
     table: sa.Table
     liveness: sa.Table
     _now: sa.ColumnElement[Any]
+    _purge_sql: sa.Executable | None
+    _purge_limited: tuple[sa.Delete, str]
 
-    def _build_statements(self, insert: Callable[[sa.Table], Any]) -> None:
+    def _build_statements(self, dialect: str) -> None:
+        insert, locked = INSERTS[dialect], dialect in MYSQL
         t, c, now = self.table, self.table.c, self._now
 
         def p(name: str) -> sa.BindParameter[Any]:
@@ -46,7 +113,7 @@ class Statements:
         unsettled = sa.or_(*(c.state_code == code for code in _UNSETTLED))
         absent = c.expires_at <= now
 
-        def upsert(take: sa.ColumnElement[bool], special: dict[str, Any]) -> sa.Executable:
+        def upsert(take: sa.ColumnElement[bool], special: dict[str, Any]) -> sa.Executable | Locked:
             times = {
                 "lease_expires_at": now + p("lease"),
                 "created_at": now,
@@ -64,12 +131,23 @@ class Statements:
             )
             # A takeover keeps the task id of the attempt it takes (stores/rules.py: taken_over).
             previous = sa.case((absent, None), (c.state_code == _IN_PROGRESS, c.task_id), else_=c.previous_task_id)
-            changes = {name: ins.excluded[name] for name in (*DATA, *TIMES)} | {"previous_task_id": previous}
+            written = {name: p(name) for name in DATA} | times
+            changes = written | {"previous_task_id": previous}
             # A live record keeps a BUSY waiter's mark whoever takes it over; an absent one has none.
             changes["linger_until"] = sa.case((absent, sa.null()), else_=c.linger_until)
+            returned = (c.fingerprint, c.attempt, c.call, c.previous_task_id, *(c[name] for name in TIMES))
+            if locked:
+                return Locked(
+                    lock=sa.select(c.id).where(c.id == p("id")).with_for_update(),
+                    insert=ins,
+                    write=sa.update(t)
+                    .where(ours, c.id == p("id"), take)
+                    .ordered_values(*in_order(t, changes | special)),
+                    read=sa.select(*returned).where(c.id == p("id")),
+                )
             statement: sa.Executable = ins.on_conflict_do_update(
                 index_elements=[c.id], set_=changes | special, where=sa.and_(ours, take)
-            ).returning(c.fingerprint, c.attempt, c.call, c.previous_task_id, *(c[name] for name in TIMES))
+            ).returning(*returned)
             return statement
 
         # claim takes an absent record, or one whose lease ran out under the same fingerprint.
@@ -96,11 +174,13 @@ class Statements:
         # BUSY: a live attempt of this call (or chain) holds the record. Marked in the same statement
         # that judges it so, with when the waiter will have looked again by; the mark only grows.
         look = now + p("next_look")
-        self._busy_sql = (
+        mark = (
             sa.update(t)
             .where(pk, c.expires_at > now, c.state_code == _IN_PROGRESS, c.lease_expires_at > now, same)
             .values(linger_until=sa.case((sa.func.coalesce(c.linger_until, 0.0) > look, c.linger_until), else_=look))
-            .returning(*t.c)
+        )
+        self._busy_sql: sa.Executable | Locked = (
+            Locked(write=mark, read=sa.select(t).where(c.id == p("id"))) if locked else mark.returning(*t.c)
         )
         # A read carries the database's time, so a held record is judged by the same clock.
         self._get_sql = sa.select(t, now.label("db_now")).where(pk, c.expires_at > now)
@@ -150,10 +230,9 @@ class Statements:
         }
         # A renewal extends the lease, never shortens it (a late beat must not undo a longer lease).
         renewed = sa.case((c.lease_expires_at > now + p("lease"), c.lease_expires_at), else_=now + p("lease"))
+        renewal = {"lease_expires_at": renewed, "updated_at": now, "expires_at": renewed + c.ttl_seconds}
         self._renew_sql = (
-            sa.update(t)
-            .where(owned("owner"), c.state_code == _IN_PROGRESS)
-            .values(lease_expires_at=renewed, updated_at=now, expires_at=renewed + c.ttl_seconds)
+            sa.update(t).where(owned("owner"), c.state_code == _IN_PROGRESS).ordered_values(*in_order(t, renewal))
         )
         self._hand_over_sql = (
             sa.update(t)
@@ -165,7 +244,12 @@ class Statements:
                 expires_at=now + p("lease") + c.ttl_seconds,
             )
         )
-        self._forget_sql = sa.delete(t).where(pk).returning((c.expires_at > now).label("live"))
+        live = (c.expires_at > now).label("live")
+        self._forget_sql: sa.Executable | Locked = (
+            Locked(lock=sa.select(live).where(pk).with_for_update(), write=sa.delete(t).where(pk))
+            if locked
+            else sa.delete(t).where(pk).returning(live)
+        )
         self._due_sql = (
             sa.select(t)
             .where(c.namespace == p("ns"), expired_lease, unsettled, c.expires_at > now)
@@ -176,12 +260,25 @@ class Statements:
         # PostgreSQL re-checks the DELETE's own condition on a row it waited for, so a row that a
         # claim or acquire revived meanwhile is kept.
         expired = sa.and_(c.namespace == p("ns"), c.expires_at <= now)
-        doomed = sa.select(c.id).where(expired).limit(p("limit"))
-        self._purge_sql = sa.delete(t).where(expired, c.id.in_(doomed))
+        if locked:
+            # MySQL takes no LIMIT in an IN subquery, nor a subquery on the table it deletes from;
+            # its DELETE has a LIMIT of its own (a number, not a parameter: built per call).
+            self._purge_sql = None
+            self._purge_limited = (sa.delete(t).where(expired), f"{dialect}_limit")
+        else:
+            doomed = sa.select(c.id).where(expired).limit(p("limit"))
+            self._purge_sql = sa.delete(t).where(expired, c.id.in_(doomed))
         self._now_sql = sa.select(now)
-        self._build_liveness_statements(insert)
+        self._build_liveness_statements(insert, locked)
 
-    def _build_liveness_statements(self, insert: Callable[[sa.Table], Any]) -> None:
+    def _purge(self, limit: int) -> sa.Executable:
+        """The purge of at most ``limit`` rows past their TTL (``:p_limit`` where it is a parameter)."""
+        if self._purge_sql is not None:
+            return self._purge_sql
+        statement, option = self._purge_limited
+        return statement.with_dialect_options(**{option: limit})
+
+    def _build_liveness_statements(self, insert: Callable[[sa.Table], Any], locked: bool = False) -> None:
         t, c, now = self.liveness, self.liveness.c, self._now
         mine = sa.and_(c.namespace == sa.bindparam("p_ns"), c.process == sa.bindparam("p_process"))
         live = c.expires_at > now
@@ -197,11 +294,22 @@ class Statements:
             expires_at=until,
         )
         # Created when absent or expired; a live record is taken only under its own token (a retry).
-        self._create_liveness_sql = ins.on_conflict_do_update(
-            index_elements=[c.namespace, c.process],
-            set_={"token": ins.excluded.token, "expires_at": sa.case((live, longer), else_=until)},
-            where=sa.or_(sa.not_(live), c.token == ins.excluded.token),
-        ).returning(c.process)
+        token: sa.BindParameter[Any] = sa.bindparam("p_token")
+        takes = {"token": token, "expires_at": sa.case((live, longer), else_=until)}
+        self._create_liveness_sql: sa.Executable | Locked = (
+            Locked(
+                lock=sa.select(c.process).where(mine).with_for_update(),
+                insert=ins,
+                write=sa.update(t)
+                .where(mine, sa.or_(sa.not_(live), c.token == token))
+                .ordered_values(*in_order(t, takes)),
+                read=sa.select(c.process).where(mine),
+            )
+            if locked
+            else ins.on_conflict_do_update(
+                index_elements=[c.namespace, c.process], set_=takes, where=sa.or_(sa.not_(live), c.token == token)
+            ).returning(c.process)
+        )
         self._alive_sql = sa.select(c.process).where(
             c.namespace == sa.bindparam("p_ns"), c.process.in_(sa.bindparam("p_processes", expanding=True)), live
         )

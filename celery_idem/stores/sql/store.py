@@ -1,4 +1,6 @@
-"""SQLStore: one conditional statement per transition, on PostgreSQL (psycopg 3) and SQLite.
+"""SQLStore: one conditional statement per transition, on PostgreSQL (psycopg 3) and SQLite; on
+MySQL/MariaDB (PyMySQL) one short transaction with the record's row locked where the database has
+no such statement (:class:`~celery_idem.stores.sql.statements.Locked`, docs/stores.md).
 
 Every statement is built once, with bind parameters, and runs in autocommit mode: one statement is
 one transaction and one round trip.
@@ -26,6 +28,7 @@ from ..spi import Fence, Settlement
 from . import codec
 from .base import one_or_none, rowcount, rows
 from .engine import engine_from_url
+from .statements import Locked
 from .upkeep import SQLUpkeep
 
 __all__ = ["SQLStore"]
@@ -49,7 +52,8 @@ class SQLStore(SQLUpkeep):
     """Records as rows of ``celery_idem_records``; the table is created on first use.
 
     Args:
-        engine: A SQLAlchemy engine on PostgreSQL or SQLite (or build one with :meth:`from_url`).
+        engine: A SQLAlchemy engine on PostgreSQL, SQLite, or MySQL/MariaDB through PyMySQL (or
+            build one with :meth:`from_url`).
             The store runs its statements in autocommit mode on a private pool derived from it,
             whose connections honour ``timeout_seconds``; ``store.engine`` is that private engine
             (in autocommit mode: open a transaction of your own with
@@ -60,7 +64,8 @@ class SQLStore(SQLUpkeep):
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> SQLStore:
-        """``postgresql+psycopg://...`` (``postgresql://`` too) or ``sqlite:///path``."""
+        """``postgresql+psycopg://...`` (``postgresql://`` too), ``sqlite:///path``, or
+        ``mysql://...`` / ``mariadb://...`` (``mysql+pymysql://``: PyMySQL)."""
         engine = engine_from_url(url, float(options.get("timeout_seconds", 2.0)))
         return cls(engine, **options)
 
@@ -68,7 +73,7 @@ class SQLStore(SQLUpkeep):
 
     def _take(
         self,
-        statement: sa.Executable,
+        statement: sa.Executable | Locked,
         claiming: bool,
         identity: Identity,
         fingerprint: str,

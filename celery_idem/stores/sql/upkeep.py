@@ -23,7 +23,7 @@ class SQLUpkeep(SQLBase):
     def _purge_expired(self, limit: int) -> int:
         params = {"p_ns": self.key_prefix, "p_limit": limit, **self._clock_params()}
         self._run(self._purge_liveness_sql, {"p_ns": self.key_prefix, **self._clock_params()}, rowcount)
-        return self._run(self._purge_sql, params, rowcount)
+        return self._run(self._purge(limit), params, rowcount)
 
     def _keep_alive(self, process: str, token: str, seconds: float, create: bool) -> Transition:
         params = {"p_ns": self.key_prefix, "p_process": process, "p_token": token, "p_seconds": seconds}
