@@ -1,6 +1,6 @@
 """A store on Django's database: ``CELERY_IDEMPOTENCY_STORE = "django://"`` (the ``default``
-database) or ``"django://<alias>"``, so a project with only PostgreSQL (or SQLite) and Django needs
-no Redis for idempotency.
+database) or ``"django://<alias>"``, so a project with only PostgreSQL (or SQLite, MySQL, MariaDB)
+and Django needs no Redis for idempotency.
 
 It is the SQL store (:class:`~celery_idem.stores.sql.SQLStore`: every transition one conditional
 statement, the same statements the store semantics suite and the model checker hold every SQL
@@ -9,8 +9,9 @@ autocommit mode: a record's transitions never join a business transaction (the l
 does). Its tables come from the app's migration (``manage.py migrate celery_idem``), which creates
 them through the store's own schema code; the store creates them too if they are missing.
 
-Needs the ``sql`` and ``django`` extras (SQLAlchemy beside Django, psycopg for PostgreSQL). MySQL
-and MariaDB are not supported by the SQL store yet: ``django://`` on one is refused with that reason.
+Needs the ``sql`` and ``django`` extras (SQLAlchemy beside Django, psycopg for PostgreSQL), and the
+``mysql`` extra on MySQL/MariaDB: the store talks to the database through PyMySQL, whichever driver
+Django itself uses (mysqlclient, or PyMySQL as MySQLdb).
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ __all__ = ["DjangoStore", "engine_url"]
 _ALIAS = re.compile(r"[A-Za-z0-9_.-]{1,100}")
 # Django's OPTIONS that are Django's own, not the driver's.
 _DJANGO_ONLY = {"isolation_level", "server_side_binding", "pool", "assume_role", "init_command", "transaction_mode"}
+# Of a MySQL database's OPTIONS (mysqlclient's connect arguments), those PyMySQL takes alike.
+_PYMYSQL = {"charset", "ssl", "read_default_file", "read_default_group", "unix_socket", "connect_timeout"}
 
 
 def engine_url(database: dict[str, Any]) -> tuple[sa.URL, dict[str, Any]]:
-    """The SQLAlchemy URL and driver arguments of a Django ``DATABASES`` entry (GeoDjango's PostGIS
-    and SpatiaLite backends are PostgreSQL and SQLite to the store).
+    """The SQLAlchemy URL and driver arguments of a Django ``DATABASES`` entry (GeoDjango's PostGIS,
+    SpatiaLite and MySQL backends are PostgreSQL, SQLite and MySQL to the store).
 
     Raises:
         ConfigurationError: a database engine the SQL store does not run on, or an in-memory SQLite one.
@@ -47,15 +50,29 @@ def engine_url(database: dict[str, Any]) -> tuple[sa.URL, dict[str, Any]]:
                 "django:// needs a SQLite database in a file: an in-memory one is private to each connection"
             )
         return sa.engine.URL.create("sqlite", database=name), {}
+    try:
+        port = int(database["PORT"]) if database.get("PORT") else None
+    except (TypeError, ValueError) as exc:
+        raise ConfigurationError(f"django://: the database's PORT is not a number: {database['PORT']!r}") from exc
+    if engine.endswith(".mysql"):  # django.db.backends.mysql, and GeoDjango's
+        host = str(database.get("HOST") or "") or None
+        args = {k: v for k, v in options.items() if k in _PYMYSQL}
+        if host is not None and host.startswith("/"):  # Django: a HOST starting with "/" is a socket
+            args["unix_socket"], host = host, None
+        url = sa.engine.URL.create(
+            "mysql+pymysql",
+            username=database.get("USER") or None,
+            password=database.get("PASSWORD") or None,
+            host=host,
+            port=port,
+            database=database.get("NAME") or None,
+        )
+        return url, args
     if engine.endswith((".postgresql", ".postgresql_psycopg2", ".postgis")):
         host = str(database.get("HOST") or "") or None
         query: dict[str, str] = {}
         if host is not None and host.startswith("/"):  # a unix socket's directory (libpq's host=)
             query["host"], host = host, None
-        try:
-            port = int(database["PORT"]) if database.get("PORT") else None
-        except (TypeError, ValueError) as exc:
-            raise ConfigurationError(f"django://: the database's PORT is not a number: {database['PORT']!r}") from exc
         url = sa.engine.URL.create(
             "postgresql+psycopg",
             username=database.get("USER") or None,
@@ -67,8 +84,8 @@ def engine_url(database: dict[str, Any]) -> tuple[sa.URL, dict[str, Any]]:
         )
         return url, options
     raise ConfigurationError(
-        f"django:// runs on PostgreSQL and SQLite; this database's ENGINE is {engine!r} "
-        "(MySQL/MariaDB: use a redis:// or postgresql:// store meanwhile)"
+        f"django:// runs on PostgreSQL, SQLite, MySQL and MariaDB; this database's ENGINE is {engine!r} "
+        "(use a redis:// store, or one of those databases)"
     )
 
 

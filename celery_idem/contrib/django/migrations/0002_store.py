@@ -1,7 +1,7 @@
 """The django:// store's tables (records and worker liveness), created by the store's own schema code
 (:meth:`~celery_idem.stores.sql.SQLStore.create_schema`, the layout every SQL store has), on
-PostgreSQL and SQLite. Elsewhere (MySQL/MariaDB, where the SQL store does not run yet) it does
-nothing, so ``migrate`` still gives such a project the ledger's table."""
+PostgreSQL, SQLite and MySQL/MariaDB. Elsewhere (where the SQL store does not run) it does nothing,
+so ``migrate`` still gives such a project the ledger's table."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 from django.db import migrations
 
-STORE_VENDORS = ("postgresql", "sqlite")
+STORE_VENDORS = ("postgresql", "sqlite", "mysql")  # Django's vendor of MariaDB is "mysql" too
 
 
 def _store(schema_editor: Any) -> Any:
@@ -24,7 +24,7 @@ def _store(schema_editor: Any) -> Any:
         return None
     try:
         return DjangoStore.from_url(f"django://{schema_editor.connection.alias}")
-    except (ConfigurationError, ImportError):  # not a database the store runs on; or no psycopg 3
+    except (ConfigurationError, ImportError):  # not a database the store runs on; or no psycopg 3 / PyMySQL
         return None
 
 
