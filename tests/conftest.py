@@ -4,6 +4,9 @@ Servers come from the environment (defaults: the loopback services of the dev ma
 
 - ``CELERY_IDEM_TEST_REDIS_URL``     redis://127.0.0.1:6379/15
 - ``CELERY_IDEM_TEST_POSTGRES_URL``  postgresql+psycopg://postgres@127.0.0.1:5432/test
+- ``CELERY_IDEM_TEST_MARIADB_URL``   mysql://root@127.0.0.1:3306/test (its server: the store kind
+  ``mariadb`` uses a database of each test process's own, ``idem_<pid>``, created on first use and
+  dropped when the process ends)
 
 A test that needs a server which is down is skipped with the reason locally, and fails in CI
 (``CI=true``): CI must never go green by skipping the real thing.
@@ -11,11 +14,13 @@ A test that needs a server which is down is skipped with the reason locally, and
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -24,10 +29,18 @@ from celery_idem.stores import MemoryStore, Store, store_from_url
 REDIS_URL = os.environ.get("CELERY_IDEM_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 POSTGRES_URL = os.environ.get("CELERY_IDEM_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+_MARIA = urlsplit(os.environ.get("CELERY_IDEM_TEST_MARIADB_URL", "mysql://root@127.0.0.1:3306/test"))
+MARIADB_DATABASE = f"idem_{os.getpid()}"
+MARIADB_URL = (
+    f"mysql://{_MARIA.username or 'root'}{':' + _MARIA.password if _MARIA.password else ''}"
+    f"@{_MARIA.hostname}:{_MARIA.port or 3306}/{MARIADB_DATABASE}"
+)
 
 RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
 
-STORE_KINDS = ("memory", "sqlite", "redis", "postgresql")
+STORE_KINDS = ("memory", "sqlite", "redis", "postgresql", "mariadb")
+# The django:// store on each database of tests/django_project.py (kind -> its alias).
+DJANGO_KINDS = {"django": "postgresql", "django-mariadb": "mariadb", "django-sqlite": "sqlite"}
 
 
 @pytest.fixture(autouse=True)
@@ -70,8 +83,57 @@ class FakeClock:
             self.now += seconds
 
 
+_mariadb_ready: str | None = None  # "" once this process's database exists, else why it does not
+
+
+def _mariadb_connect(**options: Any) -> Any:
+    import pymysql
+
+    return pymysql.connect(
+        host=_MARIA.hostname,
+        port=_MARIA.port or 3306,
+        user=_MARIA.username or "root",
+        password=_MARIA.password or "",
+        connect_timeout=2,
+        **options,
+    )
+
+
+def _mariadb_database() -> str:
+    """Create this process's database on MariaDB once (dropped at exit); "" or why it could not."""
+    global _mariadb_ready
+    if _mariadb_ready is None:
+        try:
+            connection = _mariadb_connect()
+            with connection.cursor() as cursor:
+                cursor.execute(f"CREATE DATABASE IF NOT EXISTS `{MARIADB_DATABASE}` CHARACTER SET utf8mb4")
+            connection.close()
+            atexit.register(_drop_mariadb_database)
+            _mariadb_ready = ""
+        except Exception as exc:  # noqa: BLE001 - any failure means the server is not usable
+            _mariadb_ready = f"mariadb is not reachable at {_MARIA.hostname}:{_MARIA.port or 3306}: {exc}"
+    return _mariadb_ready
+
+
+def _drop_mariadb_database() -> None:
+    try:
+        connection = _mariadb_connect()
+        with connection.cursor() as cursor:
+            cursor.execute(f"DROP DATABASE IF EXISTS `{MARIADB_DATABASE}`")
+        connection.close()
+    except Exception:  # noqa: BLE001, S110 - the server went away: nothing is left to drop
+        pass
+
+
 def require_server(kind: str) -> None:
     """Skip (locally) or fail (CI) when the server behind ``kind`` does not answer."""
+    if kind == "mariadb":
+        down = _mariadb_database()
+        if down:
+            if IN_CI:
+                pytest.fail(f"{down} (CI=true: servers are required)")
+            pytest.skip(down)
+        return
     url = {"redis": REDIS_URL, "postgresql": POSTGRES_URL}.get(kind)
     if url is None:
         return
@@ -108,17 +170,19 @@ def store_url(kind: str, tmp_path: Any) -> str:
         "sqlite": f"sqlite:///{tmp_path}/idem.db",
         "redis": REDIS_URL,
         "postgresql": POSTGRES_URL,
+        "mariadb": MARIADB_URL,
     }[kind]
 
 
 def make_store(kind: str, tmp_path: Any, prefix: str, **options: Any) -> Store:
-    if kind == "django":
-        # The django:// store on Django's PostgreSQL database (tests/django_project.py: a schema of
-        # this process, migrated): the SQL store built from DATABASES, tables from the migration.
+    if kind in DJANGO_KINDS:
+        # The django:// store on one of Django's databases (tests/django_project.py: a schema or a
+        # database of this process, migrated): the SQL store built from DATABASES, tables from the migration.
         import django_project
 
-        django_project.require_alias("postgresql")
-        return store_from_url("django://postgresql", key_prefix=prefix, **options)
+        alias = DJANGO_KINDS[kind]
+        django_project.require_alias(alias)
+        return store_from_url(f"django://{alias}", key_prefix=prefix, **options)
     require_server(kind)
     return store_from_url(store_url(kind, tmp_path), key_prefix=prefix, **options)
 

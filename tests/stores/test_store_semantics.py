@@ -1,4 +1,5 @@
-"""Every row of the DESIGN §3 table, on every store (memory, sqlite, redis, postgresql).
+"""Every row of the DESIGN §3 table, on every store (memory, sqlite, redis, postgresql, mariadb, and
+the django:// store on PostgreSQL, MariaDB and SQLite).
 
 Time moves through the injected fake clock; no test here sleeps.
 """
@@ -9,15 +10,15 @@ import time
 from typing import Any
 
 import pytest
-from conftest import STORE_KINDS, make_store, wipe
+from conftest import DJANGO_KINDS, STORE_KINDS, make_store, wipe
 
 from celery_idem.records import Decision, ErrorInfo, Identity, State, Transition
 from celery_idem.stores import Store
 
 
-@pytest.fixture(params=(*STORE_KINDS, "django"))
+@pytest.fixture(params=(*STORE_KINDS, *DJANGO_KINDS))
 def store_kind(request: pytest.FixtureRequest) -> str:
-    """Every store, and the django:// store (the SQL store on a database of Django's settings)."""
+    """Every store, and the django:// store (the SQL store on each database of Django's settings)."""
     return str(request.param)
 
 
@@ -707,7 +708,7 @@ def test_purge_expired_frees_records_past_their_ttl_and_nothing_else(store: Stor
 # ---- the server's clock, and what each app sees ----------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["sqlite", "redis", "postgresql"])
+@pytest.mark.parametrize("kind", ["sqlite", "redis", "postgresql", "mariadb"])
 def test_a_client_clock_a_lease_ahead_never_takes_over_a_live_lease(kind: str, tmp_path, prefix: str) -> None:
     # Given a store on its server's clock (no injected clock) and an attempt running with a live lease
     store = make_store(kind, tmp_path, prefix)
