@@ -287,6 +287,23 @@ def sql_error(fault: Fault, dialect: str, dbapi: Any) -> BaseException:
             Fault.READONLY: lambda: pg.ReadOnlySqlTransaction("cannot execute INSERT in a read-only transaction"),
             Fault.SERIALIZATION: lambda: pg.SerializationFailure("could not serialize access"),
         }[fault]()
+    if dialect in ("mysql", "mariadb"):  # PyMySQL's errors carry MySQL's error code first, as the server's do
+        return {
+            Fault.REFUSED: lambda: dbapi.OperationalError(
+                2003, "Can't connect to MySQL server on '127.0.0.1' ([Errno 111] Connection refused)"
+            ),
+            Fault.TIMEOUT: lambda: dbapi.OperationalError(
+                1969, "Query execution was interrupted (max_statement_time exceeded)"
+            ),
+            Fault.LOST_REPLY: lambda: dbapi.OperationalError(2013, "Lost connection to MySQL server during query"),
+            Fault.READONLY: lambda: dbapi.OperationalError(
+                1290, "The MariaDB server is running with the --read-only option so it cannot execute this statement"
+            ),
+            # InnoDB's serialization failure: the store runs the statement again (test_faults.py)
+            Fault.SERIALIZATION: lambda: dbapi.OperationalError(
+                1213, "Deadlock found when trying to get lock; try restarting transaction"
+            ),
+        }[fault]()
     messages = {
         Fault.REFUSED: "unable to open database file",
         Fault.TIMEOUT: "database is locked",

@@ -50,7 +50,7 @@ LIMITS = (1, 2, 10)
 SCALE = max(1, int(os.environ.get("CELERY_IDEM_MODEL_SCALE", "1")))
 SEED = int(os.environ.get("CELERY_IDEM_MODEL_SEED", "20240610"))
 SHRINK = os.environ.get("CELERY_IDEM_MODEL_SHRINK", "") not in ("", "0")  # minimize a failing state machine run
-KINDS = ("memory", "sqlite", "postgresql", "redis", "redis-cluster", "django")
+KINDS = ("memory", "sqlite", "postgresql", "mariadb", "redis", "redis-cluster", "django", "django-mariadb")
 
 
 @dataclass(frozen=True)
@@ -148,9 +148,8 @@ class Harness:
     def __init__(self, kind: str, store: Store) -> None:
         self.kind = kind
         self.store = store
-        self.purge = {"memory": "at_most", "sqlite": "exact", "postgresql": "exact", "django": "exact"}.get(
-            kind, "zero"
-        )
+        sql = ("sqlite", "postgresql", "mariadb", "django", "django-mariadb")
+        self.purge = {"memory": "at_most", **dict.fromkeys(sql, "exact")}.get(kind, "zero")
 
     def fresh(self) -> tuple[Store, Model, Timeline]:
         """The store emptied of this test's records, a new model, and the timeline between them."""

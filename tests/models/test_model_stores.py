@@ -57,9 +57,9 @@ from model_processes import Processes
 from celery_idem.records import Identity
 from celery_idem.stores import MemoryStore, Store
 
-EXAMPLES, STEPS_PER_EXAMPLE = 24, 25  # per store: 600 steps each, 3,000 over the five stores
-HISTORIES, THREADS, OPS_PER_THREAD = 40, 3, 4  # per store: 200 histories over the five stores
-PROCESS_KINDS = ("sqlite", "postgresql", "redis")  # the stores other processes can reach
+EXAMPLES, STEPS_PER_EXAMPLE = 24, 25  # per store: 600 steps each, 4,800 over the eight stores
+HISTORIES, THREADS, OPS_PER_THREAD = 40, 3, 4  # per store: 40 histories, 320 over the eight stores
+PROCESS_KINDS = ("sqlite", "postgresql", "mariadb", "redis")  # the stores other processes can reach
 PROCESS_HISTORIES, PROCESSES = 20, 3  # per store: 60 more histories, each from 3 processes
 
 

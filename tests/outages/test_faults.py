@@ -353,10 +353,20 @@ def test_a_fault_around_a_ledger_task_leaves_exactly_one_payment(
 OPERATIONS = ("claim", "acquire", "renew", "complete", "fail", "release", "get")
 
 
+# On MySQL/MariaDB a serialization failure is InnoDB's deadlock, which the store runs again: one is
+# no outage there (test_a_deadlock_at_every_store_operation_is_run_again_then_an_outage).
+MYSQL_FAULTS = tuple(f for f in SQL_FAULTS if f is not Fault.SERIALIZATION)
+
+
 def _stores() -> list[Any]:
     return [
         pytest.param(kind, fault, id=f"{kind}-{fault.value}")
-        for kind, faults in (("redis", REDIS_FAULTS), ("sqlite", SQL_FAULTS), ("postgresql", SQL_FAULTS))
+        for kind, faults in (
+            ("redis", REDIS_FAULTS),
+            ("sqlite", SQL_FAULTS),
+            ("postgresql", SQL_FAULTS),
+            ("mariadb", MYSQL_FAULTS),
+        )
         for fault in faults
     ]
 
@@ -407,6 +417,69 @@ def test_every_fault_at_every_store_operation_is_store_unavailable(
     finally:
         faults.clear()
         wipe(store)
+
+
+@pytest.mark.parametrize("kind", ["mariadb", "django-mariadb"])
+def test_a_deadlock_at_every_store_operation_is_run_again_then_an_outage(kind: str, tmp_path: Any, prefix: str) -> None:
+    from conftest import make_store, wipe
+
+    from celery_idem.records import ErrorInfo
+
+    store = make_store(kind, tmp_path, prefix)
+    assert isinstance(store, SQLStore)
+    store.create_schema()
+    faults = Injector(store)
+    try:
+        for operation in OPERATIONS:
+            identity = Identity("", "faults.deadlock", f"{operation}-{uuid.uuid4().hex[:8]}")
+            taken = store.acquire(identity, "fp", "t1", lease_seconds=30, ttl_seconds=60)
+            assert taken.record is not None
+            owner = taken.record.owner
+            call = {
+                "claim": lambda i=identity: store.claim(
+                    Identity("", i.task_name, i.key + "c"), "fp", "t2", pending_seconds=30, ttl_seconds=60
+                ),
+                "acquire": lambda i=identity: store.acquire(
+                    Identity("", i.task_name, i.key + "a"), "fp", "t3", lease_seconds=30, ttl_seconds=60
+                ),
+                "renew": lambda i=identity, o=owner: store.renew(i, o, lease_seconds=30),
+                "complete": lambda i=identity, o=owner: store.complete(i, o, b"1"),
+                "fail": lambda i=identity, o=owner: store.fail(i, o, ErrorInfo.from_exception(ValueError("x"))),
+                "release": lambda i=identity, o=owner: store.release(i, o),
+                "get": lambda i=identity: store.get(i),
+            }[operation]
+            # Given InnoDB picks this call as a deadlock's victim (it rolled all of it back) once
+            plan = faults.arm(Plan(operation, Fault.SERIALIZATION))
+            # Then the store runs it again, and the call answers as without the deadlock
+            answer = call()
+            assert plan.fired == 1 and answer is not None
+            if operation in ("claim", "acquire"):
+                assert answer.decision.value in ("NEW", "RUN")
+            elif operation != "get":
+                assert answer.ok
+            faults.clear()
+            # Given it is the victim on every try: an outage, never an answer
+            again = Identity("", identity.task_name, identity.key + "x")
+            with pytest.raises(StoreUnavailableError):
+                _deadlocked_every_try(store, again)
+            assert store.get(again) is None
+    finally:
+        faults.clear()
+        wipe(store)
+
+
+def _deadlocked_every_try(store: SQLStore, identity: Identity) -> None:
+    """A claim whose every statement InnoDB rolls back as a deadlock's victim."""
+    import pymysql
+
+    def deadlock(*_: Any) -> None:
+        raise pymysql.err.OperationalError(1213, "Deadlock found when trying to get lock; try restarting transaction")
+
+    sa.event.listen(store.engine, "before_cursor_execute", deadlock)
+    try:
+        store.claim(identity, "fp", "t9", pending_seconds=30, ttl_seconds=60)
+    finally:
+        sa.event.remove(store.engine, "before_cursor_execute", deadlock)
 
 
 # ---- the reconciler's writes ----------------------------------------------------------------------------

@@ -93,7 +93,7 @@ def _judge(results: list[tuple[int, str, str, str]], op: str, executions: int, r
 
 @pytest.mark.slow
 @pytest.mark.parametrize("op", ["claim", "acquire"])
-@pytest.mark.parametrize("kind", ["sqlite", "redis", "postgresql"])
+@pytest.mark.parametrize("kind", ["sqlite", "redis", "postgresql", "mariadb"])
 def test_two_processes_of_sixteen_threads_race_one_identity(kind: str, op: str, tmp_path: Any, prefix: str) -> None:
     # Given one store reached from two processes
     store = make_store(kind, tmp_path, prefix)
