@@ -139,13 +139,16 @@ def test_thirty_two_threads_race_one_identity_in_memory(op: str) -> None:
     _judge([out.get_nowait() for _ in range(out.qsize())], op, executions.value, THREADS * PROCESSES)
 
 
-def test_a_purge_never_deletes_a_row_revived_while_it_waited_for_the_lock(prefix: str, tmp_path: Any) -> None:
-    # Given an expired PostgreSQL row
+@pytest.mark.parametrize("kind", ["postgresql", "mariadb"])
+def test_a_purge_never_deletes_a_row_revived_while_it_waited_for_the_lock(
+    kind: str, prefix: str, tmp_path: Any
+) -> None:
+    # Given an expired PostgreSQL (MariaDB) row
     import sqlalchemy as sa
     from conftest import FakeClock
 
     clock = FakeClock()
-    store = make_store("postgresql", tmp_path, prefix, clock=clock, timeout_seconds=30)
+    store = make_store(kind, tmp_path, prefix, clock=clock, timeout_seconds=30)
     identity = Identity("", "race.task", "revived")
     try:
         store.claim(identity, FP, "t1", pending_seconds=10, ttl_seconds=10)
@@ -159,16 +162,25 @@ def test_a_purge_never_deletes_a_row_revived_while_it_waited_for_the_lock(prefix
                 .where(table.c.namespace == prefix, table.c.key == "revived")
                 .values(expires_at=clock() + 600, lease_expires_at=clock() + 60)
             )
-            pid = reviver.exec_driver_sql("select pg_backend_pid()").scalar()
+            if kind == "postgresql":
+                pid = reviver.exec_driver_sql("select pg_backend_pid()").scalar()
+                blocked = sa.text("select count(*) from pg_stat_activity where :pid = any(pg_blocking_pids(pid))")
+            else:
+                pid = reviver.exec_driver_sql("select connection_id()").scalar()
+                blocked = sa.text(
+                    "select count(*) from information_schema.innodb_lock_waits w join information_schema.innodb_trx t"
+                    " on t.trx_id = w.blocking_trx_id where t.trx_mysql_thread_id = :pid"
+                )
             purged: list[int] = []
             purge = threading.Thread(target=lambda: purged.append(store.purge_expired()))
             purge.start()
             # ... and the purge, which read the row as expired, is waiting on that lock
             with engine.connect() as watcher:
-                blocked = sa.text("select count(*) from pg_stat_activity where :pid = any(pg_blocking_pids(pid))")
                 deadline = time.monotonic() + 20
+                # InnoDB refreshes its lock tables only when they were not read for 0.1 s
+                pause = 0.02 if kind == "postgresql" else 0.2
                 while not watcher.execute(blocked, {"pid": pid}).scalar() and time.monotonic() < deadline:
-                    time.sleep(0.02)
+                    time.sleep(pause)
                 assert watcher.execute(blocked, {"pid": pid}).scalar(), "the purge never waited on the row lock"
             reviver.commit()
         purge.join(timeout=30)
