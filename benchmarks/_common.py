@@ -346,18 +346,21 @@ class SQLWire:
     hands out; each ``ReadyForQuery`` the server sends ends one exchange the client waited for (a
     simple Query, or an extended-protocol Sync), so their number is the number of round trips.
     SQLite: sqlite3's trace callback sees every statement it runs, its own included; in-process,
-    so no round trips.
+    so no round trips. MySQL/MariaDB: every command PyMySQL sends (``_execute_command``: a query, or
+    the ROLLBACK of a pool's reset) waits for its reply, so their number is the number of round
+    trips; the driver's count is the queries by verb (what the server ran, the driver's own included).
     """
 
     def __init__(self, store: Store) -> None:
         self.engine = store.engine  # type: ignore[attr-defined]
         self.postgres = self.engine.dialect.name == "postgresql"
+        self.mysql = self.engine.dialect.name in ("mysql", "mariadb")
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[Tally]:
         import sqlalchemy as sa
 
-        tally = Tally(round_trips=0 if self.postgres else None)
+        tally = Tally(round_trips=0 if self.postgres or self.mysql else None)
         traced: list[Any] = []
         descriptor, path = tempfile.mkstemp(prefix="celery-idem-libpq-", suffix=".trace")
         trace = os.fdopen(descriptor, "w")
@@ -379,6 +382,16 @@ class SQLWire:
 
                 dbapi_connection.pgconn.trace(trace.fileno())
                 dbapi_connection.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE)
+            elif self.mysql:
+                send = type(dbapi_connection)._execute_command
+
+                def counted(command: int, sql: Any, *, _send: Any = send, _conn: Any = dbapi_connection) -> Any:
+                    tally.round_trips = (tally.round_trips or 0) + 1
+                    text = sql.decode(errors="replace") if isinstance(sql, bytes) else str(sql)
+                    tally.driver[(text.split(None, 1) or ["?"])[0].upper()] += 1
+                    return _send(_conn, command, sql)
+
+                dbapi_connection._execute_command = counted
             else:
                 dbapi_connection.set_trace_callback(sqlite_statement)
             traced.append(dbapi_connection)
@@ -393,6 +406,8 @@ class SQLWire:
             for dbapi_connection in traced:
                 if self.postgres:
                     dbapi_connection.pgconn.untrace()  # flushes the trace
+                elif self.mysql:
+                    del dbapi_connection._execute_command  # the class's own again
                 else:
                     dbapi_connection.set_trace_callback(None)
             trace.close()

@@ -110,8 +110,8 @@ def _mysql_code(exc: BaseException) -> int | None:
 
 def _transaction(connection: sa.Connection, locked: Locked, params: dict[str, Any]) -> Answer:
     """Run ``locked`` (see :class:`Locked`) in one transaction on ``connection`` (in autocommit mode)."""
-    connection.exec_driver_sql("START TRANSACTION")
     try:
+        connection.exec_driver_sql("START TRANSACTION")
         found = None if locked.lock is None else connection.execute(locked.lock, params).all()
         if found is not None and not found:
             wrote = locked.insert is not None

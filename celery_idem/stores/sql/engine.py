@@ -64,7 +64,11 @@ def private_engine(engine: sa.Engine, timeout: float) -> sa.Engine:
     """
     if engine.dialect.name == "sqlite" and engine.url.database in (None, "", ":memory:"):
         return engine.execution_options(isolation_level="AUTOCOMMIT")
-    own = sa.create_engine(engine.url, pool=engine.pool.recreate(), isolation_level="AUTOCOMMIT")
+    # A pooled connection is rolled back when it comes back: a round trip on PyMySQL, whose
+    # rollback() always asks the server, for nothing in autocommit mode (the store's transactions
+    # end themselves), so it is skipped there.
+    skip = {"skip_autocommit_rollback": True} if engine.dialect.name in MYSQL else {}
+    own = sa.create_engine(engine.url, pool=engine.pool.recreate(), isolation_level="AUTOCOMMIT", **skip)
     dialect = engine.dialect.name
 
     @sa.event.listens_for(own.pool, "connect")
