@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
-from conftest import POSTGRES_URL, make_store, require_server, wipe
+from conftest import MARIADB_URL, POSTGRES_URL, make_store, require_server, wipe
 from shop import COUNTER_URL, effects_key
 from workers import BACKEND, Worker, execute_as_worker, wait_for
 
@@ -42,6 +42,7 @@ MISTAKES = [
     # A fixed name: pytest-xdist's processes must collect the same test ids (nothing creates this database).
     (f"{_PG_WITH_PASSWORD}/idem_no_such_db", "postgresql", "CREATE DATABASE"),
     (f"{_PG.replace('postgres@', 'idem_no_such_role@', 1)}/test", "postgresql", "CREATE ROLE"),
+    (f"{MARIADB_URL.rpartition('/')[0]}/idem_no_such_db", "mariadb", "CREATE DATABASE"),
 ]
 
 
@@ -248,7 +249,7 @@ def test_every_store_holds_the_longest_durations(store: Store, clock: Any) -> No
     assert store.claim(identity, fp, "t4", pending_seconds=60, ttl_seconds=60).decision is Decision.REPLAY
 
 
-@pytest.mark.parametrize("kind", ["sqlite", "postgresql", "redis"])
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql", "redis", "mariadb"])
 @pytest.mark.parametrize("seconds", [MIN_STORE_TIMEOUT_SECONDS, MAX_STORE_TIMEOUT_SECONDS])
 def test_every_store_takes_the_store_timeout_limits(kind: str, seconds: float, tmp_path: Path, prefix: str) -> None:
     store = make_store(kind, tmp_path, prefix, timeout_seconds=seconds)
@@ -256,6 +257,10 @@ def test_every_store_takes_the_store_timeout_limits(kind: str, seconds: float, t
         with store.engine.connect() as connection:  # type: ignore[attr-defined]
             shown = connection.exec_driver_sql("SHOW statement_timeout").scalar()
         assert shown == ("1ms" if seconds < 1 else "1h"), shown  # never 0, which means "no timeout"
+    if kind == "mariadb":
+        with store.engine.connect() as connection:  # type: ignore[attr-defined]
+            shown = connection.exec_driver_sql("SELECT @@max_statement_time, @@innodb_lock_wait_timeout").one()
+        assert tuple(shown) == ((0.001, 1) if seconds < 1 else (3600.0, 3600)), shown  # never 0: "no timeout"
     if seconds == MAX_STORE_TIMEOUT_SECONDS:
         identity = Identity("", "shop.charge", "timeout-limits")
         assert store.claim(identity, "f" * 64, "t", pending_seconds=60, ttl_seconds=60).decision is Decision.NEW

@@ -90,9 +90,13 @@ OPERATIONS: dict[str, Callable[[Store], Any]] = {
 
 
 @pytest.mark.parametrize("operation", sorted(OPERATIONS))
-@pytest.mark.parametrize("scheme", ["redis", "postgresql"])
+@pytest.mark.parametrize("scheme", ["redis", "postgresql", "mariadb"])
 def test_refused_connection_is_store_unavailable_at_once(scheme: str, operation: str, closed_port: int) -> None:
-    url = {"redis": f"redis://127.0.0.1:{closed_port}/0", "postgresql": f"postgresql://x@127.0.0.1:{closed_port}/x"}
+    url = {
+        "redis": f"redis://127.0.0.1:{closed_port}/0",
+        "postgresql": f"postgresql://x@127.0.0.1:{closed_port}/x",
+        "mariadb": f"mariadb://x@127.0.0.1:{closed_port}/x",
+    }
     store = store_from_url(url[scheme], timeout_seconds=TIMEOUT)
     _assert_unavailable_fast(store, OPERATIONS[operation], bound=TIMEOUT + 5)
 
@@ -107,6 +111,13 @@ def test_silent_postgresql_is_store_unavailable_within_the_timeout(silent_port: 
     # libpq's connect_timeout cannot go below 2 s, so this store's deadline is 2 s.
     store = store_from_url(f"postgresql://x@127.0.0.1:{silent_port}/x", timeout_seconds=TIMEOUT)
     _assert_unavailable_fast(store, OPERATIONS["claim"], bound=2 + 5)
+
+
+@pytest.mark.parametrize("operation", ["claim", "get"])
+def test_silent_mariadb_is_store_unavailable_within_the_timeout(operation: str, silent_port: int) -> None:
+    # The TCP connect succeeds; PyMySQL then waits for the server's greeting, bounded by its read timeout.
+    store = store_from_url(f"mysql://x@127.0.0.1:{silent_port}/x", timeout_seconds=TIMEOUT)
+    _assert_unavailable_fast(store, OPERATIONS[operation], bound=TIMEOUT + 1 + 5)
 
 
 def test_store_unavailable_names_the_identity(closed_port: int) -> None:
@@ -183,16 +194,20 @@ def test_result_over_max_result_bytes_is_refused_and_the_attempt_can_still_relea
     assert store.complete(ID, again.record.owner, b"x" * 1024).ok
 
 
-@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql", "mariadb"])
 def test_a_store_built_from_a_plain_engine_honours_its_timeout_on_a_held_lock(kind: str, tmp_path: Any) -> None:
     # Given a store built from the user's own plain engine, with a short timeout
     import sqlite3
 
     import sqlalchemy as sa
-    from conftest import POSTGRES_URL, require_server
+    from conftest import MARIADB_URL, POSTGRES_URL, require_server
 
     require_server(kind)
-    url = POSTGRES_URL if kind == "postgresql" else f"sqlite:///{tmp_path}/plain.db"
+    url = {
+        "postgresql": POSTGRES_URL,
+        "mariadb": MARIADB_URL.replace("mysql://", "mysql+pymysql://", 1),
+        "sqlite": f"sqlite:///{tmp_path}/plain.db",
+    }[kind]
     engine = sa.create_engine(url)
     store = SQLStore(engine, key_prefix=f"lock{uuid.uuid4().hex[:8]}", timeout_seconds=0.3)
     identity = Identity("", "shop.charge", "locked")
@@ -208,7 +223,7 @@ def test_a_store_built_from_a_plain_engine_honours_its_timeout_on_a_held_lock(ki
 
     # When another connection holds the row's lock (SQLite: the database's write lock)
     holder: Any
-    if kind == "postgresql":
+    if kind in ("postgresql", "mariadb"):
         holder = engine.connect()
         holder.execute(sa.update(store.table).where(store.table.c.namespace == store.key_prefix).values(attempt=7))
     else:

@@ -1,5 +1,6 @@
-"""SQLStore's schema on a real PostgreSQL and SQLite: created on first use, and brought up to date
-when an older celery-idem made the table."""
+"""SQLStore's schema on a real PostgreSQL and SQLite (and MariaDB, where a test is not about layout 1,
+which no release made there): created on first use, and brought up to date when an older celery-idem
+made the table."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from conftest import POSTGRES_URL, require_server
+from conftest import MARIADB_URL, POSTGRES_URL, require_server
 from sql_layouts import drop, layout_1_rows, layout_1_table, make_layout_1
 
 from celery_idem.errors import ConfigurationError, StoreUnavailableError
@@ -20,18 +21,33 @@ from celery_idem.stores.sql import SQLStore, codec, migrate, records_table
 from celery_idem.stores.sql.engine import server_clock
 
 
+def _engine(kind: str, tmp_path: Any) -> sa.Engine:
+    if kind == "postgresql":
+        require_server("postgresql")
+        return sa.create_engine(POSTGRES_URL)
+    if kind == "mariadb":
+        require_server("mariadb")
+        return sa.create_engine(MARIADB_URL.replace("mysql://", "mysql+pymysql://", 1))
+    return sa.create_engine(f"sqlite:///{tmp_path}/old.db")
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def engine(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[sa.Engine]:
-    if request.param == "postgresql":
-        require_server("postgresql")
-        made = sa.create_engine(POSTGRES_URL)
-    else:
-        made = sa.create_engine(f"sqlite:///{tmp_path}/old.db")
+    made = _engine(request.param, tmp_path)
     yield made
     made.dispose()
 
 
-def test_a_table_made_by_an_older_version_gets_the_new_columns(engine: sa.Engine) -> None:
+@pytest.fixture(params=["sqlite", "postgresql", "mariadb"])
+def any_engine(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[sa.Engine]:
+    """The ``engine`` fixture's databases, and MariaDB."""
+    made = _engine(request.param, tmp_path)
+    yield made
+    made.dispose()
+
+
+def test_a_table_made_by_an_older_version_gets_the_new_columns(any_engine: sa.Engine) -> None:
+    engine = any_engine
     # Given a records table as an older release made it (no `call` column)
     name = f"idem_old_{uuid.uuid4().hex[:8]}"
     old = records_table(sa.MetaData(), name)
@@ -51,7 +67,8 @@ def test_a_table_made_by_an_older_version_gets_the_new_columns(engine: sa.Engine
             connection.exec_driver_sql(f"DROP TABLE {name}")
 
 
-def test_a_schema_another_process_creates_object_by_object_meanwhile_is_created_once(engine: sa.Engine) -> None:
+def test_a_schema_another_process_creates_object_by_object_meanwhile_is_created_once(any_engine: sa.Engine) -> None:
+    engine = any_engine
     # Given a fresh database where another process (its own connection) wins every CREATE race: it
     # creates each table and index just before this store's CREATE of it runs
     name = f"idem_race_{uuid.uuid4().hex[:8]}"
@@ -389,8 +406,9 @@ def test_a_statement_of_the_older_release_fails_on_layout_2_instead_of_matching_
 
 
 def test_two_identities_whose_hashes_collide_never_read_or_take_each_others_row(
-    engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
+    any_engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    engine = any_engine
     # Given a store where every identity hashes alike (a collision, which 128 bits make unreachable
     # by chance or by search), and a record of one identity
     name = f"idem_col_{uuid.uuid4().hex[:8]}"

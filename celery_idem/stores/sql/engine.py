@@ -106,7 +106,16 @@ def engine_from_url(url: str | sa.URL, timeout: float, connect_args: dict[str, A
             max_overflow=20,
             pool_timeout=timeout,
             pool_recycle=3600,  # under the server's wait_timeout (8 hours), which closes idle connections
-            connect_args={"connect_timeout": max(1, math.ceil(timeout)), "charset": "utf8mb4", **extra},
+            connect_args={
+                "connect_timeout": max(1, math.ceil(timeout)),
+                # A server that accepts the connection and then says nothing: PyMySQL reads its
+                # greeting with no deadline but this (the watchdog guards statements only). A
+                # second past the server's own statement timeout, which answers first.
+                "read_timeout": timeout + 1.0,
+                "write_timeout": timeout + 1.0,
+                "charset": "utf8mb4",
+                **extra,
+            },
         )
     if driver.startswith("postgresql"):
         return sa.create_engine(
