@@ -42,7 +42,8 @@ print(json.dumps({"statuses": statuses, "payments": Payment.objects.filter(order
 
 @pytest.mark.parametrize(
     ("alias", "store"),
-    [(alias, "redis") for alias in django_project.ALIASES] + [("sqlite", "django"), ("postgresql", "django")],
+    [(alias, "redis") for alias in django_project.ALIASES]
+    + [("sqlite", "django"), ("postgresql", "django"), ("mariadb", "django")],
 )
 def test_the_example_project_migrates_checks_and_charges_a_retried_checkout_once(alias: str, store: str) -> None:
     # With store "django", the project runs on its one database: no Redis for idempotency

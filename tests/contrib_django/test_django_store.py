@@ -29,7 +29,7 @@ from celery_idem.records import Identity  # noqa: E402
 TABLES = {"celery_idem_records", "celery_idem_liveness"}
 
 
-@pytest.mark.parametrize("alias", ["sqlite", "postgresql"])
+@pytest.mark.parametrize("alias", ["sqlite", "postgresql", "mariadb"])
 def test_migrate_creates_the_store_tables_and_a_task_runs_once_on_them(alias: str) -> None:
     require_alias(alias)
     assert TABLES <= set(connections[alias].introspection.table_names())  # made by `migrate`
@@ -78,17 +78,38 @@ def test_a_database_entry_becomes_the_engine_url_and_the_drivers_options() -> No
     assert sqlite.drivername == "sqlite" and sqlite.database == "/var/shop.db"
 
 
+def test_a_mysql_database_entry_becomes_a_pymysql_url_with_the_options_pymysql_takes() -> None:
+    # Given a MariaDB/MySQL entry whose OPTIONS mix Django's own, mysqlclient's and shared ones
+    entry = {
+        "ENGINE": "django.db.backends.mysql",
+        "NAME": "shop",
+        "USER": "app",
+        "PASSWORD": "p@ss",
+        "HOST": "db.internal",
+        "PORT": "3307",
+        "OPTIONS": {"charset": "utf8mb4", "init_command": "SET sql_mode='STRICT_TRANS_TABLES'", "isolation_level": "x"},
+    }
+    url, options = engine_url(entry)
+    # Then the store reaches it through PyMySQL with the options PyMySQL shares with mysqlclient
+    assert url.render_as_string(hide_password=False) == "mysql+pymysql://app:p%40ss@db.internal:3307/shop"
+    assert options == {"charset": "utf8mb4"}
+    # and a HOST that is a path is the server's socket (Django's rule for MySQL)
+    socket_url, socket_options = engine_url(dict(entry, HOST="/run/mysqld/mysqld.sock", OPTIONS={}))
+    assert socket_url.host is None and socket_options == {"unix_socket": "/run/mysqld/mysqld.sock"}
+    geo, _ = engine_url(dict(entry, ENGINE="django.contrib.gis.db.backends.mysql"))
+    assert geo.drivername == "mysql+pymysql"
+
+
 @pytest.mark.parametrize(
     ("url", "message"),
     [
         ("django://nowhere", r"django://nowhere: settings.DATABASES has no such alias \(it has default, "),
         ("django://", r"django:// needs a SQLite database in a file: an in-memory one is private"),
-        ("django://mariadb", r"django:// runs on PostgreSQL and SQLite; this database's ENGINE is "),
+        ("django://oracle", r"django:// runs on PostgreSQL, SQLite, MySQL and MariaDB; this database's ENGINE is "),
     ],
 )
-def test_a_database_the_store_cannot_run_on_is_refused(url: str, message: str) -> None:
-    if url.endswith("mariadb"):
-        require_alias("mariadb")
+def test_a_database_the_store_cannot_run_on_is_refused(url: str, message: str, monkeypatch: Any) -> None:
+    monkeypatch.setitem(settings.DATABASES, "oracle", {"ENGINE": "django.db.backends.oracle", "NAME": "shop"})
     with pytest.raises(ConfigurationError, match=message):
         store_from_url(url)
 
