@@ -133,6 +133,7 @@ class Injector:
                 return method(*args, **kwargs)
             finally:
                 self._local.fault = self._local.plan = None
+                self._local.in_transaction = False
 
         return call
 
@@ -237,6 +238,13 @@ class Injector:
 
         def after(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
             if getattr(self._local, "fault", None) is Fault.LOST_REPLY:
+                # A transaction of the store's own (MySQL's Locked transitions) loses the reply of its
+                # COMMIT: it ran and committed, as one autocommit statement does below.
+                verb = statement.lstrip().split(None, 1)[0].upper()
+                if verb == "START" or (getattr(self._local, "in_transaction", False) and verb != "COMMIT"):
+                    self._local.in_transaction = True
+                    return
+                self._local.in_transaction = False
                 self._take_fault()  # the statement ran and committed (autocommit): only its reply is lost
                 raise sql_error(Fault.LOST_REPLY, dialect, dbapi)
 

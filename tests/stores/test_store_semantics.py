@@ -795,7 +795,10 @@ def test_acquire_takes_a_record_that_went_back_to_pending_while_it_looked(store:
     # Given an attempt holding the record
     held = acquire(store).record
     assert held is not None
-    if type(store).__name__ in ("SQLStore", "DjangoStore"):
+    # (On MySQL/MariaDB the SQL store judges BUSY in the transaction that declined, the row locked:
+    # a release cannot land between the two, so there it lands before, as on the other stores.)
+    sql = type(store).__name__ in ("SQLStore", "DjangoStore")
+    if sql and store.engine.dialect.name not in ("mysql", "mariadb"):  # type: ignore[attr-defined]
         # the SQL store decides BUSY in a statement after its upsert declined: the attempt releases
         # to PENDING (a Celery retry queued) exactly between the two
         run = store._run  # type: ignore[attr-defined]
@@ -811,6 +814,86 @@ def test_acquire_takes_a_record_that_went_back_to_pending_while_it_looked(store:
         store.release(ID, held.owner, pending_seconds=LEASE_S)
     # When the retry's message acquires, Then it runs: a PENDING record is free to acquire
     assert acquire(store, task_id="task-1").decision is Decision.RUN
+
+
+@pytest.mark.parametrize("kind", ["mariadb", "django-mariadb"])
+def test_on_mysql_a_declined_acquire_is_judged_on_the_row_it_declined_still_locked(kind: str, tmp_path, prefix) -> None:
+    # Given an attempt holding the record on MySQL/MariaDB, where acquire is one locked transaction
+    import threading
+
+    import sqlalchemy as sa
+
+    store = make_store(kind, tmp_path, prefix, timeout_seconds=10)
+    try:
+        held = acquire(store).record
+        assert held is not None
+        me, released, others = threading.current_thread(), [], []
+
+        def release_while_judging(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+            if threading.current_thread() is me and "SET linger_until" in statement:  # the BUSY mark
+                # When the holder releases (a Celery retry queued) just as a second message's acquire,
+                # which declined to take the record, marks it BUSY
+                other = threading.Thread(
+                    target=lambda: released.append(store.release(ID, held.owner, pending_seconds=1))
+                )
+                other.start()
+                others.append(other)
+                time.sleep(0.3)  # long enough for the release to reach the row lock and wait on it
+
+        sa.event.listen(store.engine, "before_cursor_execute", release_while_judging)  # type: ignore[attr-defined]
+        try:
+            busy = acquire(store, task_id="task-2")
+        finally:
+            sa.event.remove(store.engine, "before_cursor_execute", release_while_judging)  # type: ignore[attr-defined]
+            for other in others:
+                other.join(timeout=20)
+        # Then the acquire is judged on the row it declined, still the holder's (BUSY, never "changed
+        # hands" and tried again), and the release lands after it, on that same row
+        assert busy.decision is Decision.BUSY and busy.record is not None and busy.record.owner == held.owner
+        assert len(released) == 1 and released[0].ok
+        assert acquire(store, task_id="task-1").decision is Decision.RUN
+    finally:
+        wipe(store)
+
+
+def test_on_mysql_every_write_of_one_record_reaches_it_by_its_primary_key(tmp_path, prefix) -> None:
+    # Given MariaDB's optimizer, which reaches a row of a small table through the expiry index
+    # when a one-table UPDATE or DELETE lets it (locking that index's entry before the row: a
+    # deadlock against a transaction that holds the row and then needs the entry)
+    import sqlalchemy as sa
+
+    store = make_store("mariadb", tmp_path, prefix)
+    seen: list[tuple[str, Any]] = []
+
+    def record(_conn: Any, _cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
+        if statement.lstrip().upper().startswith(("UPDATE", "DELETE")):
+            seen.append((statement, parameters))
+
+    try:
+        store.create_schema()  # type: ignore[attr-defined]
+        sa.event.listen(store.engine, "before_cursor_execute", record)  # type: ignore[attr-defined]
+        # When every transition that writes one record runs
+        owner = running(store)
+        assert acquire(store, task_id="task-2").decision is Decision.BUSY
+        assert store.renew(ID, owner, lease_seconds=LEASE_S).ok
+        assert store.release(ID, owner, pending_seconds=LEASE_S).ok
+        owner = acquire(store).record.owner  # type: ignore[union-attr]
+        assert store.complete(ID, owner, RESULT).ok
+        other = Identity("", "shop.charge", "order-43")
+        owner = acquire(store, identity=other).record.owner  # type: ignore[union-attr]
+        assert store.release(other, owner).ok  # a release that frees the key: a DELETE
+        assert store.forget(ID)
+    finally:
+        sa.event.remove(store.engine, "before_cursor_execute", record)  # type: ignore[attr-defined]
+    # Then each reaches its row by the primary key alone
+    try:
+        assert len(seen) >= 7, seen
+        with store.engine.connect() as connection:  # type: ignore[attr-defined]
+            for statement, parameters in seen:
+                plan = connection.exec_driver_sql(f"EXPLAIN {statement}", parameters).mappings().one()
+                assert plan["key"] == "PRIMARY", (statement, dict(plan))
+    finally:
+        wipe(store)
 
 
 # ---- liveness (DESIGN "Death is a fact, not a silence") -----------------------------------------

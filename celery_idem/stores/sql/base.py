@@ -54,7 +54,7 @@ class Answer(Protocol):
     @property
     def rowcount(self) -> int: ...
 
-    def one(self) -> Any: ...
+    def one(self) -> Any: ...  # (and ``step``, on a Locked transaction's answer: see Locked)
 
     def one_or_none(self) -> Any: ...
 
@@ -62,10 +62,11 @@ class Answer(Protocol):
 
 
 class _Rows:
-    """The answer of a :class:`Locked` transaction: the rows it read."""
+    """The answer of a :class:`Locked` transaction: the rows it read, and its ``step``."""
 
-    def __init__(self, found: Sequence[Any]) -> None:
+    def __init__(self, found: Sequence[Any], step: str) -> None:
         self._rows = found
+        self.step = step
 
     @property
     def rowcount(self) -> int:
@@ -119,10 +120,17 @@ def _transaction(connection: sa.Connection, locked: Locked, params: dict[str, An
                 connection.execute(locked.insert, params)
         else:
             wrote = connection.execute(locked.write, params).rowcount > 0
-        if locked.read is None:
-            answer: Sequence[Any] = found or []
-        else:
-            answer = connection.execute(locked.read, params).all() if wrote else []
+        step = "wrote" if wrote else "declined"
+        answer: Sequence[Any] = (found or []) if wrote else []
+        if wrote and locked.read is not None:
+            answer = connection.execute(locked.read, params).all()
+        elif not wrote:
+            if locked.busy is not None and found and connection.execute(locked.busy, params).rowcount > 0:
+                step = "busy"
+            if locked.held is not None:
+                answer = connection.execute(locked.held, params).all()
+            elif locked.read is not None:
+                answer = []
         connection.exec_driver_sql("COMMIT")
     except BaseException:
         try:
@@ -130,7 +138,7 @@ def _transaction(connection: sa.Connection, locked: Locked, params: dict[str, An
         except Exception:  # noqa: BLE001 - a connection cut off: the server rolls back when it notices
             connection.invalidate()
         raise
-    return _Rows(answer)
+    return _Rows(answer, step)
 
 
 class SQLBase(Statements, Store):

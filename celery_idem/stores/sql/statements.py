@@ -12,7 +12,7 @@ conditions, so the rules are written once.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import sqlalchemy as sa
@@ -47,16 +47,22 @@ class Locked:
        ``insert``, nothing is written;
     3. a row (or no ``lock``): ``write``, a conditional UPDATE or DELETE, changes it if its WHERE
        holds, judged by its row count;
-    4. when something was written, ``read`` reads the row back (what ``RETURNING`` would return).
+    4. when something was written, ``read`` reads the row back (what ``RETURNING`` would return);
+    5. when nothing was written to a row it found, ``busy`` (acquire's BUSY mark, a conditional
+       UPDATE) may mark it, and ``held`` reads it: a take that declined is judged on the row as it
+       was when it declined, still locked, never on one that changed hands since.
 
-    The answer is ``read``'s rows when it wrote (none when it did not), or ``lock``'s rows when
-    there is no ``read``.
+    The answer is ``read``'s rows when it wrote, ``held``'s when it did not (none without a
+    ``held``), or, without a ``read``, ``lock``'s rows when it wrote (none when it did not); its
+    ``step`` says which: ``"wrote"``, ``"busy"`` (the mark landed) or ``"declined"``.
     """
 
     write: sa.Executable
     lock: sa.Select[Any] | None = None
     insert: sa.Executable | None = None
     read: sa.Select[Any] | None = None
+    busy: sa.Executable | None = None
+    held: sa.Select[Any] | None = None
 
 
 def in_order(table: sa.Table, values: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -105,6 +111,16 @@ class Statements:
             # Parameters are prefixed: SQLAlchemy reserves column names for INSERT/UPDATE values.
             return sa.bindparam(f"p_{name}")
 
+        def update() -> sa.Update:
+            """An UPDATE of one record, found by its primary key. MySQL's optimizer of a one-table
+            UPDATE may reach the row through an index on ``expires_at`` or ``lease_expires_at``
+            instead (it does on a small table), locking that index's entry before the row while a
+            Locked transaction holds the row and then needs the entry: a deadlock on every such
+            pair. Forced to the primary key, every transition locks the row first."""
+            if not locked:
+                return sa.update(t)
+            return sa.update(t).with_hint("FORCE INDEX (PRIMARY)", t, dialect)
+
         # The row's key is the identity's hash; the identity itself is checked too, so a colliding
         # one is never read or taken (an upsert on it finds a row it may not take: held, fail closed).
         ours = sa.and_(c.namespace == p("ns"), c.scope == p("scope"), c.task_name == p("task_name"), c.key == p("key"))
@@ -140,9 +156,7 @@ class Statements:
                 return Locked(
                     lock=sa.select(c.id).where(c.id == p("id")).with_for_update(),
                     insert=ins,
-                    write=sa.update(t)
-                    .where(ours, c.id == p("id"), take)
-                    .ordered_values(*in_order(t, changes | special)),
+                    write=update().where(ours, c.id == p("id"), take).ordered_values(*in_order(t, changes | special)),
                     read=sa.select(*returned).where(c.id == p("id")),
                 )
             statement: sa.Executable = ins.on_conflict_do_update(
@@ -175,7 +189,7 @@ class Statements:
         # that judges it so, with when the waiter will have looked again by; the mark only grows.
         look = now + p("next_look")
         mark = (
-            sa.update(t)
+            update()
             .where(pk, c.expires_at > now, c.state_code == _IN_PROGRESS, c.lease_expires_at > now, same)
             .values(linger_until=sa.case((sa.func.coalesce(c.linger_until, 0.0) > look, c.linger_until), else_=look))
         )
@@ -184,6 +198,10 @@ class Statements:
         )
         # A read carries the database's time, so a held record is judged by the same clock.
         self._get_sql = sa.select(t, now.label("db_now")).where(pk, c.expires_at > now)
+        if isinstance(self._claim_sql, Locked) and isinstance(self._acquire_sql, Locked):
+            # MySQL: a declined take marks BUSY and reads the record in its own transaction.
+            self._claim_sql = replace(self._claim_sql, held=self._get_sql)
+            self._acquire_sql = replace(self._acquire_sql, busy=mark, held=self._get_sql)
 
         expired_lease = c.lease_expires_at <= now
 
@@ -196,7 +214,7 @@ class Statements:
             return held
 
         self._settle_sql = (
-            sa.update(t)
+            update()
             .where(owned("owner"))
             .values(
                 state_code=p("state"),
@@ -215,9 +233,19 @@ class Statements:
             )
         )
         only_expired = sa.or_(sa.not_(p("expired_only")), expired_lease)
-        self._delete_sql = {fence: sa.delete(t).where(owned(fence), only_expired) for fence in ("owner", "task_id")}
+        # MySQL's one-table DELETE takes no index hint (see update()): the row is locked by its
+        # primary key first, then deleted by it alone.
+        self._delete_sql: dict[str, sa.Executable | Locked] = {
+            fence: Locked(
+                lock=sa.select(c.id).where(owned(fence), only_expired).with_for_update(),
+                write=sa.delete(t).where(c.id == p("id")),
+            )
+            if locked
+            else sa.delete(t).where(owned(fence), only_expired)
+            for fence in ("owner", "task_id")
+        }
         self._pending_sql = {
-            fence: sa.update(t)
+            fence: update()
             .where(owned(fence), only_expired)
             .values(
                 state_code=_PENDING,
@@ -232,10 +260,10 @@ class Statements:
         renewed = sa.case((c.lease_expires_at > now + p("lease"), c.lease_expires_at), else_=now + p("lease"))
         renewal = {"lease_expires_at": renewed, "updated_at": now, "expires_at": renewed + c.ttl_seconds}
         self._renew_sql = (
-            sa.update(t).where(owned("owner"), c.state_code == _IN_PROGRESS).ordered_values(*in_order(t, renewal))
+            update().where(owned("owner"), c.state_code == _IN_PROGRESS).ordered_values(*in_order(t, renewal))
         )
         self._hand_over_sql = (
-            sa.update(t)
+            update()
             .where(owned("owner"), c.state_code == _IN_PROGRESS)
             .values(
                 owner=p("new_owner"),
@@ -246,7 +274,7 @@ class Statements:
         )
         live = (c.expires_at > now).label("live")
         self._forget_sql: sa.Executable | Locked = (
-            Locked(lock=sa.select(live).where(pk).with_for_update(), write=sa.delete(t).where(pk))
+            Locked(lock=sa.select(live).where(pk).with_for_update(), write=sa.delete(t).where(c.id == p("id")))
             if locked
             else sa.delete(t).where(pk).returning(live)
         )

@@ -26,7 +26,7 @@ from ...records import Decision, IdempotencyRecord, Identity, State, Transition,
 from ..rules import LOST, OK, classify
 from ..spi import Fence, Settlement
 from . import codec
-from .base import one_or_none, rowcount, rows
+from .base import Answer, one_or_none, rowcount, rows
 from .engine import engine_from_url
 from .statements import Locked
 from .upkeep import SQLUpkeep
@@ -34,6 +34,10 @@ from .upkeep import SQLUpkeep
 __all__ = ["SQLStore"]
 
 _TAKE_TRIES = 5  # a held record that frees itself between our upsert and our read is taken on a retry
+
+
+def _answer(result: Answer) -> Any:
+    return result
 
 
 def _takeable(record: IdempotencyRecord, now: float | None, claiming: bool) -> bool:
@@ -100,9 +104,14 @@ class SQLStore(SQLUpkeep):
             "call": call,
             "previous_task_id": None,
         }
-        params = self._params(identity, lease=lease, **values) | ({} if claiming else {"p_retry": int(retry)})
+        params = self._params(identity, lease=lease, **values)
+        params |= {} if claiming else {"p_retry": int(retry), "p_next_look": next_look}
         for _ in range(_TAKE_TRIES):
-            taken = self._run(statement, params, one_or_none)
+            if isinstance(statement, Locked):  # MySQL: take, or mark BUSY and read, under one lock
+                answer = self._run(statement, params, _answer)
+                taken = answer.one_or_none() if answer.step == "wrote" else None
+            else:
+                answer, taken = None, self._run(statement, params, one_or_none)
             if taken is not None:
                 # The row as written: the database computed its times, kept a chain's fingerprint
                 # and (a run without a call) the claim's call.
@@ -122,11 +131,17 @@ class SQLStore(SQLUpkeep):
                     },
                 )
                 return Transition(Decision.NEW if claiming else Decision.RUN, record)
-            if not claiming:
-                busy = self._run(self._busy_sql, params | {"p_next_look": next_look}, one_or_none)
-                if busy is not None:
-                    return Transition(Decision.BUSY, self._record(busy))
-            held, now = self._read(identity)
+            if answer is not None:
+                row = answer.one_or_none()
+                if answer.step == "busy":
+                    return Transition(Decision.BUSY, self._record(row))
+                held, now = (None, None) if row is None else (self._record(row), row.db_now)
+            else:
+                if not claiming:
+                    busy = self._run(self._busy_sql, params, one_or_none)
+                    if busy is not None:
+                        return Transition(Decision.BUSY, self._record(busy))
+                held, now = self._read(identity)
             if held is not None:
                 decision = classify(held, fingerprint, claiming=claiming, task_id=task_id, retry=retry)
                 # An acquire's BUSY comes from the marking statement above only: a record read as
