@@ -1,9 +1,10 @@
-"""SQLStore on PostgreSQL (psycopg 3), SQLite and MySQL/MariaDB (PyMySQL), by concern: the store and its transitions
-(``store``), the reconciler's and operators' queries and the processes' liveness rows (``upkeep``),
-what it stands on (``base``: its private pool, what the database's errors mean, running one
-statement, its parameters and clock), every statement it runs (``statements``), its tables and how
-they are created and upgraded (``schema``, shared with the ledger), and its connections and the
-database's clock (``engine``)."""
+"""SQLStore on PostgreSQL (psycopg 3), SQLite and MySQL/MariaDB (PyMySQL), by concern: the store and
+its transitions (``store``), the reconciler's and operators' queries and the processes' liveness rows
+(``upkeep``), what it stands on (``base``: its private pool, what the database's errors mean,
+running one statement, its parameters and clock), every statement it runs (``statements``), MySQL's
+transitions as short locked transactions (``locked``), its tables and how they are created and
+upgraded (``schema``, shared with the ledger), and its connections and the database's clock
+(``engine``)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ The store runs on a private pool derived from the engine it is given, whose conn
 timeouts (statement and lock timeouts on PostgreSQL and MySQL/MariaDB, the busy timeout on SQLite);
 the caller's own sessions on that engine are untouched.
 
-On MySQL/MariaDB a transition may be a :class:`~celery_idem.stores.sql.statements.Locked`
+On MySQL/MariaDB a transition may be a :class:`~celery_idem.stores.sql.locked.Locked`
 transaction: it is run whole again when InnoDB picks it as a deadlock's victim (InnoDB rolled all of
 it back) or when its insert lost the race for a new key to another one (it then finds that row), a
 few times; past that it is an outage, never an answer.
@@ -20,7 +20,7 @@ import re
 import threading
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
@@ -32,56 +32,21 @@ from ..deadline import Watchdog, socket_of
 from ..spi import Clock
 from . import codec
 from .engine import MYSQL, private_engine, server_clock
+from .locked import Answer, Locked, mysql_code, run_locked
 from .migrate import upgrade_layout
 from .schema import add_columns, create_all, liveness_table, records_table
-from .statements import INSERTS, Locked, Statements
+from .statements import INSERTS, Statements
 
-__all__ = ["Answer", "SQLBase", "one", "one_or_none", "rowcount", "rows"]
+__all__ = ["SQLBase", "one", "one_or_none", "rowcount", "rows"]
 
 T = TypeVar("T")
 
 _WATCHDOG = Watchdog()
 _DEADLINE_MARGIN_SECONDS = 1.0  # past the server's own statement/lock timeout, which answers first
 _TRIES = 5  # runs of one statement or Locked transaction that InnoDB may roll back (see the docstring)
-_DEADLOCK, _DUPLICATE_KEY = 1213, 1062  # MySQL/MariaDB error codes
-_UNKNOWN_DATABASE, _ACCESS_DENIED = 1049, 1045
+# MySQL/MariaDB error codes
+_DEADLOCK, _DUPLICATE_KEY, _UNKNOWN_DATABASE, _ACCESS_DENIED = 1213, 1062, 1049, 1045
 _MYSQL_READ_ONLY = (1290, 1792)  # --read-only server; a READ ONLY transaction
-
-
-class Answer(Protocol):
-    """What a statement answers: a cursor's result, or the rows of a Locked transaction."""
-
-    @property
-    def rowcount(self) -> int: ...
-
-    def one(self) -> Any: ...  # (and ``step``, on a Locked transaction's answer: see Locked)
-
-    def one_or_none(self) -> Any: ...
-
-    def all(self) -> Sequence[Any]: ...
-
-
-class _Rows:
-    """The answer of a :class:`Locked` transaction: the rows it read, and its ``step``."""
-
-    def __init__(self, found: Sequence[Any], step: str) -> None:
-        self._rows = found
-        self.step = step
-
-    @property
-    def rowcount(self) -> int:
-        return len(self._rows)
-
-    def one(self) -> Any:
-        if len(self._rows) != 1:
-            raise sa_exc.NoResultFound(f"expected one row, got {len(self._rows)}")
-        return self._rows[0]
-
-    def one_or_none(self) -> Any:
-        return self._rows[0] if self._rows else None
-
-    def all(self) -> Sequence[Any]:
-        return self._rows
 
 
 # How a statement's answer is read (the ``fetch`` of :meth:`SQLBase._run`).
@@ -101,44 +66,6 @@ def rows(result: Answer) -> Sequence[Any]:
 
 def rowcount(result: Answer) -> int:
     return result.rowcount
-
-
-def _mysql_code(exc: BaseException) -> int | None:
-    """The MySQL/MariaDB error code of a SQLAlchemy error of PyMySQL's (its ``args[0]``), else None."""
-    args = getattr(getattr(exc, "orig", None), "args", ())
-    return args[0] if args and isinstance(args[0], int) else None
-
-
-def _transaction(connection: sa.Connection, locked: Locked, params: dict[str, Any]) -> Answer:
-    """Run ``locked`` (see :class:`Locked`) in one transaction on ``connection`` (in autocommit mode)."""
-    try:
-        connection.exec_driver_sql("START TRANSACTION")
-        found = None if locked.lock is None else connection.execute(locked.lock, params).all()
-        if found is not None and not found:
-            wrote = locked.insert is not None
-            if locked.insert is not None:
-                connection.execute(locked.insert, params)
-        else:
-            wrote = connection.execute(locked.write, params).rowcount > 0
-        step = "wrote" if wrote else "declined"
-        answer: Sequence[Any] = (found or []) if wrote else []
-        if wrote and locked.read is not None:
-            answer = connection.execute(locked.read, params).all()
-        elif not wrote:
-            if locked.busy is not None and found and connection.execute(locked.busy, params).rowcount > 0:
-                step = "busy"
-            if locked.held is not None:
-                answer = connection.execute(locked.held, params).all()
-            elif locked.read is not None:
-                answer = []
-        connection.exec_driver_sql("COMMIT")
-    except BaseException:
-        try:
-            connection.exec_driver_sql("ROLLBACK")
-        except Exception:  # noqa: BLE001 - a connection cut off: the server rolls back when it notices
-            connection.invalidate()
-        raise
-    return _Rows(answer, step)
 
 
 class SQLBase(Statements, Store):
@@ -162,7 +89,7 @@ class SQLBase(Statements, Store):
         text = str(getattr(exc, "orig", None) or exc)
         if not isinstance(exc, sa_exc.DBAPIError):
             return None
-        if re.search(r'database "[^"]*" does not exist', text) or _mysql_code(exc) == _UNKNOWN_DATABASE:
+        if re.search(r'database "[^"]*" does not exist', text) or mysql_code(exc) == _UNKNOWN_DATABASE:
             return "create the database (CREATE DATABASE ...) or name an existing one in the URL"
         if re.search(r'role "[^"]*" does not exist', text):
             return "create the role (CREATE ROLE ... LOGIN) or name an existing user in the URL"
@@ -172,9 +99,9 @@ class SQLBase(Statements, Store):
     def _is_outage(cls, exc: Exception) -> bool:
         if isinstance(exc, sa_exc.InternalError) and getattr(exc.orig, "sqlstate", None) == cls._READ_ONLY_SQLSTATE:
             return True
-        if "password authentication failed" in str(exc) or _mysql_code(exc) == _ACCESS_DENIED:
+        if "password authentication failed" in str(exc) or mysql_code(exc) == _ACCESS_DENIED:
             return False  # an OperationalError by class, a wrong password by nature (as on Redis): a surprise
-        if _mysql_code(exc) in _MYSQL_READ_ONLY:
+        if mysql_code(exc) in _MYSQL_READ_ONLY:
             return True  # the server or its transaction takes no writes (a replica): an outage, as on PostgreSQL
         return super()._is_outage(exc)
 
@@ -259,7 +186,7 @@ class SQLBase(Statements, Store):
             try:
                 with self.engine.connect() as connection, _WATCHDOG.guard(socket_of(connection), self._deadline):
                     if isinstance(statement, Locked):
-                        return fetch(_transaction(connection, statement, params))
+                        return fetch(run_locked(connection, statement, params))
                     return fetch(connection.execute(statement, params))
             except sa_exc.DBAPIError as exc:
                 if not tries_left or not self._run_again(exc, statement):
@@ -272,7 +199,7 @@ class SQLBase(Statements, Store):
         same key beat (run again, the transaction finds and locks that row)."""
         if self.engine.dialect.name not in MYSQL:
             return False
-        code = _mysql_code(exc)
+        code = mysql_code(exc)
         return code == _DEADLOCK or (code == _DUPLICATE_KEY and isinstance(statement, Locked))
 
     def _clock_params(self) -> dict[str, float | None]:

@@ -6,13 +6,13 @@ MySQL and MariaDB have no conditional upsert that returns the row (``ON DUPLICAT
 has no ``WHERE`` and no ``RETURNING``; MariaDB has no ``UPDATE ... RETURNING``): there, a transition
 that PostgreSQL and SQLite run as one such statement is a :class:`Locked` transaction instead (its
 row locked, then the same conditional write, then the row read back), built from the same
-conditions, so the rules are written once.
+conditions, so the rules are written once (:mod:`~celery_idem.stores.sql.locked`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import sqlalchemy as sa
@@ -22,9 +22,10 @@ from ...records import State
 from ..rules import UNSETTLED
 from .codec import STATE_CODES
 from .engine import MYSQL
+from .locked import Locked, in_order
 from .schema import DATA, TIMES
 
-__all__ = ["INSERTS", "Locked", "Statements", "in_order"]
+__all__ = ["INSERTS", "Statements"]
 
 _UNSETTLED = [STATE_CODES[s] for s in UNSETTLED]
 _PENDING, _IN_PROGRESS = STATE_CODES[State.PENDING], STATE_CODES[State.IN_PROGRESS]
@@ -35,62 +36,6 @@ INSERTS: dict[str, Callable[[sa.Table], Any]] = {
     "sqlite": sqlite.insert,
     **dict.fromkeys(MYSQL, sa.insert),
 }
-
-
-@dataclass(frozen=True)
-class Locked:
-    """One transition as one short transaction (MySQL/MariaDB), run by ``SQLBase._run``:
-
-    1. ``lock`` (``SELECT ... FOR UPDATE``) reads and locks the row, if there is one;
-    2. no row: ``insert`` writes it (a concurrent insert of the same key makes ours fail on the
-       primary key: the transaction is run again, and then finds and locks that row); without an
-       ``insert``, nothing is written;
-    3. a row (or no ``lock``): ``write``, a conditional UPDATE or DELETE, changes it if its WHERE
-       holds, judged by its row count;
-    4. when something was written, ``read`` reads the row back (what ``RETURNING`` would return);
-    5. when nothing was written to a row it found, ``busy`` (acquire's BUSY mark, a conditional
-       UPDATE) may mark it, and ``held`` reads it: a take that declined is judged on the row as it
-       was when it declined, still locked, never on one that changed hands since.
-
-    The answer is ``read``'s rows when it wrote, ``held``'s when it did not (none without a
-    ``held``), or, without a ``read``, ``lock``'s rows when it wrote (none when it did not); its
-    ``step`` says which: ``"wrote"``, ``"busy"`` (the mark landed) or ``"declined"``.
-    """
-
-    write: sa.Executable
-    lock: sa.Select[Any] | None = None
-    insert: sa.Executable | None = None
-    read: sa.Select[Any] | None = None
-    busy: sa.Executable | None = None
-    held: sa.Select[Any] | None = None
-
-
-def in_order(table: sa.Table, values: dict[str, Any]) -> list[tuple[str, Any]]:
-    """``values`` in an order that gives MySQL's UPDATE PostgreSQL's meaning: MySQL assigns left to
-    right, each expression seeing the columns assigned before it, where PostgreSQL evaluates every
-    expression on the row as it was. So a column is assigned only after every expression that reads
-    it (its own reads its old value either way).
-
-    Raises:
-        ValueError: two expressions each read the other's column (no order keeps both).
-    """
-    reads = {name: {c.name for c in _columns_of(table, value)} - {name} for name, value in values.items()}
-    ordered: list[tuple[str, Any]] = []
-    left = dict(values)
-    while left:
-        # Free to assign: no expression still to come reads this column.
-        free = [name for name in left if not any(name in reads[other] for other in left if other != name)]
-        if not free:
-            raise ValueError(f"no order of the assignments to {sorted(left)} keeps their old values")
-        for name in free:
-            ordered.append((name, left.pop(name)))
-    return ordered
-
-
-def _columns_of(table: sa.Table, value: Any) -> Iterable[sa.Column[Any]]:
-    if not isinstance(value, sa.ClauseElement):
-        return ()
-    return [e for e in sa.sql.visitors.iterate(value) if isinstance(e, sa.Column) and e.table is table]
 
 
 class Statements:

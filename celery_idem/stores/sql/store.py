@@ -1,6 +1,6 @@
 """SQLStore: one conditional statement per transition, on PostgreSQL (psycopg 3) and SQLite; on
 MySQL/MariaDB (PyMySQL) one short transaction with the record's row locked where the database has
-no such statement (:class:`~celery_idem.stores.sql.statements.Locked`, docs/stores.md).
+no such statement (:class:`~celery_idem.stores.sql.locked.Locked`, docs/stores.md).
 
 Every statement is built once, with bind parameters, and runs in autocommit mode: one statement is
 one transaction and one round trip.
@@ -13,6 +13,10 @@ one transaction and one round trip.
   (unsettled)``, judged by the row count.
 - acquire's BUSY answer is itself a write: ``UPDATE ... SET linger_until WHERE <held by a live
   attempt of this call> RETURNING``, so the waiter's mark lands on exactly the record judged BUSY.
+
+On MySQL/MariaDB a claim or an acquire locks the row, inserts it or runs the same conditional
+UPDATE, and, when that declined, marks BUSY and reads the record in the same transaction: the
+decision is named from the row as it declined, still locked.
 """
 
 from __future__ import annotations
@@ -26,9 +30,9 @@ from ...records import Decision, IdempotencyRecord, Identity, State, Transition,
 from ..rules import LOST, OK, classify
 from ..spi import Fence, Settlement
 from . import codec
-from .base import Answer, one_or_none, rowcount, rows
+from .base import one_or_none, rowcount, rows
 from .engine import engine_from_url
-from .statements import Locked
+from .locked import Answer, Locked
 from .upkeep import SQLUpkeep
 
 __all__ = ["SQLStore"]
