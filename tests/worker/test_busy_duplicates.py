@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import redis
 from celery import group
-from conftest import POSTGRES_URL, REDIS_URL, require_server
+from conftest import MARIADB_URL, POSTGRES_URL, REDIS_URL, require_server
 from shop import COUNTER_URL, effects_key, make_app
 from shop_worker import BACKEND, BROKERS
 from workers import Worker, wait_for
@@ -30,7 +30,7 @@ from celery_idem.records import Decision, Identity
 
 pytestmark = pytest.mark.slow
 GET = 30
-STORES = {"redis": REDIS_URL, "postgresql": POSTGRES_URL}
+STORES = {"redis": REDIS_URL, "postgresql": POSTGRES_URL, "mariadb": MARIADB_URL}
 SETTINGS = [(store, on_busy, ttl) for store in STORES for on_busy in ("wait", "retry") for ttl in (0.2, 0.05)]
 
 
