@@ -127,6 +127,7 @@ def log_decision(
 ) -> None:
     """One INFO line per decision of a call (``side="publish"``) or a message (``"worker"``)."""
     telemetry.decision(identity.task_name, side, decision.value)
+    telemetry.witnessed(identity, side, decision.value, task_id, record)
     if logger.isEnabledFor(logging.INFO):
         logger.info(
             "%s key=%s scope=%s task=%s task_id=%s record_task_id=%s state=%s",

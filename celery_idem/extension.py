@@ -105,6 +105,17 @@ class Idempotency(Runtime):
         signals.disconnect(self._receivers)
         self.heartbeat.stop()
 
+    def reinstall(self) -> None:
+        """Put this instance back on its app, replacing (and disconnecting) the one installed since:
+        what a test fixture that installed its own calls when the test ends."""
+        installed = installed_on(self.app)
+        if installed is self:
+            return
+        if isinstance(installed, Idempotency):
+            installed.disconnect()
+        setattr(self.app, INSTALLED_ATTRIBUTE, self)
+        self._receivers = signals.connect(self)  # the heartbeat thread starts again when next needed
+
     def __repr__(self) -> str:
         return f"<Idempotency app={self.app.main!r}>"
 

@@ -12,6 +12,10 @@ Three kinds of report, each a plain call that costs nothing when no sink listens
 
 :mod:`celery_idem.metrics` is the Prometheus sink. Nothing here may carry a key, a task id or an
 argument: a sink that labels by them would grow without bound and leak personal data.
+
+Witnesses are the one exception, and stay in the process: ``witnessed(...)`` hands each decision,
+with its identity (the key), task id and record, to the callables added with ``add_witness``. The
+pytest plugin's recorder (:mod:`celery_idem.contrib.pytest`) is one; an exporter must never be.
 """
 
 from __future__ import annotations
@@ -19,7 +23,20 @@ from __future__ import annotations
 import threading
 from typing import Protocol
 
-__all__ = ["Sink", "add_sink", "counted", "decision", "remove_sink", "store_call"]
+from .records import IdempotencyRecord, Identity
+
+__all__ = [
+    "Sink",
+    "Witness",
+    "add_sink",
+    "add_witness",
+    "counted",
+    "decision",
+    "remove_sink",
+    "remove_witness",
+    "store_call",
+    "witnessed",
+]
 
 
 class Sink(Protocol):
@@ -30,7 +47,14 @@ class Sink(Protocol):
     def counted(self, name: str, n: int) -> None: ...
 
 
+class Witness(Protocol):
+    def __call__(
+        self, identity: Identity, side: str, decision: str, task_id: str, record: IdempotencyRecord
+    ) -> None: ...
+
+
 _SINKS: tuple[Sink, ...] = ()  # replaced whole under the lock: readers need none
+_WITNESSES: tuple[Witness, ...] = ()
 _LOCK = threading.Lock()
 
 
@@ -60,3 +84,23 @@ def store_call(operation: str, seconds: float, outcome: str) -> None:
 def counted(name: str, n: int = 1) -> None:
     for sink in _SINKS:
         sink.counted(name, n)
+
+
+def add_witness(witness: Witness) -> None:
+    global _WITNESSES
+    with _LOCK:
+        if witness not in _WITNESSES:
+            _WITNESSES = (*_WITNESSES, witness)
+
+
+def remove_witness(witness: Witness) -> None:
+    global _WITNESSES
+    with _LOCK:
+        _WITNESSES = tuple(w for w in _WITNESSES if w != witness)  # a bound method is a new object each time
+
+
+def witnessed(identity: Identity, side: str, decision: str, task_id: str, record: IdempotencyRecord) -> None:
+    """``decision`` about the call or message ``task_id`` of ``identity``, as the store's ``record``
+    stood then: for the witnesses only (see the module)."""
+    for witness in _WITNESSES:
+        witness(identity, side, decision, task_id, record)
