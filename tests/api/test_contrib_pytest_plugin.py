@@ -1,0 +1,344 @@
+"""celery_idem.contrib.pytest as a user's test suite uses it, run by pytester in a test session of its own.
+
+Each test writes a user's conftest and test module into a fresh directory and runs pytest on them in
+this process. The inner session warns as errors (``filterwarnings = error``), as this suite does.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+INI = """
+[pytest]
+filterwarnings = error
+"""
+
+# A user's application: its own app, with celery-idem installed on it as production does.
+SHOP = """
+from celery import Celery
+
+from celery_idem import Idempotency, IdempotentTask
+
+app = Celery("shop", set_as_current=False)
+app.conf.task_always_eager = True
+app.conf.task_eager_propagates = True
+ORIGINAL = Idempotency(app, store="memory://")
+CHARGES = []
+
+
+@app.task(base=IdempotentTask, shared=False, name="shop.charge")
+def charge(order_id, amount):
+    CHARGES.append((order_id, amount))
+    return {"order_id": order_id, "charged": amount}
+"""
+
+CONFTEST = """
+import pytest
+
+import shop
+
+pytest_plugins = ["celery_idem.contrib.pytest"]
+
+
+@pytest.fixture
+def idem_app():
+    shop.CHARGES.clear()
+    return shop.app
+"""
+
+
+@pytest.fixture
+def user(pytester: pytest.Pytester) -> pytest.Pytester:
+    pytester.makeini(INI)
+    pytester.makepyfile(shop=SHOP)
+    pytester.makeconftest(CONFTEST)
+    return pytester
+
+
+def test_a_users_tests_assert_what_celery_idem_decided(user: pytest.Pytester) -> None:
+    user.makepyfile(
+        test_charge="""
+        import pytest
+
+        from celery_idem import Idempotency, PayloadMismatchError, State
+        from shop import CHARGES, ORIGINAL, app, charge
+
+
+        def test_a_retried_checkout_charges_once(idem):
+            first = charge.apply_async((42, 100), idempotency_key="order-42")
+            again = charge.apply_async((42, 100), idempotency_key="order-42")
+
+            assert again.deduplicated and again.id == first.id
+            assert CHARGES == [(42, 100)]
+            idem.assert_ran_once(charge, "order-42")
+            idem.assert_replayed(charge, "order-42")
+            idem.assert_deduplicated("shop.charge", "order-42")
+            assert idem.decisions(charge, "order-42") == ["publish NEW", "worker RUN", "publish REPLAY"]
+            assert idem.record(charge, "order-42").state is State.COMPLETED
+
+
+        def test_another_amount_under_the_key_is_refused(idem):
+            charge.apply_async((42, 100), idempotency_key="order-42")
+            with pytest.raises(PayloadMismatchError):
+                charge.apply_async((42, 999), idempotency_key="order-42")
+
+            idem.assert_mismatch(charge, "order-42")
+            idem.assert_ran_once(charge, "order-42")
+
+
+        def test_each_test_has_a_fresh_store_on_the_apps_own_extension(idem):
+            assert Idempotency.of(app) is idem.extension and idem.extension is not ORIGINAL
+            assert idem.record(charge, "order-42") is None
+            charge.apply_async((42, 100), idempotency_key="order-42")
+            idem.assert_ran_once(charge, "order-42")
+
+
+        def test_scoped_keys_are_told_apart(idem):
+            charge.apply_async((1, 5), idempotency_key="k", idempotency_scope="tenant-a")
+            charge.apply_async((2, 5), idempotency_key="k", idempotency_scope="tenant-b")
+
+            idem.assert_ran_once(charge, "k", scope="tenant-a")
+            idem.assert_ran_once(charge, "k", scope="tenant-b")
+            idem.assert_ran(charge, "k", times=0)
+
+
+        def test_the_apps_own_extension_is_back_after_a_test():
+            assert Idempotency.of(app) is ORIGINAL
+        """
+    )
+    result = user.runpytest("-p", "no:randomly")
+    result.assert_outcomes(passed=5)
+
+
+def test_a_failed_assertion_says_what_happened_instead(user: pytest.Pytester) -> None:
+    user.makepyfile(
+        test_failing="""
+        from shop import charge
+
+
+        def test_ran_twice(idem):
+            charge.apply_async((42, 100), idempotency_key="order-42")
+            idem.extension.forget(charge, "order-42")
+            charge.apply_async((42, 100), idempotency_key="order-42")
+            idem.assert_ran_once(charge, "order-42")
+
+
+        def test_no_replay(idem):
+            charge.apply_async((42, 100), idempotency_key="order-42")
+            idem.assert_replayed(charge, "order-42")
+
+
+        def test_no_mismatch(idem):
+            charge.apply_async((42, 100), idempotency_key="order-42")
+            idem.assert_mismatch(charge, "order-42")
+
+
+        def test_another_key(idem):
+            charge.apply_async((42, 100), idempotency_key="order-42")
+            idem.assert_ran_once(charge, "order-43")
+
+
+        def test_nothing_at_all(idem):
+            idem.assert_deduplicated(charge, "order-42")
+        """
+    )
+    result = user.runpytest()
+    result.assert_outcomes(failed=5)
+    result.stdout.fnmatch_lines(
+        [
+            "*AssertionError: task 'shop.charge', key 'order-42': expected to run once, it ran 2 times; what happened:",
+            "*publish NEW (task *, record PENDING)",
+            "*worker RUN (task *, record IN_PROGRESS)",
+            "*publish NEW (task *, record PENDING)",
+            "*worker RUN (task *, record IN_PROGRESS)",
+        ]
+    )
+    result.stdout.fnmatch_lines(
+        [
+            "*AssertionError: task 'shop.charge', key 'order-42': "
+            "expected a replay of its stored outcome, there was none;*"
+        ]
+    )
+    result.stdout.fnmatch_lines(["*expected a call refused for other arguments (MISMATCH), there was none*"])
+    result.stdout.fnmatch_lines(
+        [
+            "*key 'order-43': expected to run once, it never ran; nothing was decided about this key "
+            "(keys seen for this task: 'order-42')"
+        ]
+    )
+    result.stdout.fnmatch_lines(["*celery-idem decided nothing about this task in this process*"])
+
+
+def test_without_an_app_the_plugin_says_how_to_give_it_one(pytester: pytest.Pytester) -> None:
+    pytester.makeini(INI)
+    pytester.makeconftest('pytest_plugins = ["celery_idem.contrib.pytest"]')
+    pytester.makepyfile(test_nothing="def test_it(idem):\n    pass\n")
+    result = pytester.runpytest()
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*define an idem_app fixture in your conftest.py that returns it*"])
+
+
+def test_a_conftest_may_import_the_plugin_before_loading_it(user: pytest.Pytester) -> None:
+    # Under filterwarnings = error, pytest's "cannot rewrite, already imported" warning would stop the session.
+    user.makeconftest(
+        "from celery_idem.contrib.pytest import IdempotencyFixture\n" + CONFTEST.replace("import shop", "import shop\n")
+    )
+    user.makepyfile(
+        test_typed="""
+        from celery_idem.contrib.pytest import IdempotencyFixture
+        from shop import charge
+
+
+        def test_it(idem: IdempotencyFixture):
+            charge.delay(1, 2)
+            assert len(idem.keys(charge)) == 1  # a key-less call is recorded under its fingerprint
+        """
+    )
+    user.runpytest().assert_outcomes(passed=1)
+
+
+def test_side_by_side_with_celery_contrib_pytest_and_its_worker(pytester: pytest.Pytester) -> None:
+    pytester.makeini(INI)
+    pytester.makeconftest(
+        """
+        import pytest
+
+        pytest_plugins = ["celery.contrib.pytest", "celery_idem.contrib.pytest"]
+
+
+        @pytest.fixture(scope="session")
+        def celery_config():
+            return {"broker_url": "memory://", "result_backend": "cache+memory://"}
+        """
+    )
+    pytester.makepyfile(
+        test_worker="""
+        from celery_idem import Idempotency, IdempotentTask
+
+        RAN = []
+
+
+        def test_the_worker_thread_is_recorded(celery_app, celery_worker, idem):
+            @celery_app.task(base=IdempotentTask, shared=False, name="side.charge")
+            def charge(order_id):
+                RAN.append(order_id)
+                return order_id
+
+            celery_worker.reload()
+            first = charge.apply_async((7,), idempotency_key="order-7")
+            assert first.get(timeout=10) == 7
+            again = charge.apply_async((7,), idempotency_key="order-7")
+            assert again.get(timeout=10) == 7
+
+            assert RAN == [7]
+            assert idem.app is celery_app and Idempotency.of(celery_app) is idem.extension
+            idem.assert_ran_once(charge, "order-7")
+            idem.assert_deduplicated(charge, "order-7")
+
+            # The broker delivers the message again (its ack was lost): it ends quietly, the
+            # body does not run, and the first delivery's result stands.
+            copy = idem.redeliver(first)
+            assert copy.state == "IGNORED" and copy.id == first.id
+            assert RAN == [7] and first.get(timeout=10) == 7
+            assert idem.decisions(charge, "order-7")[-1] == "worker REPLAY"
+        """
+    )
+    pytester.runpytest().assert_outcomes(passed=1)
+
+
+def test_redelivery_runs_the_same_message_again_as_a_worker(user: pytest.Pytester) -> None:
+    user.makepyfile(
+        test_redelivery="""
+        import pytest
+
+        from celery_idem import PayloadMismatchError
+        from shop import CHARGES, charge
+
+
+        def test_a_redelivered_message_ends_quietly_without_running(idem):
+            first = charge.apply_async((42, 100), idempotency_key="order-42")
+
+            copy = idem.redeliver(first)
+
+            assert copy.id == first.id and copy.state == "IGNORED"
+            assert CHARGES == [(42, 100)]
+            idem.assert_ran_once(charge, "order-42")
+            assert idem.decisions(charge, "order-42") == ["publish NEW", "worker RUN", "worker REPLAY"]
+            assert idem.history(charge, "order-42")[-1].task_id == first.id
+
+
+        def test_a_message_by_hand_with_other_arguments_is_refused(idem):
+            charge.apply_async((42, 100), idempotency_key="order-42")
+
+            copy = idem.deliver(charge, (42, 999), key="order-42")
+
+            assert copy.state == "FAILURE"
+            with pytest.raises(PayloadMismatchError):
+                copy.get()
+            idem.assert_mismatch(charge, "order-42")
+
+
+        def test_a_message_sent_by_name_runs_once(idem):
+            first = idem.deliver("shop.charge", (1, 2), key="by-name")
+            copy = idem.redeliver(first.id)
+            other = idem.deliver("shop.charge", (1, 2), key="by-name")  # another task id, same call
+
+            assert first.state == "SUCCESS" and copy.state == "IGNORED"
+            assert first.get() == other.get() == {"order_id": 1, "charged": 2}
+            idem.assert_ran_once(charge, "by-name")
+            idem.assert_replayed(charge, "by-name")
+
+
+        def test_only_a_message_seen_can_be_redelivered(idem):
+            with pytest.raises(LookupError, match="use deliver"):
+                idem.redeliver("no-such-task-id")
+        """
+    )
+    user.runpytest().assert_outcomes(passed=4)
+
+
+def test_a_published_message_is_redelivered_with_its_headers(pytester: pytest.Pytester) -> None:
+    # Not eager: the call is published to an in-memory broker that no worker consumes, so the
+    # message is taken from before_task_publish, headers and all, and delivered here twice.
+    pytester.makeini(INI)
+    pytester.makeconftest(
+        """
+        import pytest
+        from celery import Celery
+
+        from celery_idem import IdempotentTask
+
+        pytest_plugins = ["celery_idem.contrib.pytest"]
+        app = Celery("queued", broker="memory://", set_as_current=False)
+        RAN = []
+
+
+        @app.task(base=IdempotentTask, shared=False, name="queued.ship")
+        def ship(parcel):
+            RAN.append(parcel)
+            return parcel
+
+
+        @pytest.fixture
+        def idem_app():
+            return app
+        """
+    )
+    pytester.makepyfile(
+        test_queued="""
+        from conftest import RAN, ship
+
+
+        def test_it(idem):
+            sent = ship.apply_async(("p-1",), idempotency_key="parcel-1", idempotency_scope="eu")
+            assert RAN == []
+
+            first, second = idem.redeliver(sent), idem.redeliver(sent)
+
+            assert first.get() == "p-1" and second.state == "IGNORED" and RAN == ["p-1"]
+            assert idem.decisions(ship, "parcel-1", scope="eu") == ["publish NEW", "worker RUN", "worker REPLAY"]
+        """
+    )
+    pytester.runpytest().assert_outcomes(passed=1)
