@@ -37,22 +37,22 @@ def charge(order_id, amount):
 CONFTEST = """
 import pytest
 
-import shop
+import user_shop
 
 pytest_plugins = ["celery_idem.contrib.pytest"]
 
 
 @pytest.fixture
 def idem_app():
-    shop.CHARGES.clear()
-    return shop.app
+    user_shop.CHARGES.clear()
+    return user_shop.app
 """
 
 
 @pytest.fixture
 def user(pytester: pytest.Pytester) -> pytest.Pytester:
     pytester.makeini(INI)
-    pytester.makepyfile(shop=SHOP)
+    pytester.makepyfile(user_shop=SHOP)  # not shop: tests/shop.py is imported already
     pytester.makeconftest(CONFTEST)
     return pytester
 
@@ -63,7 +63,7 @@ def test_a_users_tests_assert_what_celery_idem_decided(user: pytest.Pytester) ->
         import pytest
 
         from celery_idem import Idempotency, PayloadMismatchError, State
-        from shop import CHARGES, ORIGINAL, app, charge
+        from user_shop import CHARGES, ORIGINAL, app, charge
 
 
         def test_a_retried_checkout_charges_once(idem):
@@ -108,14 +108,14 @@ def test_a_users_tests_assert_what_celery_idem_decided(user: pytest.Pytester) ->
             assert Idempotency.of(app) is ORIGINAL
         """
     )
-    result = user.runpytest("-p", "no:randomly")
+    result = user.runpytest()
     result.assert_outcomes(passed=5)
 
 
 def test_a_failed_assertion_says_what_happened_instead(user: pytest.Pytester) -> None:
     user.makepyfile(
         test_failing="""
-        from shop import charge
+        from user_shop import charge
 
 
         def test_ran_twice(idem):
@@ -182,13 +182,11 @@ def test_without_an_app_the_plugin_says_how_to_give_it_one(pytester: pytest.Pyte
 
 def test_a_conftest_may_import_the_plugin_before_loading_it(user: pytest.Pytester) -> None:
     # Under filterwarnings = error, pytest's "cannot rewrite, already imported" warning would stop the session.
-    user.makeconftest(
-        "from celery_idem.contrib.pytest import IdempotencyFixture\n" + CONFTEST.replace("import shop", "import shop\n")
-    )
+    user.makeconftest("from celery_idem.contrib.pytest import IdempotencyFixture\n" + CONFTEST)
     user.makepyfile(
         test_typed="""
         from celery_idem.contrib.pytest import IdempotencyFixture
-        from shop import charge
+        from user_shop import charge
 
 
         def test_it(idem: IdempotencyFixture):
@@ -254,7 +252,7 @@ def test_redelivery_runs_the_same_message_again_as_a_worker(user: pytest.Pyteste
         import pytest
 
         from celery_idem import PayloadMismatchError
-        from shop import CHARGES, charge
+        from user_shop import CHARGES, charge
 
 
         def test_a_redelivered_message_ends_quietly_without_running(idem):
@@ -303,14 +301,12 @@ def test_a_published_message_is_redelivered_with_its_headers(pytester: pytest.Py
     # Not eager: the call is published to an in-memory broker that no worker consumes, so the
     # message is taken from before_task_publish, headers and all, and delivered here twice.
     pytester.makeini(INI)
-    pytester.makeconftest(
-        """
-        import pytest
+    pytester.makepyfile(
+        user_queue="""
         from celery import Celery
 
         from celery_idem import IdempotentTask
 
-        pytest_plugins = ["celery_idem.contrib.pytest"]
         app = Celery("queued", broker="memory://", set_as_current=False)
         RAN = []
 
@@ -319,16 +315,25 @@ def test_a_published_message_is_redelivered_with_its_headers(pytester: pytest.Py
         def ship(parcel):
             RAN.append(parcel)
             return parcel
+        """
+    )
+    pytester.makeconftest(
+        """
+        import pytest
+
+        import user_queue
+
+        pytest_plugins = ["celery_idem.contrib.pytest"]
 
 
         @pytest.fixture
         def idem_app():
-            return app
+            return user_queue.app
         """
     )
     pytester.makepyfile(
         test_queued="""
-        from conftest import RAN, ship
+        from user_queue import RAN, ship
 
 
         def test_it(idem):
