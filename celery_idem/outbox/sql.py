@@ -38,7 +38,7 @@ def outbox_table(metadata: sa.MetaData, name: str = "celery_idem_outbox") -> sa.
         sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True, autoincrement=True),
         sa.Column("task_id", sa.String(255), nullable=False),
         sa.Column("task_name", sa.String(255), nullable=False),
-        sa.Column("body", sa.LargeBinary, nullable=False),
+        sa.Column("body", sa.LargeBinary(length=16 * 1024 * 1024), nullable=False),  # MySQL: MEDIUMBLOB
         sa.Column("created_at", sa.Double, nullable=False),
         sa.Column("available_at", sa.Double, nullable=False),
         sa.Column("attempts", sa.Integer, nullable=False, default=0),
@@ -54,7 +54,7 @@ def outbox_table(metadata: sa.MetaData, name: str = "celery_idem_outbox") -> sa.
 
 
 class SQLOutbox:
-    """A transactional outbox on ``engine``'s database (PostgreSQL, SQLite).
+    """A transactional outbox on ``engine``'s database (PostgreSQL, SQLite, MySQL/MariaDB).
 
     Args:
         engine: the business database's engine (the rows are written on the caller's session).

@@ -1,4 +1,4 @@
-"""The transactional outbox on SQLAlchemy (SQLite and PostgreSQL), with a real broker, store and
+"""The transactional outbox on SQLAlchemy (SQLite, PostgreSQL and MariaDB), with a real broker, store and
 ``celery worker``: a rolled-back transaction publishes nothing and claims nothing; a committed one
 is published even when the process dies before publishing; a relay killed after it published (or
 after its claim, before the message reached the broker) is followed by one that publishes again,
@@ -19,7 +19,7 @@ from typing import Any
 import outbox_shop
 import pytest
 import sqlalchemy as sa
-from conftest import POSTGRES_URL, REDIS_URL, require_server
+from conftest import MARIADB_URL, POSTGRES_URL, REDIS_URL, require_server
 from sqlalchemy import orm
 from workers import BACKEND, TESTS, Worker, wait_for
 
@@ -33,16 +33,19 @@ class Boom(Exception):
     pass
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=["sqlite", "postgresql", "mariadb"])
 def db(request: pytest.FixtureRequest, tmp_path: Path, prefix: str) -> Iterator[str]:
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path}/orders.db"
         return
-    require_server("postgresql")
-    yield POSTGRES_URL
-    engine = sa.create_engine(POSTGRES_URL, poolclass=sa.pool.NullPool)
+    require_server(request.param)
+    url = POSTGRES_URL if request.param == "postgresql" else MARIADB_URL.replace("mysql://", "mysql+pymysql://", 1)
+    yield url
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
     with engine.begin() as connection:
-        connection.exec_driver_sql(f'DROP TABLE IF EXISTS "outbox_{prefix}"')
+        connection.exec_driver_sql(
+            f"DROP TABLE IF EXISTS {engine.dialect.identifier_preparer.quote(f'outbox_{prefix}')}"
+        )
     engine.dispose()
 
 
