@@ -15,7 +15,7 @@ from typing import Any
 from celery import Task
 from pydantic import ValidationError
 
-from . import metrics, replacement, signals
+from . import metrics, replacement, signals, tracing
 from .config import IdempotencySettings, LeftBehind, invalid_settings
 from .errors import ConfigurationError
 from .reconciler import BEAT_ENTRY, TASK_NAME, Reconciler, ReconcileReport
@@ -76,6 +76,7 @@ class Idempotency(Runtime):
         setattr(app, INSTALLED_ATTRIBUTE, self)
         self._receivers = signals.connect(self)
         metrics.install()  # Prometheus, when prometheus-client is installed
+        tracing.install()  # OpenTelemetry, when opentelemetry-api is installed
         _install_reconciler(self)
         replacement.install(self)
         if settings:
