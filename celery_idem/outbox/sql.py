@@ -13,7 +13,6 @@ LOCKED`` and leasing them, so relays share the work.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -22,11 +21,9 @@ from sqlalchemy import orm
 
 from ..stores.sql.engine import server_clock
 from ..stores.sql.schema import create_all
-from .staging import RelayReport, Taken, backoff_seconds, relay_rows, stage_call
+from .staging import Outbox, RelayReport, Taken, backoff_seconds, stage_call
 
 __all__ = ["SQLOutbox", "outbox_table"]
-
-logger = logging.getLogger("celery_idem.outbox")
 
 
 def outbox_table(metadata: sa.MetaData, name: str = "celery_idem_outbox") -> sa.Table:
@@ -53,7 +50,7 @@ def outbox_table(metadata: sa.MetaData, name: str = "celery_idem_outbox") -> sa.
     )
 
 
-class SQLOutbox:
+class SQLOutbox(Outbox):
     """A transactional outbox on ``engine``'s database (PostgreSQL, SQLite, MySQL/MariaDB).
 
     Args:
@@ -75,16 +72,10 @@ class SQLOutbox:
         publish_on_commit: bool = True,
         lease_seconds: float = 60.0,
     ) -> None:
-        if max_attempts < 1:
-            raise ValueError(f"max_attempts must be at least 1; got {max_attempts!r}")
-        if not lease_seconds > 0:
-            raise ValueError(f"lease_seconds must be positive; got {lease_seconds!r}")
-        self.lease_seconds = float(lease_seconds)
+        super().__init__(max_attempts=max_attempts, publish_on_commit=publish_on_commit, lease_seconds=lease_seconds)
         self.engine = engine
         self.metadata = sa.MetaData()
         self.table = outbox_table(self.metadata, table_name)
-        self.max_attempts = max_attempts
-        self.publish_on_commit = publish_on_commit
         self._now = server_clock(engine.dialect.name)
 
     def create_schema(self) -> None:
@@ -130,40 +121,28 @@ class SQLOutbox:
         """``apply_async(session, task, args, kwargs)``."""
         return self.apply_async(session, task, args, kwargs)
 
-    def relay(self, app: Any, *, limit: int = 100, ids: Collection[Any] | None = None) -> RelayReport:
-        """Publish up to ``limit`` due rows, oldest first. A short transaction takes them (locked
-        ``SKIP LOCKED``, then leased for ``lease_seconds``: due again only if this relay dies);
-        they are published with no transaction open (a store on the same database, or a task run
-        eagerly, writes meanwhile); a second short transaction deletes the published ones, puts
-        off the failed ones (doubling from 2 s up to 5 minutes) and keeps as dead a row that can
-        never be published or failed ``max_attempts`` times."""
+    def _settle(self, report: RelayReport) -> None:
         t = self.table
-        with self.engine.begin() as connection:
-            rows = self._take(connection, limit, ids)
-        report = relay_rows(app, rows, max_attempts=self.max_attempts)
-        if not rows:
-            return report
         with self.engine.begin() as connection:
             if report.published:
                 connection.execute(sa.delete(t).where(t.c.id.in_(report.published)))
             for row_id, attempts, error in report.failed:
+                later = self._now + backoff_seconds(attempts)
                 connection.execute(
                     sa.update(t)
                     .where(t.c.id == row_id)
-                    .values(
-                        attempts=attempts,
-                        last_error=error,
-                        available_at=self._now + backoff_seconds(attempts),
-                        taken_at=None,  # this pass ended, and knows it did not publish
-                    )
+                    .values(attempts=attempts, last_error=error, available_at=later, taken_at=None)
                 )
             for row_id, attempts, error in report.dead:
                 connection.execute(
                     sa.update(t).where(t.c.id == row_id).values(attempts=attempts, last_error=error, dead=True)
                 )
-        return report
 
-    def _take(self, connection: sa.Connection, limit: int, ids: Collection[Any] | None) -> list[Taken]:
+    def _take(self, limit: int, ids: Collection[Any] | None) -> list[Taken]:
+        with self.engine.begin() as connection:
+            return self._take_on(connection, limit, ids)
+
+    def _take_on(self, connection: sa.Connection, limit: int, ids: Collection[Any] | None) -> list[Taken]:
         """Lock and lease up to ``limit`` due rows, marking when they were taken (kept from an
         earlier pass that never ended: its relay died). SQLite's driver begins its transaction at
         the first write, not at a SELECT, so there one UPDATE ... RETURNING takes the rows, holding
@@ -195,9 +174,3 @@ class SQLOutbox:
             return Taken(row.id, row.task_id, row.task_name, row.body, row.attempts, orphaned_for)
 
         return sorted((taken(row) for row in found), key=lambda row: row.id)
-
-    def _publish_now(self, app: Any, row_id: Any) -> None:
-        try:
-            self.relay(app, limit=1, ids=[row_id])
-        except Exception:  # the relay publishes it later; the caller's commit stands
-            logger.warning("outbox: could not publish row %s after its commit; the relay will", row_id, exc_info=True)

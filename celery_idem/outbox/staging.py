@@ -18,7 +18,7 @@ from __future__ import annotations
 import datetime
 import logging
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -42,6 +42,7 @@ from ..result import bind_handle
 __all__ = [
     "FINAL_ERRORS",
     "AmbiguousRelay",
+    "Outbox",
     "RelayReport",
     "Staged",
     "Taken",
@@ -267,3 +268,56 @@ def _answer(app: Any, task_id: str, exc: BaseException) -> None:
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:2000]
+
+
+class Outbox:
+    """What every outbox does around its table (:class:`~celery_idem.outbox.sql.SQLOutbox`,
+    :class:`~celery_idem.contrib.django.outbox.DjangoOutbox`): a relay pass takes rows in one
+    short transaction (``_take``), publishes them with no transaction open, and settles them in a
+    second one (``_settle``).
+
+    Args:
+        max_attempts: failed publishes of one row before it moves to the dead letter.
+        publish_on_commit: publish a staged call as soon as its transaction commits (the relay
+            still publishes whatever that attempt did not).
+        lease_seconds: how long rows a relay took stay its own; a relay that dies leaves them
+            due again after this.
+    """
+
+    def __init__(self, *, max_attempts: int = 20, publish_on_commit: bool = True, lease_seconds: float = 60.0) -> None:
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1; got {max_attempts!r}")
+        if not lease_seconds > 0:
+            raise ValueError(f"lease_seconds must be positive; got {lease_seconds!r}")
+        self.max_attempts = max_attempts
+        self.publish_on_commit = publish_on_commit
+        self.lease_seconds = float(lease_seconds)
+
+    def relay(self, app: Any, *, limit: int = 100, ids: Collection[Any] | None = None) -> RelayReport:
+        """Publish up to ``limit`` due rows (all, or those of ``ids``), oldest first. A short
+        transaction takes them (locked ``SKIP LOCKED`` where the database has it, then leased for
+        ``lease_seconds``: due again only if this relay dies); they are published with no
+        transaction open (a store on the same database, or a task run eagerly, writes meanwhile);
+        a second short transaction deletes the published ones, puts off the failed ones (doubling
+        from 2 s up to 5 minutes) and keeps as dead a row that can never be published or failed
+        ``max_attempts`` times. ``app`` resolves the task names."""
+        rows = self._take(limit, ids)
+        report = relay_rows(app, rows, max_attempts=self.max_attempts)
+        if rows:
+            self._settle(report)
+        return report
+
+    def _take(self, limit: int, ids: Collection[Any] | None) -> list[Taken]:
+        """Lock and lease up to ``limit`` due rows, marking when they were first taken."""
+        raise NotImplementedError
+
+    def _settle(self, report: RelayReport) -> None:
+        """Delete the published rows, put off the failed ones (``taken_at`` cleared: their pass
+        ended, knowing it did not publish), and keep the dead ones with their error."""
+        raise NotImplementedError
+
+    def _publish_now(self, app: Any, row_id: Any) -> None:
+        try:
+            self.relay(app, limit=1, ids=[row_id])
+        except Exception:  # the relay publishes it later; the caller's commit stands
+            logger.warning("outbox: could not publish row %s after its commit; the relay will", row_id, exc_info=True)

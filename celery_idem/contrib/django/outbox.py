@@ -22,7 +22,6 @@ that a no-op (or a copy of the same task id while no worker has taken it). The e
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Collection, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -30,15 +29,13 @@ from typing import Any
 from django.db import models, transaction
 from django.db.models.functions import Coalesce, Now
 
-from ...outbox.staging import RelayReport, Taken, backoff_seconds, relay_rows, stage_call
+from ...outbox.staging import Outbox, RelayReport, Taken, backoff_seconds, stage_call
 from .models import OutboxEntry
 
 __all__ = ["DjangoOutbox", "outbox"]
 
-logger = logging.getLogger("celery_idem.outbox")
 
-
-class DjangoOutbox:
+class DjangoOutbox(Outbox):
     """A transactional outbox on a Django database.
 
     Args:
@@ -58,14 +55,8 @@ class DjangoOutbox:
         publish_on_commit: bool = True,
         lease_seconds: float = 60.0,
     ) -> None:
-        if max_attempts < 1:
-            raise ValueError(f"max_attempts must be at least 1; got {max_attempts!r}")
-        if not lease_seconds > 0:
-            raise ValueError(f"lease_seconds must be positive; got {lease_seconds!r}")
-        self.lease_seconds = float(lease_seconds)
+        super().__init__(max_attempts=max_attempts, publish_on_commit=publish_on_commit, lease_seconds=lease_seconds)
         self.using = using
-        self.max_attempts = max_attempts
-        self.publish_on_commit = publish_on_commit
 
     def _alias(self) -> str:
         from django.db import router
@@ -101,18 +92,16 @@ class DjangoOutbox:
         """``apply_async(task, args, kwargs)``."""
         return self.apply_async(task, args, kwargs)
 
-    def relay(self, app: Any = None, *, limit: int = 100, ids: Collection[int] | None = None) -> RelayReport:
-        """Publish up to ``limit`` due rows, oldest first. A short transaction takes them (locked
-        ``SKIP LOCKED``, then leased for ``lease_seconds``: due again only if this relay dies);
-        they are published with no transaction open (a ``django://`` store on the same database,
-        or a task run eagerly, writes meanwhile); a second short transaction deletes the published
-        ones, puts off the failed ones (doubling from 2 s up to 5 minutes) and keeps as dead a row
-        that can never be published or failed ``max_attempts`` times. ``app`` resolves the task
-        names (Celery's current app otherwise)."""
+    def relay(self, app: Any = None, *, limit: int = 100, ids: Collection[Any] | None = None) -> RelayReport:
+        """See :meth:`Outbox.relay <celery_idem.outbox.staging.Outbox.relay>`; ``app`` is Celery's
+        current app when not given."""
         if app is None:
             from celery import current_app
 
             app = current_app
+        return super().relay(app, limit=limit, ids=ids)
+
+    def _take(self, limit: int, ids: Collection[Any] | None) -> list[Taken]:
         alias = self._alias()
         entries = OutboxEntry.objects.using(alias)
         with transaction.atomic(using=alias):
@@ -129,20 +118,19 @@ class DjangoOutbox:
                 entries.filter(pk__in=[row.pk for row in found]).update(
                     available_at=_later(self.lease_seconds), taken_at=Coalesce("taken_at", Now())
                 )
-        rows = [_taken(row) for row in found]
-        report = relay_rows(app, rows, max_attempts=self.max_attempts)
-        if not rows:
-            return report
+        return [_taken(row) for row in found]
+
+    def _settle(self, report: RelayReport) -> None:
+        alias = self._alias()
+        entries = OutboxEntry.objects.using(alias)
         with transaction.atomic(using=alias):
             if report.published:
                 entries.filter(pk__in=report.published).delete()
             for row_id, attempts, error in report.failed:
                 later = _later(backoff_seconds(attempts))
-                # This pass ended, and knows it did not publish.
                 entries.filter(pk=row_id).update(attempts=attempts, last_error=error, available_at=later, taken_at=None)
             for row_id, attempts, error in report.dead:
                 entries.filter(pk=row_id).update(attempts=attempts, last_error=error, dead=True)
-        return report
 
     def retry_dead(self, ids: Collection[int] | None = None) -> int:
         """Give dead rows (all, or those of ``ids``) back to the relay, with their tries counted
@@ -151,12 +139,6 @@ class DjangoOutbox:
         if ids is not None:
             dead = dead.filter(pk__in=list(ids))
         return int(dead.update(dead=False, attempts=0, available_at=Now()))
-
-    def _publish_now(self, app: Any, row_id: int) -> None:
-        try:
-            self.relay(app, limit=1, ids=[row_id])
-        except Exception:  # the relay publishes it later; the caller's commit stands
-            logger.warning("outbox: could not publish row %s after its commit; the relay will", row_id, exc_info=True)
 
 
 def _taken(row: Any) -> Taken:
