@@ -93,8 +93,8 @@ class DjangoOutbox(Outbox):
         return self.apply_async(task, args, kwargs)
 
     def relay(self, app: Any = None, *, limit: int = 100, ids: Collection[Any] | None = None) -> RelayReport:
-        """See :meth:`Outbox.relay <celery_idem.outbox.staging.Outbox.relay>`; ``app`` is Celery's
-        current app when not given."""
+        """Publish up to ``limit`` due rows, as :meth:`celery_idem.outbox.SQLOutbox.relay` does;
+        ``app`` is Celery's current app when not given."""
         if app is None:
             from celery import current_app
 
