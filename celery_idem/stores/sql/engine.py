@@ -32,6 +32,10 @@ def server_clock(dialect: str) -> sa.ColumnElement[float]:
     return sa.cast((sa.func.julianday("now") - 2440587.5) * 86400.0, sa.Double)
 
 
+READ_COMMITTED = "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED"
+_ISOLATION_CHANGED = "celery_idem_isolation_changed"
+
+
 def _session_settings(dialect: str, timeout: float, mariadb: bool = False) -> list[str]:
     milliseconds = max(1, math.ceil(timeout * 1000))  # 0 would mean "no timeout" to both
     if dialect == "postgresql":
@@ -39,7 +43,10 @@ def _session_settings(dialect: str, timeout: float, mariadb: bool = False) -> li
     if dialect in MYSQL:
         seconds = max(1, math.ceil(timeout))  # InnoDB's lock wait is whole seconds, at least one
         return [
-            "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED",
+            READ_COMMITTED,
+            # Whatever charset the driver was given (a Django alias's OPTIONS may say utf8, MySQL's
+            # 3-byte one): the error text a failure stores may hold any character.
+            "SET NAMES utf8mb4",
             "SET SESSION time_zone = '+00:00'",
             f"SET SESSION innodb_lock_wait_timeout = {seconds}",  # a row lock
             f"SET SESSION lock_wait_timeout = {seconds}",  # a table's metadata lock (DDL)
@@ -73,6 +80,8 @@ def private_engine(engine: sa.Engine, timeout: float) -> sa.Engine:
 
     @sa.event.listens_for(own.pool, "connect")
     def _timeouts(dbapi_connection: Any, _: Any) -> None:
+        if dialect in MYSQL:
+            _require_found_rows(dbapi_connection)
         mariadb = dialect in MYSQL and "mariadb" in str(dbapi_connection.get_server_info()).lower()
         cursor = dbapi_connection.cursor()
         for statement in _session_settings(dialect, timeout, mariadb):
@@ -81,9 +90,48 @@ def private_engine(engine: sa.Engine, timeout: float) -> sa.Engine:
         if engine.dialect.name == "postgresql":
             dbapi_connection.commit()  # SET in psycopg's implicit transaction lasts once committed
 
+    if dialect in MYSQL:
+        _keep_read_committed(own)
     # Disposing the caller's engine closes the store's connections too.
     sa.event.listen(engine, "engine_disposed", lambda _: own.dispose())
     return own
+
+
+def _require_found_rows(dbapi_connection: Any) -> None:
+    """The store judges a conditional write by the rows it matched; MySQL counts rows changed
+    unless the connection asked for CLIENT_FOUND_ROWS (SQLAlchemy asks for it when it builds the
+    connection; a ``creator`` or a ``client_flag`` of the caller's does not)."""
+    from pymysql.constants import CLIENT  # type: ignore[import-untyped]
+
+    flags = getattr(dbapi_connection, "client_flag", None)
+    if flags is not None and not flags & CLIENT.FOUND_ROWS:
+        raise ConfigurationError(
+            "the SQL store's MySQL connections must count rows matched, not rows changed: open them "
+            "with client_flag=pymysql.constants.CLIENT.FOUND_ROWS (in connect_args, or in your creator)"
+        )
+
+
+def _keep_read_committed(engine: sa.Engine) -> None:
+    """A caller who opens a transaction of their own on ``store.engine`` at another isolation level
+    changes the MySQL session, and returning the connection only turns autocommit back on: the
+    store's session goes back to READ COMMITTED when that connection comes back to the pool."""
+
+    @sa.event.listens_for(engine, "set_connection_execution_options")
+    def _changed(connection: sa.Connection, options: dict[str, Any]) -> None:
+        if "isolation_level" in options:
+            connection.info[_ISOLATION_CHANGED] = True
+
+    @sa.event.listens_for(engine, "engine_connect")
+    def _connected(connection: sa.Connection) -> None:
+        if connection.get_execution_options().get("isolation_level", "AUTOCOMMIT") != "AUTOCOMMIT":
+            connection.info[_ISOLATION_CHANGED] = True  # an engine of execution_options(isolation_level=...)
+
+    @sa.event.listens_for(engine.pool, "checkin")
+    def _restored(dbapi_connection: Any, record: Any) -> None:
+        if dbapi_connection is not None and record.info.pop(_ISOLATION_CHANGED, False):
+            cursor = dbapi_connection.cursor()
+            cursor.execute(READ_COMMITTED)
+            cursor.close()
 
 
 def engine_from_url(url: str | sa.URL, timeout: float, connect_args: dict[str, Any] | None = None) -> sa.Engine:
