@@ -11,6 +11,7 @@ replays the stored outcome into it instead of running the body.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -180,7 +181,13 @@ def stages_messages(app: Any) -> bool:
     transaction instead of publishing them: django-celery-outbox's ``OutboxCelery`` (and its
     subclasses). Its relay publishes them after the commit, with the options a call was given but
     not its headers."""
-    return any(klass.__module__.partition(".")[0] == "django_celery_outbox" for klass in type(app).__mro__)
+    return _stages(type(app))  # type: ignore[arg-type]  # a class is hashable
+
+
+@functools.lru_cache(maxsize=64)
+def _stages(app_class: type) -> bool:
+    """:func:`stages_messages` of an app class, judged once per class (every publish asks)."""
+    return any(klass.__module__.partition(".")[0] == "django_celery_outbox" for klass in app_class.__mro__)
 
 
 def _carrying_identity(send: Callable[[Any, Any, dict[str, Any]], Any]) -> Callable[[Any, Any, dict[str, Any]], Any]:
