@@ -6,6 +6,11 @@ this process. The inner session warns as errors (``filterwarnings = error``), as
 
 from __future__ import annotations
 
+# celery.contrib.pytest's worker imports this module, whose shared task registers on every finalized
+# app in the process. pytester drops what an inner session imported when it ends, so the next import
+# would run the module again, and Celery 5.7 warns (an error here) that a new callable met the one an
+# app of ours kept. Imported here, it stays, as it would in a user's single session.
+import celery.contrib.testing.tasks  # noqa: F401
 import pytest
 
 pytest_plugins = ["pytester"]
