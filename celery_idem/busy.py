@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from celery.exceptions import Ignore, Retry
 
-from . import outage
+from . import outage, telemetry
 from .errors import DuplicateTaskError, StoreUnavailableError
 from .owners import holder_process
 from .protocol import BUSY_TRIPS_HEADER
@@ -120,7 +120,7 @@ class BusyWait:
             logger.warning(
                 "task %s (%s) carries other arguments than its own record: refused, ending quietly",
                 self.task_id,
-                self.identity,
+                telemetry.shown(self.identity),
             )
             return Ignore(f"task {self.task_id} with other arguments than its record's: refused")
         return None
@@ -177,7 +177,7 @@ class BusyWait:
             raise task.retry(countdown=countdown, exc=error)
         logger.info(
             "%s (task %s) is BUSY with task %s: back to the broker for %gs",
-            identity,
+            telemetry.shown(identity),
             self.task_id,
             record.task_id,
             countdown,
@@ -198,7 +198,9 @@ class BusyWait:
 
     def _quiet(self, why: str) -> Ignore:
         """A copy of a running task id ends without writing that id's state or result."""
-        logger.info("copy of running task %s (%s) acknowledged quietly: %s", self.task_id, self.identity, why)
+        logger.info(
+            "copy of running task %s (%s) acknowledged quietly: %s", self.task_id, telemetry.shown(self.identity), why
+        )
         return Ignore(f"copy of running task {self.task_id}: {why}")
 
 

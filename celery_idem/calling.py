@@ -23,7 +23,7 @@ from .outcome import serializer_of
 from .pydantic_sets import parameter_shapes
 from .records import Decision, IdempotencyRecord, Identity
 
-__all__ = ["TaskCalls", "log_decision"]
+__all__ = ["TaskCalls", "log_decision", "log_ending"]
 
 logger = logging.getLogger("celery_idem.handler")  # the decision log users filter on (operations.md)
 
@@ -125,17 +125,42 @@ class TaskCalls:
 def log_decision(
     decision: Decision, identity: Identity, task_id: str, record: IdempotencyRecord, *, side: str = "publish"
 ) -> None:
-    """One INFO line per decision of a call (``side="publish"``) or a message (``"worker"``)."""
+    """One INFO line per decision of a call (``side="publish"``) or a message (``"worker"``), with
+    its fields in ``extra`` (:func:`celery_idem.telemetry.fields`): the key only as its hash."""
     telemetry.decision(identity.task_name, side, decision.value)
     telemetry.witnessed(identity, side, decision.value, task_id, record)
     if logger.isEnabledFor(logging.INFO):
+        seconds = telemetry.last_store_seconds()
         logger.info(
-            "%s key=%s scope=%s task=%s task_id=%s record_task_id=%s state=%s",
+            "%s %s task_id=%s record_task_id=%s state=%s store_ms=%s",
             decision.value,
-            identity.key,
-            identity.scope or "-",
-            identity.task_name,
+            telemetry.shown(identity),
             task_id,
             record.task_id,
             record.state.value,
+            "-" if seconds is None else f"{seconds * 1000:.1f}",
+            extra=telemetry.fields(
+                identity,
+                outcome=decision.value,
+                side=side,
+                task_id=task_id,
+                record_task_id=record.task_id,
+                state=record.state.value,
+                store_seconds=seconds,
+            ),
+        )
+
+
+def log_ending(identity: Identity, task_id: str, ending: str, step: str) -> None:
+    """One INFO line when an attempt that ran ends: how (``returned``, ``permanent``, ``retryable``,
+    ``retried``, ...) and what its record was given (``complete``, ``fail``, ``release``, ...), so a
+    key's lines tell its story from the call to the outcome."""
+    if logger.isEnabledFor(logging.INFO):
+        logger.info(
+            "ENDED %s %s task_id=%s step=%s",
+            ending,
+            telemetry.shown(identity),
+            task_id,
+            step,
+            extra=telemetry.fields(identity, outcome="ENDED", ending=ending, step=step, task_id=task_id, side="worker"),
         )

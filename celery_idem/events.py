@@ -11,11 +11,11 @@ the key itself.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from typing import Any
 
 from .records import Decision, IdempotencyRecord, Identity
+from .telemetry import key_hash
 
 __all__ = ["EVENT_TYPES", "key_hash", "send_decision_event"]
 
@@ -26,13 +26,6 @@ EVENT_TYPES = {
     Decision.BUSY: "task-deduplicated",
     Decision.MISMATCH: "task-mismatched",
 }
-
-
-def key_hash(identity: Identity) -> str:
-    """A short, stable hash of an identity's key (its scope and task name included): enough to
-    follow one key through logs and events without writing the key, which may be personal data."""
-    text = "\x1f".join(identity)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
 def send_decision_event(task: Any, decision: Decision, identity: Identity, record: IdempotencyRecord) -> None:

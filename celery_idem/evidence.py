@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from celery import states
 from celery.backends.base import DisabledBackend
 
+from . import telemetry
 from .errors import LockLostError, StoreUnavailableError
 from .outcome import encode_result
 from .records import IdempotencyRecord, Identity, Transition
@@ -72,7 +73,9 @@ def earlier_outcome(idem: Runtime, task: Any, record: IdempotencyRecord) -> Foun
             value, why = meta.get("result"), "result backend"
             payload, content_type, encoding = encode_result(value, task.serializer or "json")
     except Exception as exc:  # noqa: BLE001 - no evidence could be read: the body runs, as without any
-        logger.warning("could not read the evidence of %s's earlier attempt %s: %r", record.identity, earlier, exc)
+        logger.warning(
+            "could not read the evidence of %s's earlier attempt %s: %r", telemetry.shown(record.identity), earlier, exc
+        )
         return None
     identity, owner = record.identity, record.owner
 
@@ -90,7 +93,11 @@ def earlier_outcome(idem: Runtime, task: Any, record: IdempotencyRecord) -> Foun
     except StoreUnavailableError as exc:
         # The earlier attempt's outcome is known: never run the body for it. The heartbeat stores it
         # once the store answers (this attempt holds the record), as for an outcome of its own.
-        logger.warning("%s: storing the earlier attempt's outcome failed (%s); the heartbeat goes on", identity, exc)
+        logger.warning(
+            "%s: storing the earlier attempt's outcome failed (%s); the heartbeat goes on",
+            telemetry.shown(identity),
+            exc,
+        )
         idem.heartbeat.defer(
             identity, write, functools.partial(_settled_by, idem, identity, owner), seconds=record.ttl_seconds
         )
@@ -105,7 +112,7 @@ def earlier_outcome(idem: Runtime, task: Any, record: IdempotencyRecord) -> Foun
         )
     logger.warning(
         "%s: the earlier attempt %s completed (%s); settled with its outcome instead of running again",
-        record.identity,
+        telemetry.shown(record.identity),
         earlier,
         why,
     )

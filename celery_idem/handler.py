@@ -25,8 +25,8 @@ from celery.exceptions import Reject, Retry, SoftTimeLimitExceeded
 
 from . import attempts, events, evidence, outage, publish, replacement, timing
 from .busy import BusyWait
-from .calling import TaskCalls, log_decision
-from .endings import Answer
+from .calling import TaskCalls, log_decision, log_ending
+from .endings import Answer, Ending
 from .errors import LockLostError, StoreUnavailableError
 from .ledger.calls import joined
 from .owners import worker_token
@@ -189,13 +189,13 @@ class Handler(TaskCalls):
             try:
                 value = self._run_function(*args, **kwargs)
             except BaseException as exc:
-                self.settle.ended(record, exc, lease)
+                self._ended(record, self.settle.ended(record, exc, lease))
                 raise
             if isinstance(value, Retry):
                 # ``return self.retry(throw=False)``: the retry is sent, so it settles as a raised one.
                 # Eager, Celery's apply runs a returned Retry's retry inline, so it is returned; on a
                 # worker it is raised (state RETRY), where Celery would try to store it as the result.
-                self.settle.ended(record, value, lease)
+                self._ended(record, self.settle.ended(record, value, lease))
                 if self.task.request.is_eager:
                     return value
                 raise value
@@ -210,9 +210,13 @@ class Handler(TaskCalls):
                     self.settle.defer(record.identity, record.owner, self.settle.release_write(record))
                 else:
                     self.settle.defer_value(record, value)
+            self._ended(record, Ending.RETURNED)
             return value
         finally:
             self.idem.heartbeat.remove(lease)
+
+    def _ended(self, record: IdempotencyRecord, ending: Ending) -> None:
+        log_ending(record.identity, record.task_id, ending.value, self.mode.after[ending].value)
 
     def _settle_value(self, record: IdempotencyRecord, value: Any) -> None:
         """The body returned: the effect happened. Store the value (an unstorable one is stored as a

@@ -30,6 +30,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from . import telemetry
 from .liveness import ProcessLiveness
 from .records import Identity, Transition
 from .stores.base import Store
@@ -167,7 +168,7 @@ class Heartbeat:
             logger.error(
                 "exiting with the outcome of %s not stored (no answer in %gs): the next attempt settles "
                 "it from the result backend or the ledger",
-                item.identity,
+                telemetry.shown(item.identity),
                 timeout_seconds,
             )
         return len(left)
@@ -270,15 +271,19 @@ class Heartbeat:
             if self._clock() < item.until:
                 return
             logger.error(
-                "gave up settling %s: the store did not answer before its record expired (%r)", item.identity, exc
+                "gave up settling %s: the store did not answer before its record expired (%r)",
+                telemetry.shown(item.identity),
+                exc,
             )
             ok = None
         with self._lock:
             self._settlements.discard(item)
         if ok:
-            logger.warning("settled %s after the store came back (try %d)", item.identity, item.tries)
+            logger.warning("settled %s after the store came back (try %d)", telemetry.shown(item.identity), item.tries)
         elif ok is not None:
-            logger.warning("late outcome of %s was LOST: another attempt owns the record", item.identity)
+            logger.warning(
+                "late outcome of %s was LOST: another attempt owns the record", telemetry.shown(item.identity)
+            )
 
     def _keep_alive(self, liveness: ProcessLiveness) -> None:
         assert self._store is not None
@@ -300,11 +305,13 @@ class Heartbeat:
             answer = lease.store.renew(lease.identity, lease.owner, lease_seconds=lease.seconds)
         except Exception as exc:  # noqa: BLE001 - any failed beat is only a missed beat
             # A missed beat is not a lost lease: the next one may get through before expiry.
-            logger.warning("heartbeat for %s failed: %r; retrying at the next beat", lease.identity, exc)
+            logger.warning(
+                "heartbeat for %s failed: %r; retrying at the next beat", telemetry.shown(lease.identity), exc
+            )
             if self._on_error is not None:
                 self._on_error()
             return
         if not answer.ok:
             lease.lost = True
             self.remove(lease)
-            logger.warning("lease of %s was lost: another attempt took over", lease.identity)
+            logger.warning("lease of %s was lost: another attempt took over", telemetry.shown(lease.identity))

@@ -31,6 +31,7 @@ from celery.backends.base import DisabledBackend
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.result import AsyncResult
 
+from . import telemetry
 from .errors import RecordGoneError, StoreUnavailableError
 from .outcome import accepted_content_types, rebuild_exception, replay
 
@@ -246,7 +247,11 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
                 # id is a later call's (this record expired meanwhile), never this handle's answer.
                 self._ledger_entry = entry if entry is None or entry.task_id in (self.id, record.task_id) else None
             except Exception as exc:  # noqa: BLE001 - the ledger cannot be asked: the store's outcome stands
-                logger.warning("could not read the ledger for %s: %s; the stored failure stands", record.identity, exc)
+                logger.warning(
+                    "could not read the ledger for %s: %s; the stored failure stands",
+                    telemetry.shown(record.identity),
+                    exc,
+                )
                 return None
         return None if self._ledger_entry is _UNASKED else self._ledger_entry
 

@@ -13,7 +13,9 @@ from __future__ import annotations
 import difflib
 import functools
 import logging
+import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -70,6 +72,7 @@ class Runtime:
         self._lock = threading.Lock()
         self._counters = dict.fromkeys(COUNTERS, 0)
         self._policies: dict[str, IdempotencyPolicy] = {}
+        self._next_traceback_at = 0.0  # proceed_unprotected's traceback, once a minute
         self.heartbeat = Heartbeat(
             on_error=functools.partial(self.count, "store_errors"), liveness_seconds=self._liveness_seconds
         )
@@ -176,7 +179,11 @@ class Runtime:
         try:
             entry = self.overruled(record)
         except Exception as exc:  # noqa: BLE001 - the ledger cannot be asked: the store's outcome stands
-            logger.warning("could not read the ledger for %s: %s; the store's outcome stands", record.identity, exc)
+            logger.warning(
+                "could not read the ledger for %s: %s; the store's outcome stands",
+                telemetry.shown(record.identity),
+                exc,
+            )
             entry = None
         if entry is not None:
             return entry.value(self.accepted_content_types)
@@ -192,7 +199,10 @@ class Runtime:
             return None
         entry = self.committed(record.identity, record.fingerprint)
         if entry is not None:
-            logger.warning("%s is FAILED in the store but committed in the ledger: the ledger wins", record.identity)
+            logger.warning(
+                "%s is FAILED in the store but committed in the ledger: the ledger wins",
+                telemetry.shown(record.identity),
+            )
         return entry
 
     def forget(self, task: Any, key: str, scope: str | None = None) -> bool:
@@ -204,13 +214,19 @@ class Runtime:
         self.count("store_errors")
         if self.settings.on_store_error != "proceed":
             return False
+        # One line per call; the chained traceback (70-odd lines) at most once a minute, at DEBUG.
         logger.warning(
-            "store unavailable at %s of %s (task %s): proceeding unprotected (on_store_error='proceed')",
+            "store unavailable at %s of %s (task %s): proceeding unprotected (on_store_error='proceed'): %s",
             operation,
-            identity,
+            telemetry.shown(identity),
             task_id,
-            exc_info=True,
+            sys.exc_info()[1],
+            extra=telemetry.fields(identity, outcome="PROCEED", task_id=task_id, operation=operation),
         )
+        now = time.monotonic()
+        if now >= self._next_traceback_at:
+            self._next_traceback_at = now + 60.0
+            logger.debug("the store error behind proceeding unprotected (shown once a minute)", exc_info=True)
         return True
 
     # ---- counters ------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import Retry, SoftTimeLimitExceeded
 
-from . import attempts, evidence, timing
+from . import attempts, evidence, telemetry, timing
 from .calling import TaskCalls
 from .endings import Ending, Step, ending_of
 from .errors import IdempotencyError, LedgerUnavailableError, SerializationError, StoreUnavailableError
@@ -60,12 +60,14 @@ class Settler:
         try:
             answer = self.idem.store.release(identity, token, pending_seconds=pending_seconds, fence=fence)
         except IdempotencyError as exc:
-            logger.warning("could not release %s: %s; it frees itself when its lease runs out", identity, exc)
+            logger.warning(
+                "could not release %s: %s; it frees itself when its lease runs out", telemetry.shown(identity), exc
+            )
             self.idem.count("store_errors")
             return
         if not answer.ok and not settled_is_fine:
             self.idem.count("lost_locks")
-            logger.warning("release of %s was LOST: another attempt owns it now", identity)
+            logger.warning("release of %s was LOST: another attempt owns it now", telemetry.shown(identity))
 
     def store_value(self, identity: Identity, owner: str, task_id: str, value: Any) -> bool | None:
         """Complete with ``value``, as :meth:`write` answers.
@@ -98,7 +100,9 @@ class Settler:
         try:
             stands = bool(attempt.ledger.stands(attempt))
         except Exception as exc:  # noqa: BLE001 - a ledger that cannot answer: freeing the key is safe
-            logger.warning("%s returned and the ledger cannot say whether its row committed (%s)", identity, exc)
+            logger.warning(
+                "%s returned and the ledger cannot say whether its row committed (%s)", telemetry.shown(identity), exc
+            )
             stands = False
         if stands:
             store()
@@ -106,7 +110,7 @@ class Settler:
         logger.info(
             "%s returned with its ledger row in a transaction that is not known committed (still open, or "
             "rolled back): the key is freed, and the ledger decides any later attempt",
-            identity,
+            telemetry.shown(identity),
         )
         self.free_for_the_ledger(record)
 
@@ -123,7 +127,9 @@ class Settler:
     def defer_value(self, record: IdempotencyRecord, value: Any) -> None:
         """Hand the value's write to the heartbeat thread, and leave it in the result backend."""
         identity, owner = record.identity, record.owner
-        logger.warning("the soft time limit struck while %s stored its outcome: the heartbeat stores it", identity)
+        logger.warning(
+            "the soft time limit struck while %s stored its outcome: the heartbeat stores it", telemetry.shown(identity)
+        )
         payload, content_type, encoding = encode_result(value, self.calls.serializer)
         self.defer(identity, owner, self._complete(identity, owner, payload, content_type, encoding))
         evidence.leave(self.calls.task, value)
@@ -143,7 +149,7 @@ class Settler:
             # thread must stop. The heartbeat finishes it; the task keeps its own ending.
             logger.warning(
                 "the soft time limit struck while %s (task %s) was settled: the heartbeat finishes the write",
-                identity,
+                telemetry.shown(identity),
                 task_id,
             )
             self.defer(identity, owner, write)
@@ -164,19 +170,25 @@ class Settler:
                 if time.monotonic() + pause >= deadline:
                     logger.error(
                         "could not settle %s (task %s) while its lease lasted: %s; the heartbeat goes on trying",
-                        identity,
+                        telemetry.shown(identity),
                         task_id,
                         exc,
                     )
                     self.defer(identity, owner, write)
                     return None
-                logger.warning("settling %s (task %s) failed, retrying in %gs: %s", identity, task_id, pause, exc)
+                logger.warning(
+                    "settling %s (task %s) failed, retrying in %gs: %s", telemetry.shown(identity), task_id, pause, exc
+                )
                 time.sleep(pause)
                 pause = min(pause * 2, 1.0)
                 continue
             if not answer.ok:
                 self.idem.count("lost_locks")
-                logger.warning("outcome of %s (task %s) was LOST: another attempt owns the record", identity, task_id)
+                logger.warning(
+                    "outcome of %s (task %s) was LOST: another attempt owns the record",
+                    telemetry.shown(identity),
+                    task_id,
+                )
             return answer.ok
 
     def defer(self, identity: Identity, owner: str, write: Write) -> None:
@@ -277,7 +289,7 @@ class Settler:
                 # out and the reconciler settles the record from the ledger once it answers.
                 logger.warning(
                     "%s raised %r and the ledger cannot say whether its effect committed (%s): left to the reconciler",
-                    identity,
+                    telemetry.shown(identity),
                     exc,
                     down,
                 )
@@ -285,11 +297,13 @@ class Settler:
             logger.warning("%s; %s", down, "the key is freed" if in_flight else "the failure is stored")
             entry = None
         except Exception as broken:  # noqa: BLE001 - a misconfigured ledger never hides the task's error
-            logger.error("could not read the ledger for %s: %r; the failure stands", identity, broken)
+            logger.error("could not read the ledger for %s: %r; the failure stands", telemetry.shown(identity), broken)
             entry = None
         store = self.idem.store
         if entry is not None:
-            logger.warning("%s raised %r after its effect committed: completed from the ledger", identity, exc)
+            logger.warning(
+                "%s raised %r after its effect committed: completed from the ledger", telemetry.shown(identity), exc
+            )
             payload = entry.result or b"null"
             content_type = entry.content_type or "application/json"
             self.write(

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import signals
 
+from . import telemetry
 from .endings import HARD_KILLS, Ending, Step
 from .errors import IdempotencyError
 from .handler import HandledTask
@@ -121,7 +122,9 @@ class _Hooks:
         except (IdempotencyError, TypeError, ValueError) as exc:
             logger.warning("could not settle task %s after its %s: %s", task_id, why, exc)
             return
-        logger.info("%s of task %s: record %s %s", why, task_id, identity, "released" if answer.ok else "left")
+        logger.info(
+            "%s of task %s: record %s %s", why, task_id, telemetry.shown(identity), "released" if answer.ok else "left"
+        )
 
 
 def options_to_headers(headers: Any = None, properties: Any = None, **_: Any) -> None:

@@ -11,8 +11,8 @@ the instrumentation and an SDK the application sets up. Every decision sets, on 
 - ``idempotency.side``: ``publish`` or ``worker``;
 - ``idempotency.scope``, and ``idempotency.key_hash``: a hash of the key (with its scope and task),
   the one worker events carry;
-- ``idempotency.key``: the key itself, only after :func:`configure` ``(plain_keys=True)`` (keys can
-  carry personal data);
+- ``idempotency.key``: the key itself, only after :func:`celery_idem.telemetry.configure`
+  ``(plain_keys=True)`` (keys can carry personal data; logs follow the same switch);
 - ``idempotency.original_task_id``: the task id that holds the key, when it is another.
 
 A call answered without publishing (``DUPLICATE``, ``REPLAY``, ``MISMATCH``) also gets a span of its
@@ -25,7 +25,6 @@ import threading
 from typing import Any
 
 from . import telemetry
-from .events import key_hash
 from .records import IdempotencyRecord, Identity
 
 __all__ = ["configure", "install"]
@@ -33,13 +32,12 @@ __all__ = ["configure", "install"]
 SUPPRESSED = frozenset({"DUPLICATE", "REPLAY", "MISMATCH"})
 _LOCK = threading.Lock()
 _installed = False
-_plain_keys = False
 
 
 def configure(*, plain_keys: bool = False) -> None:
-    """Whether spans carry the plain key (``idempotency.key``) besides its hash."""
-    global _plain_keys
-    _plain_keys = plain_keys
+    """Whether spans (and log lines) carry the plain key besides its hash: one switch for both,
+    :func:`celery_idem.telemetry.configure`."""
+    telemetry.configure(plain_keys=plain_keys)
 
 
 def install() -> bool:
@@ -62,9 +60,9 @@ def _attributes(identity: Identity, side: str, decision: str, task_id: str, reco
         "idempotency.outcome": decision,
         "idempotency.side": side,
         "idempotency.scope": identity.scope,
-        "idempotency.key_hash": key_hash(identity),
+        "idempotency.key_hash": telemetry.key_hash(identity),
     }
-    if _plain_keys:
+    if telemetry.plain_keys():
         attributes["idempotency.key"] = identity.key
     if record.task_id != task_id:
         attributes["idempotency.original_task_id"] = record.task_id

@@ -12,7 +12,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .. import attempts
+from .. import attempts, telemetry
 from ..errors import ConfigurationError, PayloadMismatchError
 from ..outcome import JSON_ONLY, decode_result, serializer_of
 from ..protocol import BYPASS_HEADER, request_header
@@ -153,7 +153,7 @@ def after_ambiguous_commit(
     if not known or entry is None:
         logger.warning(
             "COMMIT of %s failed (%s); %s",
-            identity,
+            telemetry.shown(identity),
             failed,
             "the ledger holds no row of it" if known else "the ledger could not be asked",
         )
@@ -161,7 +161,7 @@ def after_ambiguous_commit(
     ours = getattr(entry, "nonce", None) == nonce
     logger.warning(
         "COMMIT of %s raised %s but %s row is committed: its outcome stands",
-        identity,
+        telemetry.shown(identity),
         failed,
         "its" if ours else "another attempt's",
     )

@@ -11,6 +11,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 
+from .. import telemetry
 from ..errors import ConfigurationError, LedgerUnavailableError
 from ..outcome import JSON_ONLY
 from ..records import Identity, State
@@ -108,13 +109,13 @@ class LedgerReads(LedgerTable):
         reader.join(self.read_timeout_seconds)
         if reader.is_alive():
             raise LedgerUnavailableError(
-                f"the ledger did not answer about {identity} within {self.read_timeout_seconds:g}s "
+                f"the ledger did not answer about {telemetry.shown(identity)} within {self.read_timeout_seconds:g}s "
                 "(read_timeout_seconds)"
             )
         if failure:
             if isinstance(failure[0], _DOWN):
                 raise LedgerUnavailableError(
-                    f"the ledger could not be asked about {identity}: {failure[0]}"
+                    f"the ledger could not be asked about {telemetry.shown(identity)}: {failure[0]}"
                 ) from failure[0]
             raise failure[0]
         return answer[0]

@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session
 
+from .. import telemetry
 from ..errors import ConfigurationError
 from ..outcome import encode_result
 from ..records import Identity, State
@@ -127,7 +128,7 @@ class LedgerTransactions(LedgerReads):
                     return True, None
             except sa_exc.DBAPIError as exc:
                 if time.monotonic() + pause >= deadline:
-                    logger.warning("could not ask the ledger about %s: %s", identity, exc)
+                    logger.warning("could not ask the ledger about %s: %s", telemetry.shown(identity), exc)
                     return False, None
                 time.sleep(pause)
                 pause = min(pause * 2, 1.0)

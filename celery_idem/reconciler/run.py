@@ -14,6 +14,7 @@ from celery import states
 from celery.backends.base import DisabledBackend
 from pydantic import BaseModel, ConfigDict
 
+from .. import telemetry
 from ..errors import ConfigurationError, LedgerUnavailableError
 from ..failures import BODY_MAY_HAVE_RUN, classify_failure
 from ..outcome import encode_result, serializer_of
@@ -100,7 +101,7 @@ class Reconciler(ReconcilerWrites):
         except ConfigurationError:
             raise
         except Exception as exc:  # noqa: BLE001 - one record's surprise is that record's alone
-            logger.exception("could not settle key=%s task=%s task_id=%s", record.key, record.task_name, record.task_id)
+            logger.exception("could not settle %s task_id=%s", telemetry.shown(record.identity), record.task_id)
             self._leave(record, f"settling it raised {exc!r}")
             return True
 

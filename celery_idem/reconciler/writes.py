@@ -8,6 +8,7 @@ import functools
 import logging
 from typing import TYPE_CHECKING, Any
 
+from .. import telemetry
 from ..calls import CallRefused, decode_call
 from ..errors import ResultTooLargeError, StoreUnavailableError
 from ..protocol import KEY_HEADER, SCOPE_HEADER
@@ -113,17 +114,19 @@ class ReconcilerWrites:
         try:
             self.app.send_task(record.task_name, call.args, call.kwargs, **options)
         except Exception as exc:  # noqa: BLE001 - the record stays PENDING until its lease runs out again
-            logger.warning("requeue of %s failed: %s; retried on a later run", record.identity, exc)
+            logger.warning("requeue of %s failed: %s; retried on a later run", telemetry.shown(record.identity), exc)
 
     def _leave(self, record: IdempotencyRecord, why: str) -> None:
         self.counts["left"] += 1
         logger.info(
-            "left key=%s task=%s task_id=%s state=%s: %s",
-            record.key,
-            record.task_name,
+            "left %s task_id=%s state=%s: %s",
+            telemetry.shown(record.identity),
             record.task_id,
             record.state.value,
             why,
+            extra=telemetry.fields(
+                record.identity, outcome="left", side="reconciler", task_id=record.task_id, state=record.state.value
+            ),
         )
 
     def _write(self, record: IdempotencyRecord, outcome: str, why: str, write: Any) -> bool:
@@ -142,12 +145,14 @@ class ReconcilerWrites:
                 return False
         self.counts[outcome] += 1
         logger.info(
-            "%s key=%s task=%s task_id=%s was=%s: %s",
+            "%s %s task_id=%s was=%s: %s",
             outcome,
-            record.key,
-            record.task_name,
+            telemetry.shown(record.identity),
             record.task_id,
             record.state.value,
             why,
+            extra=telemetry.fields(
+                record.identity, outcome=outcome, side="reconciler", task_id=record.task_id, state=record.state.value
+            ),
         )
         return True

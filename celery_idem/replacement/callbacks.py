@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Task, current_task
 
+from .. import telemetry
 from ..errors import SerializationError
 from ..protocol import REPLACED_FAILED_TASK, REPLACED_TASK
 from ..records import Identity
@@ -52,7 +53,10 @@ def replaced_failed(
     try:
         _settle(current_task.app, task_name, scope, key, owner, exc=exc)
     except Exception:  # noqa: BLE001 - the lease runs out and the reconciler settles it
-        logger.exception("could not settle the record of %s key %r after its replacement failed", task_name, key)
+        logger.exception(
+            "could not settle the record of %s after its replacement failed",
+            telemetry.shown(Identity(scope, task_name, key)),
+        )
 
 
 def install(idem: Runtime) -> None:

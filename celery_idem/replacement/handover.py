@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from celery.canvas import Signature, _chain, chord, group
 from celery.exceptions import Ignore
 
-from .. import attempts, outage, timing
+from .. import attempts, outage, telemetry, timing
 from ..errors import IdempotencyError, LockLostError, StoreUnavailableError
 from ..owners import worker_token
 from ..protocol import (
@@ -222,9 +222,9 @@ def take_over(handler: Handler, identity: Identity, owner: str) -> Transition | 
         record = store.get(identity)
     except StoreUnavailableError as exc:
         handler.idem.count("store_errors")
-        logger.warning("replacement %s could not take %s over: %s", request.id, identity, exc)
+        logger.warning("replacement %s could not take %s over: %s", request.id, telemetry.shown(identity), exc)
         return None
     if record is None or record.owner != owner:
         return None  # forgotten or taken since, by an operator: acquire as any message
-    logger.info("replacement %s took %s over from the attempt it replaced", request.id, identity)
+    logger.info("replacement %s took %s over from the attempt it replaced", request.id, telemetry.shown(identity))
     return Transition(Decision.RUN, record)

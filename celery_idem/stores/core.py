@@ -90,15 +90,17 @@ class StoreCore:
                     f"the idempotency store {self.url or repr(self)} (setting 'store') cannot work: "
                     f"{type(exc).__name__}: {exc}; {fix}"
                 ) from exc
-            where = f" for {identity}" if identity else ""
+            where = f" for {telemetry.shown(identity)}" if identity else ""
             if self._is_outage(exc):
+                # What happened and how long it took: a refusal ends at once, a timeout at the limit.
                 message = (
-                    f"{self!r} did not complete {operation}{where} within {self.timeout_seconds:g}s: {exc}; "
-                    "check that the store is up, or set on_store_error='proceed' to run unprotected"
+                    f"{self!r} could not complete {operation}{where}: {self._describe(exc)} (after "
+                    f"{time.perf_counter() - started:.2f}s, timeout {self.timeout_seconds:g}s); check that "
+                    "the store is up and reachable"
                 )
             else:
                 message = (
-                    f"{self!r} failed {operation}{where} with an unexpected {type(exc).__name__}: {exc}; "
+                    f"{self!r} failed {operation}{where} with an unexpected {self._describe(exc)}; "
                     "whether it was applied is unknown, so it is handled as an outage (see the cause)"
                 )
             error = StoreUnavailableError(
@@ -124,6 +126,12 @@ class StoreCore:
     def _is_outage(cls, exc: Exception) -> bool:
         """Whether ``exc`` says the store is down, slow or refusing writes (its ``_unavailable``)."""
         return isinstance(exc, cls._unavailable)
+
+    @classmethod
+    def _describe(cls, exc: Exception) -> str:
+        """What went wrong, for the message of the error the caller gets and the logs print: never a
+        key or an argument of the command that failed (the error itself stays its ``__cause__``)."""
+        return f"{type(exc).__name__}: {exc}"
 
     def now(self) -> float:
         """The store server's current time (POSIX seconds): the clock every lease is judged by.

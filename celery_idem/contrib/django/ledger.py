@@ -37,6 +37,7 @@ from django.db import (
 )
 from django.db.models.functions import Now
 
+from ... import telemetry
 from ...errors import ConfigurationError, LedgerUnavailableError
 from ...ledger.calls import COMMITTED, UNSETTLED, LedgerCall, after_ambiguous_commit, second_call
 from ...outcome import encode_result
@@ -229,7 +230,7 @@ class DjangoLedger:
                 break
             except DatabaseError as exc:
                 if time.monotonic() + pause >= deadline:
-                    logger.warning("could not ask the ledger about %s: %s", identity, exc)
+                    logger.warning("could not ask the ledger about %s: %s", telemetry.shown(identity), exc)
                     known, entry = False, None
                     break
                 time.sleep(pause)
@@ -295,17 +296,19 @@ class DjangoLedger:
         stuck = self._stuck
         if stuck is not None and stuck.is_alive():
             raise LedgerUnavailableError(
-                f"the ledger could not be asked about {identity}: an earlier read is still stuck on it"
+                f"the ledger could not be asked about {telemetry.shown(identity)}: an earlier read is still stuck on it"
             )
         try:
             entry = self._on_own_connection(lambda: self._checked_read(identity), self.read_timeout_seconds)
         except TimeoutError as exc:
             raise LedgerUnavailableError(
-                f"the ledger did not answer about {identity} within {self.read_timeout_seconds:g}s "
+                f"the ledger did not answer about {telemetry.shown(identity)} within {self.read_timeout_seconds:g}s "
                 "(read_timeout_seconds)"
             ) from exc
         except _DOWN as exc:
-            raise LedgerUnavailableError(f"the ledger could not be asked about {identity}: {exc}") from exc
+            raise LedgerUnavailableError(
+                f"the ledger could not be asked about {telemetry.shown(identity)}: {exc}"
+            ) from exc
         if entry is None or entry.outcome != State.COMPLETED.value or entry.fingerprint != fingerprint:
             return None
         return entry

@@ -75,7 +75,10 @@ def private_engine(engine: sa.Engine, timeout: float) -> sa.Engine:
     # rollback() always asks the server, for nothing in autocommit mode (the store's transactions
     # end themselves), so it is skipped there.
     skip = {"skip_autocommit_rollback": True} if engine.dialect.name in MYSQL else {}
-    own = sa.create_engine(engine.url, pool=engine.pool.recreate(), isolation_level="AUTOCOMMIT", **skip)
+    # hide_parameters: a statement's parameters (keys, stored calls) stay out of its errors' text.
+    own = sa.create_engine(
+        engine.url, pool=engine.pool.recreate(), isolation_level="AUTOCOMMIT", hide_parameters=True, **skip
+    )
     dialect = engine.dialect.name
 
     @sa.event.listens_for(own.pool, "connect")
@@ -150,6 +153,7 @@ def engine_from_url(url: str | sa.URL, timeout: float, connect_args: dict[str, A
             raise ConfigurationError("a mysql:// or mariadb:// store needs PyMySQL: pip install 'celery-idem[mysql]'")
         return sa.create_engine(
             url,
+            hide_parameters=True,
             pool_size=10,
             max_overflow=20,
             pool_timeout=timeout,
@@ -168,12 +172,15 @@ def engine_from_url(url: str | sa.URL, timeout: float, connect_args: dict[str, A
     if driver.startswith("postgresql"):
         return sa.create_engine(
             url,
+            hide_parameters=True,
             pool_size=10,
             max_overflow=20,
             pool_timeout=timeout,
             connect_args={"connect_timeout": max(2, math.ceil(timeout)), **extra},  # libpq's minimum is 2 seconds
         )
-    engine = sa.create_engine(url, pool_timeout=timeout, connect_args={"timeout": timeout, **extra})
+    engine = sa.create_engine(
+        url, hide_parameters=True, pool_timeout=timeout, connect_args={"timeout": timeout, **extra}
+    )
 
     @sa.event.listens_for(engine, "connect")
     def _sqlite_wal(dbapi_connection: Any, _: Any) -> None:

@@ -1,0 +1,196 @@
+"""What celery-idem's log lines say: every decision once, with its fields in ``extra`` (outcome, task id,
+the key's hash, scope, store latency) for JSON formatters; the end of every attempt that ran, once; and
+never a key (keys can be personal data), unless ``telemetry.configure(plain_keys=True)`` allows it.
+
+The rule is checked on whatever the library logs at DEBUG while calls take every path, outages
+included: a key is looked for in each line as a formatter would print it, traceback and extras too.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import eager_apps
+import pytest
+from celery import Celery, Task
+from faults import Fault, Injector, Plan
+
+from celery_idem import (
+    Idempotency,
+    IdempotentTask,
+    PayloadMismatchError,
+    PermanentError,
+    StoreUnavailableError,
+    telemetry,
+)
+from celery_idem.records import Identity
+from celery_idem.stores import store_from_url
+
+app = eager_apps.app
+calls = eager_apps.calls
+
+# What a key of a user's may look like: an e-mail address is personal data.
+KEY = f"alice@example.com/signup-{uuid.uuid4().hex[:8]}"
+
+
+class Logged:
+    """What the library logged during the test (caplog's records are per phase: read them late)."""
+
+    def __init__(self, caplog: pytest.LogCaptureFixture) -> None:
+        self.caplog = caplog
+
+    @property
+    def records(self) -> list[logging.LogRecord]:
+        return [r for r in self.caplog.records if r.name.startswith("celery_idem")]
+
+
+@pytest.fixture
+def logged(caplog: pytest.LogCaptureFixture) -> Iterator[Logged]:
+    with caplog.at_level(logging.DEBUG, logger="celery_idem"):
+        yield Logged(caplog)
+
+
+@pytest.fixture(autouse=True)
+def hashed_keys() -> Iterator[None]:
+    telemetry.configure(plain_keys=False)
+    yield
+    telemetry.configure(plain_keys=False)
+
+
+def printed(record: logging.LogRecord) -> str:
+    """Everything a formatter could print of ``record``: its text, its traceback, and every extra."""
+    text = logging.Formatter().format(record)
+    return text + " " + " ".join(f"{name}={value!r}" for name, value in vars(record).items())
+
+
+def assert_no_key(logged: Logged, key: str = KEY) -> None:
+    leaked = [printed(r) for r in logged.records if key in printed(r)]
+    assert not leaked, f"a log line carries the key: {leaked[0]}"
+
+
+def decisions(logged: Logged) -> list[dict[str, Any]]:
+    return [
+        {name[len("idempotency_") :]: value for name, value in vars(r).items() if name.startswith("idempotency_")}
+        for r in logged.records
+        if hasattr(r, "idempotency_outcome")
+    ]
+
+
+def signup_task(app: Celery, calls: list[Any], **options: Any) -> Task:
+    @app.task(base=IdempotentTask, name="shop.signup", shared=False, **options)
+    def signup(user: str, plan: str) -> str:
+        calls.append((user, plan))
+        if plan == "broken":
+            raise PermanentError("no such plan")
+        if plan == "later":
+            raise ValueError("try later")  # retryable by default (default_failure)
+        return f"{user}:{plan}"
+
+    return signup
+
+
+def test_every_decision_is_logged_once_with_its_fields_and_only_the_key_hash(
+    app: Celery, calls: list[Any], logged: Logged
+) -> None:
+    Idempotency(app)
+    signup = signup_task(app, calls)
+    first = signup.apply_async(("alice", "gold"), idempotency_key=KEY)
+    again = signup.apply_async(("alice", "gold"), idempotency_key=KEY)
+    with pytest.raises(PayloadMismatchError):
+        signup.apply_async(("alice", "silver"), idempotency_key=KEY)
+
+    assert again.id == first.id and len(calls) == 1
+    assert_no_key(logged)
+    hashed = telemetry.key_hash(Identity("", "shop.signup", KEY))
+    seen = decisions(logged)
+    # The call's claim (NEW), its eager run (RUN), how it ended, then one REPLAY and one MISMATCH.
+    assert [(d["side"], d["outcome"]) for d in seen] == [
+        ("publish", "NEW"),
+        ("worker", "RUN"),
+        ("worker", "ENDED"),
+        ("publish", "REPLAY"),
+        ("publish", "MISMATCH"),
+    ]
+    for d in seen:
+        assert d["key_hash"] == hashed and d["task"] == "shop.signup" and d["scope"] == ""
+        assert "key" not in d
+    new, run, ended, replay, _ = seen
+    assert new["task_id"] == run["task_id"] == ended["task_id"] == first.id
+    assert replay["record_task_id"] == first.id and replay["state"] == "COMPLETED"
+    assert (ended["ending"], ended["step"]) == ("returned", "complete")
+    for d in (new, run, replay):
+        assert isinstance(d["store_seconds"], float) and 0 <= d["store_seconds"] < 5  # the claim/acquire's
+
+
+def test_every_ending_of_an_attempt_is_logged_once(app: Celery, calls: list[Any], logged: Logged) -> None:
+    Idempotency(app)
+    signup = signup_task(app, calls)
+    with pytest.raises(PermanentError, match="no such plan"):
+        signup.apply_async(("bob", "broken"), idempotency_key=KEY, idempotency_scope="tenant-7")
+    with pytest.raises(ValueError, match="try later"):
+        signup.apply_async(("bob", "later"), idempotency_key=KEY + "-2")
+
+    endings = [d for d in decisions(logged) if d["outcome"] == "ENDED"]
+    assert [(d["ending"], d["step"], d["scope"]) for d in endings] == [
+        ("permanent", "fail", "tenant-7"),
+        ("retryable", "release", ""),
+    ]
+    assert_no_key(logged)
+
+
+def test_plain_keys_are_logged_only_when_configured(app: Celery, calls: list[Any], logged: Logged) -> None:
+    telemetry.configure(plain_keys=True)
+    Idempotency(app)
+    signup = signup_task(app, calls)
+    signup.apply_async(("carol", "gold"), idempotency_key=KEY)
+
+    seen = decisions(logged)
+    assert seen and all(d["key"] == KEY for d in seen)
+    assert all(KEY in r.getMessage() for r in logged.records if hasattr(r, "idempotency_outcome"))
+
+
+def test_a_store_outage_logs_no_key_and_no_advice_to_run_unprotected(
+    app: Celery, calls: list[Any], logged: Logged, tmp_path: Any
+) -> None:
+    store = store_from_url(f"sqlite:///{tmp_path / 'store.db'}")
+    store.create_schema()
+    injector = Injector(store)
+    Idempotency(app, store=store)
+    signup = signup_task(app, calls)
+    # The acquire fails once (the claim landed): the eager call is told, and gives its claim back.
+    injector.arm(Plan("acquire", Fault.REFUSED))
+    with pytest.raises(StoreUnavailableError) as caught:
+        signup.apply_async(("dave", "gold"), idempotency_key=KEY)
+    # The caller's own exception names the key on its attribute, never in its text.
+    assert caught.value.key == KEY and KEY not in str(caught.value)
+    # A settled record whose write fails: the retries and the heartbeat hand-off are logged.
+    injector.arm(Plan("complete", Fault.REFUSED, times=3))
+    signup.apply_async(("dave", "gold"), idempotency_key=KEY + "-2")
+
+    assert len(calls) == 1
+    warned = [r.getMessage() for r in logged.records if r.levelno >= logging.WARNING]
+    assert any("settling" in text for text in warned), warned
+    assert_no_key(logged)
+    assert not [text for text in warned if "proceed" in text or "unprotected" in text]
+
+
+def test_proceeding_unprotected_is_one_line_per_store_call_and_one_traceback_a_minute(
+    app: Celery, calls: list[Any], logged: Logged
+) -> None:
+    # Nothing listens on port 1: every store call is refused at once.
+    Idempotency(app, store="redis://127.0.0.1:1/0", on_store_error="proceed")
+    signup = signup_task(app, calls)
+    for n in range(3):
+        signup.apply_async(("erin", "gold"), idempotency_key=f"{KEY}-{n}")
+
+    assert len(calls) == 3  # unprotected, as the setting says
+    warned = [r for r in logged.records if r.levelno == logging.WARNING and "unprotected" in r.getMessage()]
+    # The claim and the acquire of each call, one line each, saying what the store answered.
+    assert len(warned) == 6 and all(r.exc_info is None for r in warned)
+    assert all("Connection refused" in r.getMessage() or "Error 111" in r.getMessage() for r in warned), warned[0]
+    tracebacks = [r for r in logged.records if r.exc_info]
+    assert len(tracebacks) == 1 and tracebacks[0].levelno == logging.DEBUG
+    assert_no_key(logged, KEY)
