@@ -4,7 +4,8 @@
 URL                                                        store             extra
 =========================================================  ================  =====================
 ``redis://``, ``rediss://``, ``redis+sentinel://``,        RedisStore        ``celery-idem[redis]``
-``redis+cluster://``
+``redis+cluster://``; ``valkey://``, ``valkeys://``,
+``valkey+sentinel://``, ``valkey+cluster://`` (Valkey)
 ``postgresql+psycopg://``, ``postgresql://``,              SQLStore          ``celery-idem[sql]``
 ``sqlite:///path``
 ``mysql://``, ``mariadb://``, ``mysql+pymysql://``         SQLStore          ``celery-idem[mysql]``
@@ -56,7 +57,17 @@ _REGISTERED: dict[str, Any] = {}
 # Schemes a package of ours registers once it is set up, and what that takes.
 _NEEDS = {"django": "'celery_idem.contrib.django' in INSTALLED_APPS, and Django set up (django.setup())"}
 
-_REDIS = ("redis", "rediss", "redis+sentinel", "redis+cluster", "unix")
+_REDIS = (
+    "redis",
+    "rediss",
+    "redis+sentinel",
+    "redis+cluster",
+    "unix",
+    "valkey",
+    "valkeys",
+    "valkey+sentinel",
+    "valkey+cluster",
+)
 _SQL = (
     "postgresql",
     "postgresql+psycopg",

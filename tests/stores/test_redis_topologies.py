@@ -269,6 +269,46 @@ def test_sentinel_url_finds_the_master_and_runs_every_transition(sentinel: str, 
     wipe(store)
 
 
+# ---- Valkey --------------------------------------------------------------------------------------
+# Valkey speaks the Redis protocol (scripts, TIME, cluster slots, Sentinel), so its URLs name the same
+# clients. CI has no Valkey server (not in Debian 12 nor on PyPI): these run the valkey schemes on
+# Redis, which is what tells the URL apart from the server.
+
+
+def test_a_valkey_url_is_the_same_store_as_its_redis_url(prefix: str) -> None:
+    require_server("redis")
+    valkey = store_from_url(REDIS_URL.replace("redis://", "valkey://", 1), key_prefix=prefix)
+    identity = Identity("", "shop.charge", "via-valkey")
+    _walk_one_identity(valkey, identity)
+    same = store_from_url(REDIS_URL, key_prefix=prefix)
+    record = same.get(identity)
+    assert record is not None and record.state is State.COMPLETED
+    assert valkey.url is not None and valkey.url.startswith("valkey://")
+    wipe(same)
+    valkey.close()
+    same.close()
+
+
+def test_valkey_cluster_and_sentinel_urls_open_their_topologies(
+    redis_cluster_url: str, sentinel: str, prefix: str
+) -> None:
+    for url in (
+        redis_cluster_url.replace("redis+cluster://", "valkey+cluster://", 1),
+        sentinel.replace("redis+sentinel://", "valkey+sentinel://", 1),
+    ):
+        store = store_from_url(url, key_prefix=prefix)
+        _walk_one_identity(store, Identity("", "shop.charge", f"via-{url.partition(':')[0]}"))
+        wipe(store)
+        store.close()
+
+
+def test_a_valkeys_url_speaks_tls_and_a_bad_valkey_path_is_refused() -> None:
+    tls = store_from_url("valkeys://127.0.0.1:1/0", timeout_seconds=0.5)
+    assert tls.client.connection_pool.connection_class.__name__ == "SSLConnection"  # type: ignore[attr-defined]
+    with pytest.raises(ConfigurationError, match="the path of a Redis URL is a database number"):
+        store_from_url("valkey://127.0.0.1:6379/orders")
+
+
 # ---- a full Redis ---------------------------------------------------------------------------------
 
 

@@ -15,6 +15,16 @@ from ...errors import ConfigurationError
 __all__ = ["connect"]
 
 
+# valkey:// and its variants, as the Redis schemes they are (kombu has no valkey:// yet: a Valkey
+# broker is still named redis://).
+VALKEY_SCHEMES = {
+    "valkey": "redis",
+    "valkeys": "rediss",
+    "valkey+sentinel": "redis+sentinel",
+    "valkey+cluster": "redis+cluster",
+}
+
+
 def connect(parts: SplitResult, query: dict[str, str], timeout: float) -> Any:
     """A redis-py client for the URL ``parts`` (its ``query`` without the store's own parameters),
     each of whose calls waits at most ``timeout`` seconds (see :meth:`RedisStore.from_url`)."""
@@ -24,7 +34,8 @@ def connect(parts: SplitResult, query: dict[str, str], timeout: float) -> Any:
         # No hidden retries: a retry loop would blow through the caller's deadline.
         "retry": Retry(NoBackoff(), 0),
     }
-    scheme = parts.scheme.lower()
+    # Valkey speaks the Redis protocol, scripts and TIME included: its schemes name the same clients.
+    scheme = VALKEY_SCHEMES.get(parts.scheme.lower(), parts.scheme.lower())
     client: Any
     if scheme in ("redis", "rediss", "redis+cluster") and parts.path.strip("/") and not parts.path.strip("/").isdigit():
         raise ConfigurationError(

@@ -36,7 +36,9 @@ class RedisStore(RedisBase):
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisStore:
-        """Build a store from ``redis://``, ``rediss://``, ``redis+sentinel://`` or ``redis+cluster://``.
+        """Build a store from ``redis://``, ``rediss://``, ``redis+sentinel://`` or ``redis+cluster://``,
+        and from the same URLs of a Valkey server (``valkey://``, ``valkeys://``, ``valkey+sentinel://``,
+        ``valkey+cluster://``).
 
         ``redis+cluster://[user:password@]host:port[,host:port...]`` seeds the cluster client with
         every node named (it starts through the first that answers). ``redis+sentinel://[:password@]
