@@ -9,7 +9,7 @@ writes its own files and a ``MultiProcessCollector`` sums them at scrape time.
   ``NEW``, ``DUPLICATE``, ``REPLAY``, ``MISMATCH``) and each message (``side="worker"``: ``RUN``,
   ``BUSY``, ``REPLAY``, ``MISMATCH``) was answered;
 - ``celery_idem_store_request_duration_seconds{operation, outcome}``: a histogram of every store
-  operation (``claim``, ``acquire``, ``settle``, ...), by outcome (``ok``, ``outage``, ``error``);
+  operation (``claim``, ``acquire``, ``complete``, ...), by outcome (``ok``, ``outage``, ``error``);
 - ``celery_idem_events_total{event}``: the counters of ``Idempotency.metrics()`` (``lost_locks``,
   ``store_errors``, ``busy_waits``, ``reconciled_completed``, ...).
 
