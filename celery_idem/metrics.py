@@ -125,6 +125,10 @@ class PrometheusSink:
             ["event"],
             registry=registry,
         )
+        # Every counter exists from the start at 0: a series born with its first increment has no
+        # earlier sample, so rate() and increase() never see that increment (the first lost lock).
+        for name in HELP:
+            self.events.labels(name)
 
     def decision(self, task: str, side: str, decision: str) -> None:
         self.decisions.labels(task, side, decision).inc()

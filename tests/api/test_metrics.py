@@ -207,6 +207,22 @@ def test_a_prefork_workers_children_reach_one_aggregated_scrape_with_no_code_bey
     assert not any(handle.id in labels for handle in handles)
 
 
+def test_every_counter_is_exposed_at_zero_before_it_first_moves() -> None:
+    # A series born with its first increment has no earlier sample: rate() and increase() never see
+    # that increment, so the first lost lock of a process would not show on a dashboard or fire an alert.
+    from celery_idem.metrics import PrometheusSink
+
+    registry = CollectorRegistry()
+    PrometheusSink(registry)
+    samples = {
+        sample.labels["event"]: sample.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for sample in family.samples
+        if sample.name == "celery_idem_events_total"
+    }
+    assert samples == dict.fromkeys(PROMISED, 0.0)
+
+
 # ---- the Grafana dashboard (docs/dashboards/celery-idem.json) reads what a scrape exposes -------------
 
 REPO = Path(__file__).resolve().parents[2]
