@@ -9,7 +9,7 @@ writes its own files and a ``MultiProcessCollector`` sums them at scrape time.
   ``NEW``, ``DUPLICATE``, ``REPLAY``, ``MISMATCH``) and each message (``side="worker"``: ``RUN``,
   ``BUSY``, ``REPLAY``, ``MISMATCH``) was answered;
 - ``celery_idem_store_request_duration_seconds{operation, outcome}``: a histogram of every store
-  operation (``claim``, ``acquire``, ``settle``, ...), by outcome (``ok``, ``outage``, ``error``);
+  operation (``claim``, ``acquire``, ``complete``, ...), by outcome (``ok``, ``outage``, ``error``);
 - ``celery_idem_events_total{event}``: the counters of ``Idempotency.metrics()`` (``lost_locks``,
   ``store_errors``, ``busy_waits``, ``reconciled_completed``, ...).
 
@@ -125,6 +125,10 @@ class PrometheusSink:
             ["event"],
             registry=registry,
         )
+        # Every counter exists from the start at 0: a series born with its first increment has no
+        # earlier sample, so rate() and increase() never see that increment (the first lost lock).
+        for name in HELP:
+            self.events.labels(name)
 
     def decision(self, task: str, side: str, decision: str) -> None:
         self.decisions.labels(task, side, decision).inc()
