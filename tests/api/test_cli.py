@@ -6,6 +6,7 @@ app is built with), and checked there again after a command that changes somethi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -370,23 +371,10 @@ def test_a_store_that_is_down_is_one_clear_line_not_a_traceback(cli: Cli) -> Non
         s.bind(("127.0.0.1", 0))
         down = f"redis://127.0.0.1:{s.getsockname()[1]}/0"
     env = {**cli.env, "SHOP_STORE": down, "SHOP_SETTINGS": json.dumps({"store_timeout_seconds": 0.5})}
-    for args in (("stats",), ("list", "--state", "PENDING"), ("reconcile", "--dry-run")):
-        human = subprocess.run(
-            [sys.executable, "-m", "celery", "-A", "shop", "idem", *args],
-            cwd=TESTS,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+    commands = [("stats",), ("list", "--state", "PENDING"), ("reconcile", "--dry-run")]
+    done = dataclasses.replace(cli, env=env).parallel(*commands, *[(*args, "--json") for args in commands])
+    for human in done[: len(commands)]:
         assert human.returncode == 1 and "Traceback" not in human.stderr, human.stderr
         assert "check that the store is up" in human.stderr
-        as_json = subprocess.run(
-            [sys.executable, "-m", "celery", "-A", "shop", "idem", *args, "--json"],
-            cwd=TESTS,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+    for as_json in done[len(commands) :]:
         assert as_json.returncode == 1 and "check that the store is up" in json.loads(as_json.stdout)["error"]
