@@ -7,9 +7,11 @@ JSON with ``--json``; a missing record exits 1, a bad argument exits 2.
 from __future__ import annotations
 
 import base64
+import datetime
 import json
+import re
 import sys
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import click
@@ -57,6 +59,11 @@ def _task_name(ctx: click.Context, name: str) -> str:
     return name
 
 
+def _wants_json(ctx: click.Context, as_json: bool) -> bool:
+    """``--json`` after the subcommand, or before it (``celery idem --json list``)."""
+    return as_json or bool(ctx.find_root().meta.get(_JSON_META))
+
+
 def _emit(data: Any, as_json: bool, human: str) -> None:
     click.echo(json.dumps(data, indent=2, default=str) if as_json else human)
 
@@ -73,11 +80,85 @@ def _view(ctx: click.Context, record: IdempotencyRecord) -> dict[str, Any]:
     return record_view(record, _extension(ctx).accepted_content_types)
 
 
-def _human(view: dict[str, Any]) -> str:
-    width = max(len(k) for k in view)
-    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in view.items() if v is not None)
+# ---- for people: times as ISO-8601 UTC with how long ago or ahead, durations rounded -----------------
+
+_TIMES = ("created_at", "updated_at", "lease_expires_at", "expires_at")
 
 
+def span(seconds: float) -> str:
+    """A duration for people, to two units at most: ``6 ms``, ``45 s``, ``3 min 20 s``, ``23 h``, ``2 d 4 h``."""
+    seconds = abs(seconds)
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    whole = round(seconds)
+    for unit, size, smaller, smaller_size in (("d", 86400, "h", 3600), ("h", 3600, "min", 60), ("min", 60, "s", 1)):
+        if whole >= size:
+            big, rest = divmod(whole, size)
+            small = rest // smaller_size
+            return f"{big} {unit}" + (f" {small} {smaller}" if small else "")
+    return f"{whole} s"
+
+
+def when(timestamp: float, now: float) -> str:
+    """``2026-11-27T04:55:01Z (3 min ago)`` or ``(in 23 h)``, by the store server's ``now``."""
+    iso = datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    ahead = timestamp - now
+    return f"{iso} ({'in ' + span(ahead) if ahead >= 0 else span(ahead) + ' ago'})"
+
+
+def _human_record(view: dict[str, Any], record: IdempotencyRecord, now: float) -> str:
+    shown = {k: v for k, v in view.items() if v is not None}
+    for name in _TIMES:
+        value = getattr(record, name)
+        if value is not None:
+            shown[name] = when(value, now)
+    if record.lease_expires_at is not None and not record.state.settled:
+        left = record.lease_expires_at - now
+        what = "lease" if record.state is State.IN_PROGRESS else "claim"  # a PENDING claim waits for its worker
+        shown[what] = f"{span(left)} left" if left > 0 else f"ran out {span(left)} ago"
+    shown["ttl_seconds"] = f"{record.ttl_seconds:g} ({span(record.ttl_seconds)})"
+    width = max(len(k) for k in shown)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in shown.items())
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Aligned columns under a header, two spaces apart."""
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+    lines = [
+        "  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in [header, *rows]
+    ]
+    return "\n".join(lines)
+
+
+def _age(text: str) -> float:
+    """``90s``, ``10m``, ``2h``, ``1d`` (or plain seconds) as seconds."""
+    found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|m|min|h|d)?\s*", text)
+    if found is None:
+        raise click.BadParameter(f"{text!r} is not an age; write it as 90s, 10m, 2h or 1d", param_hint="--older-than")
+    return float(found[1]) * {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}[found[2] or "s"]
+
+
+class _States(click.ParamType):  # type: ignore[type-arg]  # generic from click 8.2 only
+    """States, case-insensitive, comma-separated; ``all`` for every one."""
+
+    name = "states"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> list[State]:
+        if isinstance(value, list):
+            return value
+        names = [part.strip().upper() for part in str(value).split(",") if part.strip()]
+        if names == ["ALL"]:
+            return list(State)
+        unknown = [name for name in names if name not in _STATES]
+        if unknown or not names:
+            self.fail(f"{str(value)!r} is not a state; states: {', '.join(_STATES)} (or all)", param, ctx)
+        return [State(name) for name in names]
+
+
+_JSON_META = "celery_idem.json"
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 
 
@@ -93,8 +174,11 @@ class _Group(click.Group):
 
 
 @click.group(name="idem", cls=_Group, help="Inspect and repair celery-idem records.")
-def idem() -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (also accepted after the command).")
+@click.pass_context
+def idem(ctx: click.Context, as_json: bool) -> None:
     """The ``idem`` command group."""
+    ctx.meta[_JSON_META] = as_json
 
 
 @idem.command(name="show", help="Show the record of KEY.")
@@ -104,13 +188,15 @@ def idem() -> None:
 @json_option
 @click.pass_context
 def show(ctx: click.Context, key: str, task: str, scope: str | None, as_json: bool) -> None:
+    as_json = _wants_json(ctx, as_json)
     name = _task_name(ctx, task)
-    record = _extension(ctx).get(name, key, scope)
+    extension = _extension(ctx)
+    record = extension.get(name, key, scope)
     if record is None:
         _fail(f"no record for key {key!r} of task {name!r}" + (f" in scope {scope!r}" if scope else ""), as_json)
         return
     view = _view(ctx, record)
-    _emit(view, as_json, _human(view))
+    _emit(view, as_json, _human_record(view, record, extension.store.now()))
 
 
 @idem.command(name="forget", help="Remove the record of KEY in any state (a running attempt is fenced out).")
@@ -120,6 +206,7 @@ def show(ctx: click.Context, key: str, task: str, scope: str | None, as_json: bo
 @json_option
 @click.pass_context
 def forget(ctx: click.Context, key: str, task: str, scope: str | None, as_json: bool) -> None:
+    as_json = _wants_json(ctx, as_json)
     name = _task_name(ctx, task)
     removed = _extension(ctx).forget(name, key, scope)
     if not removed:
@@ -128,28 +215,88 @@ def forget(ctx: click.Context, key: str, task: str, scope: str | None, as_json: 
     _emit({"forgotten": True, "key": key, "task": name, "scope": scope}, as_json, f"forgot {name} {key}")
 
 
-@idem.command(name="list", help="List records in a state, newest first.")
-@click.option("--state", type=click.Choice(_STATES, case_sensitive=False), required=True)
+@idem.command(name="list", help="List live records, newest first: every state unless --state says which.")
+@click.option(
+    "--state",
+    "states",
+    type=_States(),
+    default="all",
+    show_default=True,
+    help="PENDING, IN_PROGRESS, COMPLETED, FAILED, several with commas, or all (any case).",
+)
 @click.option("--task", "task", default=None, help="Only this task.")
+@click.option(
+    "--older-than", "older_than", default=None, help="Only records last changed this long ago (90s, 10m, 2h, 1d)."
+)
 @click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
 @json_option
 @click.pass_context
-def list_(ctx: click.Context, state: str, task: str | None, limit: int, as_json: bool) -> None:
+def list_(
+    ctx: click.Context, states: list[State], task: str | None, older_than: str | None, limit: int, as_json: bool
+) -> None:
+    as_json = _wants_json(ctx, as_json)
     name = _task_name(ctx, task) if task else None
-    records = _extension(ctx).store.records(state=State(state.upper()), task_name=name, limit=limit)
-    rows = [f"{r.task_name}  {r.scope or '-'}  {r.key}  {r.task_id}  attempt={r.attempt}" for r in records]
-    _emit([_view(ctx, r) for r in records], as_json, "\n".join(rows) or "no records")
+    age = _age(older_than) if older_than is not None else None
+    store = _extension(ctx).store
+    now = store.now()
+    one = states[0] if len(states) == 1 else None
+    # An age filter or several states are applied here, on every live record of the one state (or all).
+    fetch = limit if age is None and (one is not None or len(states) == len(State)) else 1_000_000
+    records = [
+        r
+        for r in store.records(state=one, task_name=name, limit=fetch)
+        if r.state in states and (age is None or now - r.updated_at >= age)
+    ][:limit]
+    rows = [
+        (
+            r.state.value,
+            r.task_name,
+            r.scope or "-",
+            r.key,
+            r.task_id,
+            str(r.attempt),
+            span(now - r.updated_at),
+            (f"{span(r.lease_expires_at - now)}" if (r.lease_expires_at or 0) > now else "ran out")
+            if not r.state.settled and r.lease_expires_at is not None
+            else "-",
+            span(r.expires_at - now),
+        )
+        for r in records
+    ]
+    header = ("STATE", "TASK", "SCOPE", "KEY", "TASK ID", "ATTEMPT", "CHANGED", "LEASE LEFT", "EXPIRES IN")
+    _emit([_view(ctx, r) for r in records], as_json, table(header, rows) if rows else "no records")
 
 
-@idem.command(name="stats", help="Count the store's live records by state.")
+@idem.command(name="stats", help="Count the store's live records by state and by task.")
 @json_option
 @click.pass_context
 def stats(ctx: click.Context, as_json: bool) -> None:
+    as_json = _wants_json(ctx, as_json)
     extension = _extension(ctx)
-    counts = {state.value: n for state, n in extension.store.count_by_state().items()}
-    data = {"store": repr(extension.store), "records": counts}
-    human = f"store {data['store']}\n" + "\n".join(f"{state:<12} {n}" for state, n in counts.items())
-    _emit(data, as_json, human)
+    store = extension.store
+    counts = {state.value: n for state, n in store.count_by_state().items()}
+    try:
+        by_task = {task: {s.value: n for s, n in c.items()} for task, c in store.count_by_task().items()}
+    except NotImplementedError:
+        by_task = None
+    where = store.url or repr(store)  # its password redacted
+    counters = (
+        "the extension's counters (Idempotency.metrics()) are each process's own: a prefork worker's are in "
+        "its children, summed by the Prometheus metrics (celery_idem_events_total; docs/operations.md, Metrics)"
+    )
+    prefix = getattr(store, "key_prefix", None)
+    data = {"store": where, "prefix": prefix, "records": counts, "by_task": by_task, "counters": counters}
+    lines = [
+        f"store    {where}",
+        f"prefix   {prefix}",
+        "",
+        table(("STATE", "RECORDS"), [(s, str(n)) for s, n in counts.items()]),
+    ]
+    if by_task:
+        header = ("TASK", *(s.value for s in State))
+        lines += ["", table(header, [(task, *(str(c[s.value]) for s in State)) for task, c in by_task.items()])]
+    lines += ["", f"counters: {counters}"]
+    _emit(data, as_json, "\n".join(lines))
 
 
 @idem.command(name="reconcile", help="Settle records stuck past their lease.")
@@ -158,8 +305,18 @@ def stats(ctx: click.Context, as_json: bool) -> None:
 @json_option
 @click.pass_context
 def reconcile(ctx: click.Context, dry_run: bool, limit: int | None, as_json: bool) -> None:
+    as_json = _wants_json(ctx, as_json)
     ctx.obj.app.loader.import_default_modules()
     report = _extension(ctx).reconcile(limit=limit, dry_run=dry_run)
     fields = report.model_dump()
-    human = ("dry run: " if dry_run else "") + ", ".join(f"{k}={v}" for k, v in fields.items() if k != "dry_run")
-    _emit(fields, as_json, human)
+    counts = ", ".join(f"{k}={v}" for k, v in fields.items() if k not in ("dry_run", "seconds", "left_records"))
+    lines = [f"{'dry run' if dry_run else 'reconciled'} in {span(report.seconds)}: {counts}"]
+    if report.left_records:
+        lines += ["", "left as they were:"]
+        header = ("TASK", "SCOPE", "KEY", "TASK ID", "STATE", "WHY")
+        lines.append(
+            table(
+                header, [(r.task_name, r.scope or "-", r.key, r.task_id, r.state, r.why) for r in report.left_records]
+            )
+        )
+    _emit(fields, as_json, "\n".join(lines))

@@ -138,7 +138,8 @@ class Idempotency(Runtime):
 def reconcile_task(self: Any, limit: int | None = None, dry_run: bool = False) -> dict[str, Any]:
     """The body of the ``celery_idem.reconcile`` task that beat runs: a run of the extension
     installed on the task's app (the one that registered the task, or the instance that replaced it)."""
-    return Idempotency.of(self.app).reconcile(limit=limit, dry_run=dry_run).model_dump()
+    # Without the left records' keys: the worker logs a task's return value, and the backend keeps it.
+    return Idempotency.of(self.app).reconcile(limit=limit, dry_run=dry_run).model_dump(exclude={"left_records"})
 
 
 def _install_reconciler(idem: Idempotency) -> None:

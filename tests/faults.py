@@ -70,7 +70,7 @@ SQL_FAULTS = tuple(f for f in Fault if f not in (Fault.BUSY, Fault.NOREPLICAS))
 
 # Store methods that take the identity first; the others (expired_leases, now, ...) have no key.
 KEYED = ("claim", "acquire", "renew", "complete", "fail", "release", "get", "forget")
-METHODS = (*KEYED, "expired_leases", "purge_expired", "now", "ping", "records", "count_by_state")
+METHODS = (*KEYED, "expired_leases", "purge_expired", "now", "ping", "records", "count_by_state", "count_by_task")
 
 
 @dataclass

@@ -33,5 +33,6 @@ and :class:`ReconcileReport`), ``holders`` (step 3's evidence: the holders' live
 from __future__ import annotations
 
 from .run import BEAT_ENTRY, DEFAULT_LIMIT, TASK_NAME, Reconciler, ReconcileReport
+from .writes import LeftRecord
 
-__all__ = ["BEAT_ENTRY", "DEFAULT_LIMIT", "TASK_NAME", "ReconcileReport", "Reconciler"]
+__all__ = ["BEAT_ENTRY", "DEFAULT_LIMIT", "TASK_NAME", "LeftRecord", "ReconcileReport", "Reconciler"]

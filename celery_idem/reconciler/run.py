@@ -22,7 +22,7 @@ from ..owners import holder_node
 from ..records import ErrorInfo, IdempotencyRecord, Identity, State
 from ..runtime import Runtime
 from .holders import Evidence, dead_by_liveness, live_holders, live_task_ids
-from .writes import ReconcilerWrites
+from .writes import LeftRecord, ReconcilerWrites
 
 __all__ = ["BEAT_ENTRY", "DEFAULT_LIMIT", "TASK_NAME", "ReconcileReport", "Reconciler"]
 
@@ -46,6 +46,9 @@ class ReconcileReport(BaseModel):
     purged: int = 0  # records past their TTL whose space was freed (SQL store)
     seconds: float = 0.0
     dry_run: bool = False
+    # Each record counted in ``left``, with why. Keys included: for the operator who ran it (the CLI),
+    # never in the run's log line or the beat task's result (those print or keep the counts).
+    left_records: tuple[LeftRecord, ...] = ()
 
 
 class Reconciler(ReconcilerWrites):
@@ -72,8 +75,14 @@ class Reconciler(ReconcilerWrites):
             for record in undecided:
                 self._guarded(self._settle_on_liveness, record, evidence)
         purged = 0 if self.dry_run or identities is not None else self.store.purge_expired(limit=limit or DEFAULT_LIMIT)
-        report = ReconcileReport(**self.counts, purged=purged, seconds=time.monotonic() - started, dry_run=self.dry_run)
-        logger.info("reconciled: %s", report.model_dump_json())
+        report = ReconcileReport(
+            **self.counts,
+            purged=purged,
+            seconds=time.monotonic() - started,
+            dry_run=self.dry_run,
+            left_records=tuple(self.left_records),
+        )
+        logger.info("reconciled: %s", report.model_dump_json(exclude={"left_records"}))
         if not self.dry_run:
             for name in ("completed", "failed", "released"):
                 self.idem.count(f"reconciled_{name}", self.counts[name])

@@ -8,6 +8,8 @@ import functools
 import logging
 from typing import TYPE_CHECKING, Any
 
+from pydantic import BaseModel, ConfigDict
+
 from .. import telemetry
 from ..calls import CallRefused, decode_call
 from ..errors import ResultTooLargeError, StoreUnavailableError
@@ -19,9 +21,22 @@ from ..timing import EXPIRY_GRACE_SECONDS
 if TYPE_CHECKING:
     from ..config import IdempotencyPolicy
 
-__all__ = ["ReconcilerWrites"]
+__all__ = ["LeftRecord", "ReconcilerWrites"]
 
 logger = logging.getLogger("celery_idem.reconciler")
+
+
+class LeftRecord(BaseModel):
+    """A record a reconciler run left as it was, and why (the evidence it lacked, or what failed)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    task_name: str
+    scope: str
+    key: str
+    task_id: str
+    state: str
+    why: str
 
 
 class ReconcilerWrites:
@@ -34,6 +49,7 @@ class ReconcilerWrites:
         self.store = idem.store
         self.dry_run = dry_run
         self.counts = dict.fromkeys(("scanned", "completed", "failed", "released", "requeued", "left"), 0)
+        self.left_records: list[LeftRecord] = []
 
     @functools.cached_property
     def now(self) -> float:
@@ -118,6 +134,16 @@ class ReconcilerWrites:
 
     def _leave(self, record: IdempotencyRecord, why: str) -> None:
         self.counts["left"] += 1
+        self.left_records.append(
+            LeftRecord(
+                task_name=record.task_name,
+                scope=record.scope,
+                key=record.key,
+                task_id=record.task_id,
+                state=record.state.value,
+                why=why,
+            )
+        )
         logger.info(
             "left %s task_id=%s state=%s: %s",
             telemetry.shown(record.identity),

@@ -96,6 +96,14 @@ class StoreUpkeep(StoreCore, ABC):
                 counts[record_state] += n
             return counts
 
+    def count_by_task(self) -> dict[str, dict[State, int]]:
+        """How many live records each task holds in each state (for operators; scans on Redis)."""
+        with self._guard("count_by_task"):
+            counts: dict[str, dict[State, int]] = {}
+            for (task_name, record_state), n in self._count_by_task().items():
+                counts.setdefault(task_name, dict.fromkeys(State, 0))[record_state] += n
+            return dict(sorted(counts.items()))
+
     # ---- the reconciler's: stale records and worker liveness --------------------------------------
 
     @abstractmethod
@@ -114,3 +122,6 @@ class StoreUpkeep(StoreCore, ABC):
 
     def _count_by_state(self) -> dict[State, int]:
         raise NotImplementedError(f"{type(self).__name__} does not count its records (celery idem count needs it)")
+
+    def _count_by_task(self) -> dict[tuple[str, State], int]:
+        raise NotImplementedError(f"{type(self).__name__} does not count its records by task")

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import pickle
+import re
 import socket
 import subprocess
 import sys
@@ -146,6 +147,15 @@ def backend(cli: Cli) -> Iterator[Backend]:
         instance.close()
 
 
+def columns(text: str) -> list[dict[str, str]]:
+    """The rows of a table the CLI printed, by its header's column names (a cell may hold spaces)."""
+    header, *lines = text.rstrip().splitlines()
+    names = re.findall(r"\S+(?: \S+)*", header)
+    starts = [header.index(name) for name in names]
+    ends = [*starts[1:], None]
+    return [{n: line[a:b].strip() for n, a, b in zip(names, starts, ends, strict=True)} for line in lines]
+
+
 def key() -> str:
     return f"k-{uuid.uuid4().hex[:16]}"
 
@@ -163,6 +173,11 @@ def test_show_prints_a_completed_record_for_people_and_as_json(cli: Cli) -> None
     assert lines["key"] == k and lines["task_name"] == "shop.charge"
     assert lines["state"] == "COMPLETED" and lines["task_id"] == task_id
     assert "'charged': 100" in lines["result"]
+    # Times for people: ISO-8601 UTC with how long ago or ahead (the store server's clock), and the TTL
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ \(\d+(\.\d)? m?s ago\)", lines["created_at"]), lines
+    assert re.fullmatch(r"\S+Z \(in \d+ min( \d+ s)?\)", lines["expires_at"]), lines
+    assert lines["ttl_seconds"] == "600 (10 min)"  # LONG
+    assert "lease" not in lines  # a settled record has none
 
     view = cli.loads(as_json)
     assert view["state"] == "COMPLETED" and view["task_id"] == task_id and view["key"] == k
@@ -282,10 +297,25 @@ def test_list_by_state_is_case_insensitive_and_filters_by_task_and_limit(cli: Cl
     assert len(limited) == 2 and {r["key"] for r in limited} <= set(charges.values())
 
     assert completed.returncode == 0, completed.stderr
-    lines = completed.stdout.strip().splitlines()
+    header, *lines = completed.stdout.strip().splitlines()
+    assert header.split() == [
+        "STATE",
+        "TASK",
+        "SCOPE",
+        "KEY",
+        "TASK",
+        "ID",
+        "ATTEMPT",
+        "CHANGED",
+        "LEASE",
+        "LEFT",
+        "EXPIRES",
+        "IN",
+    ]
     assert len(lines) == 2
-    assert {line.split()[2] for line in lines} == set(done.values())  # task  scope  key  task_id  attempt
-    assert {line.split()[3] for line in lines} == set(done)
+    assert {line.split()[3] for line in lines} == set(done.values())  # state  task  scope  key  task_id ...
+    assert {line.split()[4] for line in lines} == set(done)
+    assert {line.split()[0] for line in lines} == {"COMPLETED"}
 
 
 # Regression: Redis used to cut at `limit` in SCAN order before sorting.
@@ -308,11 +338,39 @@ def test_list_of_an_empty_state(cli: Cli) -> None:
     assert cli.loads(as_json) == []
 
 
-def test_list_of_an_unknown_state_exits_2(cli: Cli) -> None:
+def test_list_of_an_unknown_state_exits_2_naming_the_states_on_one_line(cli: Cli) -> None:
     done = cli("list", "--state", "DONE")
     assert done.returncode == 2
-    assert "'DONE' is not one of" in done.stderr
-    assert "pending" in done.stderr.lower() and "completed" in done.stderr.lower()
+    assert "'DONE' is not a state; states: PENDING, IN_PROGRESS, COMPLETED, FAILED (or all)" in done.stderr
+
+
+def test_list_shows_every_state_by_default_under_a_header_and_filters_by_states_and_age(cli: Cli) -> None:
+    old = store_from_url(REDIS_URL, key_prefix=cli.prefix, clock=FakeClock(time.time() - 7200))
+    try:
+        aged = cli.running("shop.slow", key(), store=old, lease_seconds=LONG * 4)
+    finally:
+        old.close()
+    waiting = cli.pending("shop.charge", key())
+    done = cli.completed("shop.charge", key(), 1)
+    every, some, older, before = cli.parallel(
+        ("list",),
+        ("list", "--state", "pending,in_progress", "--json"),
+        ("list", "--older-than", "1h", "--json"),
+        ("--json", "list", "--state", "all"),  # --json before the command works too
+    )
+    rows = {row["TASK ID"]: row for row in columns(every.stdout)}
+    assert set(rows) == {aged, waiting, done}
+    assert rows[aged]["STATE"] == "IN_PROGRESS" and rows[aged]["CHANGED"] == "2 h"
+    assert rows[waiting]["STATE"] == "PENDING" and rows[done]["STATE"] == "COMPLETED"
+    assert rows[done]["LEASE LEFT"] == "-" and rows[aged]["LEASE LEFT"] != "-"  # a settled record has no lease
+    assert {r["task_id"] for r in cli.loads(some)} == {aged, waiting}
+    assert [r["task_id"] for r in cli.loads(older)] == [aged]
+    assert {r["task_id"] for r in cli.loads(before)} == {aged, waiting, done}
+
+
+def test_an_age_that_is_not_one_exits_2_saying_how_to_write_it(cli: Cli) -> None:
+    done = cli("list", "--older-than", "yesterday")
+    assert done.returncode == 2 and "'yesterday' is not an age; write it as 90s, 10m, 2h or 1d" in done.stderr
 
 
 def test_stats_counts_the_records_of_each_state(cli: Cli) -> None:
@@ -322,9 +380,19 @@ def test_stats_counts_the_records_of_each_state(cli: Cli) -> None:
     for i in range(2):
         cli.completed("shop.charge", key(), i)
     cli.failed("shop.declined", key(), "declined")
-    stats = cli.json("stats")
+    stats, human = cli.parallel(("stats", "--json"), ("stats",))
+    stats = cli.loads(stats)
     assert stats["records"] == {"PENDING": 3, "IN_PROGRESS": 1, "COMPLETED": 2, "FAILED": 1}
-    assert cli.prefix in stats["store"]
+    assert stats["store"] == REDIS_URL and stats["prefix"] == cli.prefix  # the URL, not the object's repr
+    assert stats["by_task"] == {
+        "shop.charge": {"PENDING": 3, "IN_PROGRESS": 0, "COMPLETED": 2, "FAILED": 0},
+        "shop.declined": {"PENDING": 0, "IN_PROGRESS": 0, "COMPLETED": 0, "FAILED": 1},
+        "shop.slow": {"PENDING": 0, "IN_PROGRESS": 1, "COMPLETED": 0, "FAILED": 0},
+    }
+    assert "celery_idem_events_total" in stats["counters"]  # where a prefork worker's counters are
+    lines = human.stdout.splitlines()
+    assert lines[0].split() == ["store", REDIS_URL] and "<" not in human.stdout
+    assert ["shop.charge", "3", "0", "2", "0"] in [line.split() for line in lines]
 
 
 # ---- reconcile ------------------------------------------------------------------------------------
@@ -354,6 +422,25 @@ def test_reconcile_dry_run_reports_and_changes_nothing(cli: Cli, backend: Backen
     assert (report["scanned"], report["completed"], report["released"], report["left"]) == (1, 1, 0, 0)
     after = cli.store.get(Identity("", "shop.charge", k))
     assert after is not None and after.state is State.IN_PROGRESS and after == before
+
+
+def test_reconcile_says_which_records_it_left_and_why_with_its_time_rounded(cli: Cli, backend: Backend) -> None:
+    stale_record(cli, backend)  # completed from the backend
+    past = store_from_url(REDIS_URL, key_prefix=cli.prefix, clock=FakeClock(time.time() - 120))
+    try:
+        k = key()
+        left = cli.running("shop.charge", k, store=past, lease_seconds=1)  # no evidence, within the grace
+    finally:
+        past.close()
+    human = cli("reconcile", "--dry-run")
+    assert human.returncode == 0, human.stderr
+    first, *rest = human.stdout.strip().splitlines()
+    assert re.fullmatch(
+        r"dry run in \d+(\.\d)? m?s: scanned=2, completed=1, failed=0, released=0, requeued=0, left=1, purged=0", first
+    )
+    assert "left as they were:" in rest
+    (row,) = [line for line in rest if left in line]
+    assert row.split()[:5] == ["shop.charge", "-", k, left, "IN_PROGRESS"] and "grace" in row
 
 
 def test_reconcile_completes_a_stale_record_whose_task_succeeded(cli: Cli, backend: Backend) -> None:

@@ -691,6 +691,20 @@ def test_count_by_state_counts_live_records(store: Store, clock) -> None:
     assert store.count_by_state()[State.COMPLETED] == 0
 
 
+def test_count_by_task_counts_live_records_of_each_task_in_each_state(store: Store, clock) -> None:
+    claim(store)  # shop.charge, PENDING
+    other = Identity("", "shop.refund", "r1")
+    t = store.acquire(other, FP, "t2", lease_seconds=LEASE_S, ttl_seconds=5)
+    assert t.record is not None
+    store.complete(other, t.record.owner, RESULT)
+    assert store.count_by_task() == {
+        "shop.charge": {State.PENDING: 1, State.IN_PROGRESS: 0, State.COMPLETED: 0, State.FAILED: 0},
+        "shop.refund": {State.PENDING: 0, State.IN_PROGRESS: 0, State.COMPLETED: 1, State.FAILED: 0},
+    }
+    clock.advance(6)  # the completed record's ttl ran out
+    assert list(store.count_by_task()) == ["shop.charge"]
+
+
 def test_purge_expired_frees_records_past_their_ttl_and_nothing_else(store: Store, clock) -> None:
     settle(store, State.COMPLETED)  # ttl TTL_S from now
     live = Identity("", "shop.charge", "live")
@@ -1004,3 +1018,5 @@ def test_a_store_of_ones_own_needs_only_the_atomic_operations_and_the_reconciler
         store.records()
     with pytest.raises(NotImplementedError, match="Minimal does not count its records"):
         store.count_by_state()
+    with pytest.raises(NotImplementedError, match="Minimal does not count its records by task"):
+        store.count_by_task()

@@ -145,6 +145,15 @@ class MemoryRecords(Store):
                     counts[record.state] += 1
             return counts
 
+    def _count_by_task(self) -> dict[tuple[str, State], int]:
+        with self._lock:
+            now = self._clock_now()
+            counts: dict[tuple[str, State], int] = {}
+            for record in self._by_identity.values():
+                if record.expires_at > now:
+                    counts[record.task_name, record.state] = counts.get((record.task_name, record.state), 0) + 1
+            return counts
+
     def _ping(self) -> None:
         return None
 

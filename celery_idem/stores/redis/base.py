@@ -9,6 +9,7 @@ somewhere else and hide the records written before.
 
 from __future__ import annotations
 
+import collections
 import re
 import zlib
 from collections.abc import Iterator
@@ -214,6 +215,9 @@ class RedisBase(Store):
         for record in self._scan():
             counts[record.state] += 1
         return counts
+
+    def _count_by_task(self) -> dict[tuple[str, State], int]:
+        return dict(collections.Counter((record.task_name, record.state) for record in self._scan()))
 
     # ---- notices -------------------------------------------------------------------------------
 

@@ -54,3 +54,15 @@ class SQLUpkeep(SQLBase):
         c = self.table.c
         query = sa.select(c.state_code, sa.func.count()).where(self._live_rows()).group_by(c.state_code)
         return {codec.state_of(state): int(n) for state, n in self._run(query, self._clock_params(), rows)}
+
+    def _count_by_task(self) -> dict[tuple[str, State], int]:
+        c = self.table.c
+        query = (
+            sa.select(c.task_name, c.state_code, sa.func.count())
+            .where(self._live_rows())
+            .group_by(c.task_name, c.state_code)
+        )
+        return {
+            (task_name, codec.state_of(state)): int(n)
+            for task_name, state, n in self._run(query, self._clock_params(), rows)
+        }
