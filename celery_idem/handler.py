@@ -123,13 +123,13 @@ class Handler(TaskCalls):
                     # outlived every trip back may never pass): the caller is told. The acquire that
                     # may have landed (reply lost) is given back whole, and so is the claim waiting
                     # under this task id, which no message will carry now.
-                    self.settle.give_back(identity, owner, settled_is_fine=True)
+                    self.settle.give_back(identity, owner, settled_is_fine=True, may_not_have_landed=True)
                     self.settle.give_back(identity, task_id, fence="task_id", settled_is_fine=True)
                     raise
                 # The acquire may have landed with only its reply lost: hand the record back to
                 # PENDING for the message kept below, or its copy would wait out a lease nobody holds.
                 pending = timing.pending_seconds(policy.pending_timeout_seconds, {}, request.expires)
-                self.settle.give_back(identity, owner, pending, settled_is_fine=True)
+                self.settle.give_back(identity, owner, pending, settled_is_fine=True, may_not_have_landed=True)
                 raise outage.keep_message(task, args, kwargs, exc, self.republish) from None
             record = taken.record
             assert record is not None

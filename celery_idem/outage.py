@@ -90,10 +90,11 @@ def keep_message(
     surprises = min(trips(request, SURPRISES_HEADER) + exc.unexpected, MAX_TRIPS)
     delay = countdown(waits)
     logger.error(
-        "store unavailable: task %s (%s) not run, back to the broker in %gs (on_store_error='raise')",
+        "store unavailable: task %s (%s) not run, back to the broker in %gs: %s",
         task.name,
         request.id,
         delay,
+        exc,
     )
     counts = {OUTAGE_HEADER: min(waits + 1, MAX_TRIPS), **({SURPRISES_HEADER: surprises} if surprises else {})}
     republish(args, kwargs, countdown=delay, headers={**(headers or {}), **counts})

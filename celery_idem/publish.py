@@ -115,7 +115,7 @@ def publish(
         if not idem.proceed_unprotected("claim", identity, task_id):
             # The claim may have landed with only its reply lost: a PENDING record under a task
             # id no message will carry would hand every retry of the key that id. Give it back.
-            settle.give_back(identity, claim_token, settled_is_fine=True)
+            settle.give_back(identity, claim_token, settled_is_fine=True, may_not_have_landed=True)
             raise
         return bind_handle(send(args, kwargs, options), identity, idem, deduplicated=False)
     idem.count("claims")

@@ -16,7 +16,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from pydantic import ValidationError
@@ -264,6 +264,9 @@ def settings_of(app: Any, keywords: dict[str, Any]) -> IdempotencySettings:
         }
         hints = ", ".join(f"{k}" + (f" (did you mean idempotency_{g[0]}?)" if g else "") for k, g in guesses.items())
         raise ConfigurationError(f"unknown celery-idem setting in app.conf: {hints}")
+    unread = sorted(filter(None, (_unread(app, str(key), known) for key in app.conf.keys())))
+    if unread:
+        raise ConfigurationError(f"celery-idem settings in app.conf that it never reads: {'; '.join(unread)}")
     values: dict[str, Any] = {}
     for name in known:
         conf_value = app.conf.get(f"idempotency_{name}")
@@ -274,6 +277,33 @@ def settings_of(app: Any, keywords: dict[str, Any]) -> IdempotencySettings:
         return IdempotencySettings(**values)
     except ValidationError as exc:
         raise invalid_settings(f"celery-idem settings of app {app.main!r}", exc) from None
+
+
+def _unread(app: Any, key: str, known: Collection[str]) -> str | None:
+    """What is wrong with ``key``, when it looks like a celery-idem setting written in a way this app
+    never reads (the case, or a prefix of a namespace the app does not have); None for any other key.
+
+    Under a namespace only a key that names (or nearly names) one of ours counts, as a Django
+    project's own settings (``IDEMPOTENCY_HEADER``) sit in the same ``app.conf``.
+    """
+    namespace = str(getattr(app, "namespace", None) or "").rstrip("_").upper()
+    parts = key.lower().split("_")
+    if parts[0] in ("celery", namespace.lower()):
+        parts = parts[1:]
+    if len(parts) < 2 or parts[0] != "idempotency":
+        return None
+    name = "_".join(parts[1:])
+    if key == f"idempotency_{name}":
+        return None  # as set in code, read under any namespace (a misspelt one is reported as unknown)
+    if name not in known and not difflib.get_close_matches(name, known, n=1, cutoff=0.8):
+        return None
+    guess = name if name in known else difflib.get_close_matches(name, known, n=1, cutoff=0.8)[0]
+    if namespace:
+        wanted = f"{namespace}_IDEMPOTENCY_{guess.upper()}"
+        if key == wanted or (key.startswith(f"{namespace}_") and key == key.upper()):
+            return None  # read (a misspelt one is reported as unknown)
+        return f"{key} (the app reads its settings under namespace {namespace!r} in upper case: {wanted})"
+    return f"{key} (celery-idem reads idempotency_{guess}, in lower case, from an app without a namespace)"
 
 
 def _setting_name(app: Any) -> Callable[[str], str]:

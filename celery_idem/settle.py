@@ -55,13 +55,21 @@ class Settler:
         *,
         fence: Fence = "owner",
         settled_is_fine: bool = False,
+        may_not_have_landed: bool = False,
     ) -> None:
-        """Release under ``token``; a store error here is logged, never raised over the real error."""
+        """Release under ``token``; a store error here is logged, never raised over the real error.
+
+        ``may_not_have_landed``: what is given back is a claim or acquire whose reply the store's
+        outage lost; failing to give it back is then logged at DEBUG, the outage being reported
+        already (a record that may not exist is no news of its own)."""
         try:
             answer = self.idem.store.release(identity, token, pending_seconds=pending_seconds, fence=fence)
         except IdempotencyError as exc:
-            logger.warning(
-                "could not release %s: %s; it frees itself when its lease runs out", telemetry.shown(identity), exc
+            logger.log(
+                logging.DEBUG if may_not_have_landed else logging.WARNING,
+                "could not release %s: %s; it frees itself when its lease runs out",
+                telemetry.shown(identity),
+                exc,
             )
             self.idem.count("store_errors")
             return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 from typing import Any
 
@@ -442,6 +443,29 @@ def test_a_misspelt_setting_given_in_code_on_a_namespaced_app_is_refused() -> No
     app.config_from_object(SimpleNamespace(CELERY_TASK_ALWAYS_EAGER=True), namespace="CELERY")
     app.conf.idempotency_ttl = 600  # meant idempotency_ttl_seconds
     with pytest.raises(ConfigurationError, match=r"idempotency_ttl \(did you mean idempotency_ttl_seconds\?\)"):
+        Idempotency(app).settings  # noqa: B018
+
+
+@pytest.mark.parametrize(
+    ("namespace", "key", "reads"),
+    [
+        (None, "IDEMPOTENCY_LEASE_SECONDS", "celery-idem reads idempotency_lease_seconds, in lower case"),
+        (None, "CELERY_IDEMPOTENCY_LEASE_SECOND", "celery-idem reads idempotency_lease_seconds, in lower case"),
+        ("CELERY", "IDEMPOTENCY_LEASE_SECONDS", "in upper case: CELERY_IDEMPOTENCY_LEASE_SECONDS"),
+        ("CELERY", "IDEMPOTENCY_LEASE_SECOND", "in upper case: CELERY_IDEMPOTENCY_LEASE_SECONDS"),
+        ("CELERY", "celery_idempotency_ttl_seconds", "in upper case: CELERY_IDEMPOTENCY_TTL_SECONDS"),
+    ],
+)
+def test_a_setting_written_in_a_case_or_prefix_the_app_never_reads_is_refused(
+    namespace: str | None, key: str, reads: str
+) -> None:
+    # Celery reads a namespaced app's settings in upper case only, and an app without a namespace's in
+    # lower case: any other spelling of one of ours was silently ignored.
+    from types import SimpleNamespace
+
+    app = Celery("case", set_as_current=False)
+    app.config_from_object(SimpleNamespace(**{key: 30}), namespace=namespace)
+    with pytest.raises(ConfigurationError, match=re.escape(f"it never reads: {key} (") + ".*" + re.escape(reads)):
         Idempotency(app).settings  # noqa: B018
 
 

@@ -194,3 +194,15 @@ def test_proceeding_unprotected_is_one_line_per_store_call_and_one_traceback_a_m
     tracebacks = [r for r in logged.records if r.exc_info]
     assert len(tracebacks) == 1 and tracebacks[0].levelno == logging.DEBUG
     assert_no_key(logged, KEY)
+
+
+def test_a_store_outage_is_told_to_the_caller_and_logs_no_warning_of_its_own(
+    app: Celery, calls: list[Any], logged: Logged
+) -> None:
+    Idempotency(app, store="redis://127.0.0.1:1/0", store_timeout_seconds=0.5)  # nothing listens: refused
+    signup = signup_task(app, calls)
+    with pytest.raises(StoreUnavailableError, match=r"ConnectionError: .*\(after \d+\.\d\ds, timeout 0\.5s\)"):
+        signup.apply_async(("frank", "gold"), idempotency_key=KEY)
+    # The claim may have landed with its reply lost: giving it back fails too, which is no news.
+    assert [r.getMessage() for r in logged.records if r.levelno >= logging.WARNING] == []
+    assert calls == []

@@ -256,6 +256,12 @@ def test_store_down_at_the_worker_keeps_the_message_until_the_store_answers(work
         wait_for(lambda: worker.output().count("back to the broker") >= 3, "three store-outage retries")
         assert int(counter.get(effects_key(prefix, "shop.charge", key)) or 0) == 0
         assert result.state == "RETRY"
+        # And each trip is one line of ours saying what the store answered and how long it took: no
+        # warning about giving back an acquire that never landed, no traceback, no advice to run
+        # unprotected (docs/operations.md, Logs)
+        trips = [line for line in worker.output().splitlines() if "back to the broker" in line]
+        assert all(re.search(r"ConnectionError: .*\(after \d+\.\d\ds, timeout 0\.5s\)", t) for t in trips), trips
+        assert "could not release" not in worker.output() and "proceed" not in worker.output()
         # And once the store answers, it runs exactly once
         comes_back.open()
         assert result.get(timeout=GET + 30)["charged"] == 10
