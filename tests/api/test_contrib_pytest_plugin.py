@@ -77,7 +77,9 @@ def user(pytester: pytest.Pytester) -> pytest.Pytester:
     return pytester
 
 
-def test_a_users_tests_assert_what_celery_idem_decided(user: pytest.Pytester) -> None:
+# Case (c), our plugin alone, and case (a), beside pytest-celery's plugin (which loads itself when installed).
+@pytest.mark.parametrize("plugins", [WITHOUT_PYTEST_CELERY, ()], ids=["alone", "with-pytest-celery"])
+def test_a_users_tests_assert_what_celery_idem_decided(user: pytest.Pytester, plugins: tuple[str, ...]) -> None:
     user.makepyfile(
         test_charge="""
         import pytest
@@ -128,8 +130,10 @@ def test_a_users_tests_assert_what_celery_idem_decided(user: pytest.Pytester) ->
             assert Idempotency.of(app) is ORIGINAL
         """
     )
-    result = user.runpytest()
+    result = user.runpytest(*plugins)
     result.assert_outcomes(passed=5)
+    loaded = [line for line in result.outlines if line.startswith("plugins:")]
+    assert ("celery-1." in "".join(loaded)) is not bool(plugins), loaded
 
 
 def test_a_failed_assertion_says_what_happened_instead(user: pytest.Pytester) -> None:
