@@ -241,8 +241,11 @@ def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]
         yield url
 
 
-# The celery_app / celery_worker fixtures users test their own tasks with (tests/worker/test_contrib_pytest.py).
-pytest_plugins = ("celery.contrib.pytest",)
+# The celery_app / celery_worker fixtures users test their own tasks with (tests/worker/test_contrib_pytest.py),
+# and ours beside them, as docs/guides/testing.md tells users with pytest-celery installed (it is, in dev) to
+# enable them: celery.contrib.pytest's in-process celery_worker, registered here after pytest-celery's plugin,
+# is the one tests get; tests/smoke builds pytest-celery's worker cluster without that name.
+pytest_plugins = ("celery.contrib.pytest", "celery_idem.contrib.pytest")
 
 
 # ---- a hostile record: a pickle whose loading runs code ------------------------------------------

@@ -7,10 +7,12 @@ loaded into projects that do not ask for it)::
     pytest_plugins = ["celery_idem.contrib.pytest"]
 
 Its fixtures are named ``idem*``, so they never clash with ``celery.contrib.pytest`` or
-pytest-celery:
+pytest-celery, and it imports neither: it asks for their fixtures by name, so it works beside
+either, both, or none (docs/guides/testing.md gives the settings for both at once):
 
-- ``idem_app``: the Celery app under test. Override it to return your app; with
-  ``celery.contrib.pytest`` enabled it is that plugin's ``celery_app``.
+- ``idem_app``: the Celery app under test. Override it to return your app. Otherwise, in a test
+  that uses pytest-celery's ``celery_setup``, it is that setup's app; else, with
+  ``celery.contrib.pytest``'s fixtures loaded (pytest-celery loads them too), its ``celery_app``.
 - ``idem_store``: the store of the test, a fresh :class:`~celery_idem.MemoryStore` (override it
   to give it a clock, or to test against your Redis).
 - ``idem_settings``: more ``Idempotency(app, ...)`` settings for the test (default: none).
@@ -154,10 +156,19 @@ class IdempotencyFixture(IdempotencyRecorder):
         return deliver(self.app, message)
 
 
+# pytest-celery's fixture of a test's whole setup (its ``.app`` publishes to the setup's containers).
+# Its plugin also loads celery.contrib.pytest's fixtures, so celery_app exists beside it: a test built
+# on celery_setup must get the setup's app, not that unrelated one.
+PYTEST_CELERY_SETUP = "celery_setup"
+
+
 @pytest.fixture
 def idem_app(request: pytest.FixtureRequest) -> Any:
-    """The Celery app under test: override it in your conftest.py to return your app. With
-    ``celery.contrib.pytest`` enabled, it is that plugin's ``celery_app``."""
+    """The Celery app under test: override it in your conftest.py to return your app. In a test that
+    uses pytest-celery's ``celery_setup``, it is that setup's app; else, with ``celery.contrib.pytest``'s
+    fixtures loaded (by that plugin, or by pytest-celery's), it is ``celery_app``."""
+    if PYTEST_CELERY_SETUP in request.fixturenames:
+        return request.getfixturevalue(PYTEST_CELERY_SETUP).app
     try:
         return request.getfixturevalue("celery_app")
     except pytest.FixtureLookupError:
