@@ -230,11 +230,12 @@ def test_duplicate_calls_are_deduplicated(deployment: Deployment) -> None:
 
 def test_a_child_killed_after_its_commit_charges_once(deployment: Deployment) -> None:
     k = key("kill")
-    # Given a charge whose child is SIGKILLed after the ledger's commit, before its outcome is stored
-    handle = deployment.pay(k, 7, hold=60, hold_at="after")
+    # Given a charge, sent with a countdown (on RabbitMQ: a message of the delayed delivery queues),
+    # whose child is SIGKILLed after the ledger's commit, before its outcome is stored
+    handle = deployment.pay(k, 7, hold=60, hold_at="after", countdown=1)
     wait_for(lambda: deployment.counter.get(f"{runs_key(deployment.prefix, k)}:committed"), "the commit", GET)
     os.kill(deployment.pid(k), signal.SIGKILL)
-    # Then the message goes back (task_reject_on_worker_lost); the copy finds the committed payment
+    # Then the broker delivers the message again (task_reject_on_worker_lost); the copy finds the committed payment
     # in the ledger and settles the record with it instead of running the body again: one row, one
     # run, and every caller gets that payment
     value = handle.get(timeout=GET)  # (the ledger may answer it before the copy is delivered)
