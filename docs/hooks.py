@@ -25,6 +25,12 @@ What this file does to each page's Markdown before MkDocs renders it:
    and store. On the page the title is shown as ``NAME.py · runs as is`` (or
    ``· runs with pytest``). The titles are plain ``python`` fences, so ``ruff format`` formats
    these blocks like every other Python block in the docs.
+
+4. **Included files.** A fenced block between ``<!-- include: PATH -->`` and ``<!-- end-include -->``
+   (PATH relative to the repository root) must hold exactly that file: the page shows it as the
+   repository has it (readable on GitHub too), and the build fails when the two differ.
+   tests/docs/test_docs.py checks it as well; ``CELERY_IDEM_WRITE_INCLUDES=1 python -m pytest
+   tests/docs/test_docs.py -k included`` rewrites the blocks from the files.
 """
 
 from __future__ import annotations
@@ -164,10 +170,41 @@ def _runnable_title(match: re.Match[str]) -> str:
     return f'{match["head"]}title="{match["name"]} · {RUNNABLE_LABEL[match["kind"]]}"'
 
 
+# ---- 4. included files ---------------------------------------------------------------------------
+
+INCLUDED = re.compile(
+    r"^<!-- include: (?P<path>\S+) -->\n(?P<fence>`{3,})(?P<info>[^\n]*)\n"
+    r"(?P<body>.*?)^(?P=fence)\n<!-- end-include -->$",
+    flags=re.MULTILINE | re.DOTALL,
+)
+
+
+def include_drift(markdown: str) -> list[str]:
+    """The included files whose block in ``markdown`` is not what the file holds."""
+    return [m["path"] for m in INCLUDED.finditer(markdown) if (ROOT / m["path"]).read_text("utf-8") != m["body"]]
+
+
+def rewrite_includes(markdown: str) -> str:
+    """``markdown`` with every included block holding its file again."""
+
+    def fresh(match: re.Match[str]) -> str:
+        body = (ROOT / match["path"]).read_text("utf-8")
+        opening = f"<!-- include: {match['path']} -->\n{match['fence']}{match['info']}\n"
+        return f"{opening}{body}{match['fence']}\n<!-- end-include -->"
+
+    return INCLUDED.sub(fresh, markdown)
+
+
 # ---- the hook --------------------------------------------------------------------------------------
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
+    drifted = include_drift(markdown)
+    if drifted:
+        raise PluginError(
+            f"{page.file.src_path}: the blocks of {drifted} are not what the files hold; rewrite them with "
+            "CELERY_IDEM_WRITE_INCLUDES=1 python -m pytest tests/docs/test_docs.py -k included"
+        )
     markdown = CONFIG_MARKER.sub(lambda m: config_table(m["model"]), markdown)
     if BENCHMARKS_MARKER in markdown:
         markdown = markdown.replace(BENCHMARKS_MARKER, benchmarks_results())

@@ -4,6 +4,8 @@ Servers come from the environment (defaults: the loopback services of the dev ma
 
 - ``CELERY_IDEM_TEST_REDIS_URL``     redis://127.0.0.1:6379/15
 - ``CELERY_IDEM_TEST_POSTGRES_URL``  postgresql+psycopg://postgres@127.0.0.1:5432/test
+- ``CELERY_IDEM_TEST_RABBITMQ_URL``  amqp://guest:guest@127.0.0.1:5672// (a vhost of one's own keeps
+  the queues and the native delayed delivery exchanges of concurrent runs apart)
 - ``CELERY_IDEM_TEST_MARIADB_URL``   mysql://root@127.0.0.1:3306/test (its server: the store kind
   ``mariadb`` uses a database of each test process's own, ``idem_<pid>``, created on first use and
   dropped when the process ends)
@@ -36,7 +38,7 @@ MARIADB_URL = (
     f"@{_MARIA.hostname}:{_MARIA.port or 3306}/{MARIADB_DATABASE}"
 )
 
-RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
+RABBITMQ_URL = os.environ.get("CELERY_IDEM_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672//")
 
 STORE_KINDS = ("memory", "sqlite", "redis", "postgresql", "mariadb")
 # The django:// store on each database of tests/django_project.py (kind -> its alias).

@@ -87,6 +87,32 @@ def test_the_endings_table_in_the_docs_is_the_matrix() -> None:
     )
 
 
+def test_the_included_files_in_the_docs_are_the_files() -> None:
+    # A block between <!-- include: PATH --> and <!-- end-include --> shows the file as the repository
+    # holds it (docs/hooks.py, which also fails the build on a difference); with
+    # CELERY_IDEM_WRITE_INCLUDES=1 this rewrites the blocks from the files instead.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_hooks", REPO / "docs" / "hooks.py")
+    assert spec is not None and spec.loader is not None
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    drifted, including = [], []
+    for page in sorted((REPO / "docs").rglob("*.md")):
+        markdown = page.read_text("utf-8")
+        if hooks.INCLUDED.search(markdown):
+            including.append(page.name)
+        if os.environ.get("CELERY_IDEM_WRITE_INCLUDES"):
+            page.write_text(hooks.rewrite_includes(markdown), "utf-8")
+            markdown = page.read_text("utf-8")
+        drifted += [f"{page.relative_to(REPO)}: {path}" for path in hooks.include_drift(markdown)]
+    assert "production.md" in including  # the recommended configuration is shown by inclusion
+    assert not drifted, (
+        f"included blocks differ from their files: {drifted}; rewrite them with "
+        "CELERY_IDEM_WRITE_INCLUDES=1 python -m pytest tests/docs/test_docs.py -k included"
+    )
+
+
 # ---- what the stores page tells operators is what the code does ----------------------------------
 
 STORES_PAGE = REPO / "docs" / "stores.md"

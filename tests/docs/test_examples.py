@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 import pytest
 import sqlalchemy as sa
 import yaml
-from conftest import IN_CI, POSTGRES_URL, REDIS_URL, require_server, wipe
+from conftest import IN_CI, POSTGRES_URL, RABBITMQ_URL, REDIS_URL, require_server, wipe
 from workers import BACKEND, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +37,6 @@ from examples.payments import tasks as payment_tasks  # noqa: E402
 from examples.payments.config import Config as PaymentsConfig  # noqa: E402
 from examples.payments.web import create_app  # noqa: E402
 
-RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
 REDIS_BROKER = "redis://127.0.0.1:6379/14"
 GET = 20  # seconds a test waits for an outcome
 

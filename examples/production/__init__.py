@@ -1,0 +1,1 @@
+"""The recommended production configuration (docs/guides/production.md)."""
