@@ -290,6 +290,7 @@ LONGEST_FIRST = (
     "recovery/test_reconciler.py",
     "docs/test_docs.py",
     "docs/test_demo.py",
+    "worker/test_production_config.py",
     "worker/test_busy_duplicates.py",
     "worker/test_prefork.py",
     "stores/test_store_races.py",
