@@ -42,6 +42,8 @@ from workers import Worker, wait_for
 
 from celery_idem import Idempotency, InvalidKeyError, PayloadMismatchError, State
 from celery_idem.ledger import Ledger
+from celery_idem.records import Identity
+from celery_idem.telemetry import key_hash
 
 pytestmark = pytest.mark.slow
 CONFIG = Path(__file__).resolve().parents[2] / "examples" / "production" / "celeryconfig.py"
@@ -242,7 +244,11 @@ def test_a_child_killed_after_its_commit_charges_once(deployment: Deployment) ->
     wait_for(lambda: deployment.state(k) is State.COMPLETED, "the copy to settle the record", GET)
     assert deployment.rows(k) == [value["payment_id"]]
     assert deployment.runs(k) == 1
-    assert f"prod.pay/{k}: the earlier attempt {handle.id} completed (ledger)" in deployment.workers["main"].output()
+    hashed = key_hash(Identity("", PAY, k))  # log lines name a key by its hash (docs/operations.md, Logs)
+    assert (
+        f"{PAY} (key_hash={hashed}): the earlier attempt {handle.id} completed (ledger)"
+        in deployment.workers["main"].output()
+    )
     assert AsyncResult(handle.id, app=deployment.app).get(timeout=GET) == value
     again = deployment.pay(k, 7, hold=60, hold_at="after")
     assert again.deduplicated and again.id == handle.id and again.get(timeout=GET) == value
@@ -271,11 +277,14 @@ def test_countdown_and_eta_calls_are_claimed_at_publish_and_run_once(deployment:
     main = deployment.workers["main"]
 
     def decisions() -> list[str]:  # the worker's decision lines about the countdown call's task id
-        return [line for line in main.output().splitlines() if f" task_id={first.id} " in line]
+        lines = main.output().splitlines()
+        return [line for line in lines if f" task_id={first.id} " in line and "] ENDED " not in line]
 
     wait_for(lambda: len(decisions()) >= 2, "the copy to be delivered", GET)
     # The copy found its task id settled: it replayed the outcome quietly, without running the body
-    assert "] RUN key=" in decisions()[0] and "] REPLAY key=" in decisions()[1], decisions()
+    hashed = key_hash(Identity("", PAY, by_countdown))
+    assert f"] RUN {PAY} (key_hash={hashed})" in decisions()[0], decisions()
+    assert f"] REPLAY {PAY} (key_hash={hashed})" in decisions()[-1], decisions()
     # Then each body ran once, not before its time, and one payment each
     for k, value in ((by_countdown, values[0]), (by_eta, values[1])):
         assert deployment.runs(k) == 1, f"{k} ran {deployment.runs(k)} times"
