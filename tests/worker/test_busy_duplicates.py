@@ -176,7 +176,7 @@ def test_a_duplicate_waiting_in_its_slot_leaves_it_once_the_call_it_waits_for_re
         moving, slow = app.tasks["shop.moving_slowly"], app.tasks["shop.slow"]
         started = time.monotonic()
         result = group(moving.s(7), moving.s(7)).apply_async()
-        wait_for(lambda: "BUSY key=" in worker.output(), "the duplicate member to meet the running call")
+        wait_for(lambda: "] BUSY " in worker.output(), "the duplicate member to meet the running call")
         blocker = slow.apply_async((12,), idempotency_key=f"{prefix}-blocker")
         # When the call replaces itself while its duplicate waits in the other slot
         # Then the duplicate leaves its slot for the replacement (the record names no running
