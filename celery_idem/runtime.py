@@ -16,6 +16,7 @@ import logging
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -264,9 +265,14 @@ def settings_of(app: Any, keywords: dict[str, Any]) -> IdempotencySettings:
         }
         hints = ", ".join(f"{k}" + (f" (did you mean idempotency_{g[0]}?)" if g else "") for k, g in guesses.items())
         raise ConfigurationError(f"unknown celery-idem setting in app.conf: {hints}")
-    unread = sorted(filter(None, (_unread(app, str(key), known) for key in app.conf.keys())))
-    if unread:
-        raise ConfigurationError(f"celery-idem settings in app.conf that it never reads: {'; '.join(unread)}")
+    unread = [found for key in app.conf.keys() if (found := _unread(app, str(key), known)) is not None]
+    refused = sorted(text for text, certain in unread if certain)
+    if refused:
+        raise ConfigurationError(f"celery-idem settings in app.conf that it never reads: {'; '.join(refused)}")
+    warned = _WARNED.setdefault(app, set())  # settings can be computed twice (computed_once)
+    for text in sorted(text for text, certain in unread if not certain and text not in warned):
+        warned.add(text)
+        logger.warning("a setting in app.conf that celery-idem never reads: %s", text)
     values: dict[str, Any] = {}
     for name in known:
         conf_value = app.conf.get(f"idempotency_{name}")
@@ -279,12 +285,17 @@ def settings_of(app: Any, keywords: dict[str, Any]) -> IdempotencySettings:
         raise invalid_settings(f"celery-idem settings of app {app.main!r}", exc) from None
 
 
-def _unread(app: Any, key: str, known: Collection[str]) -> str | None:
-    """What is wrong with ``key``, when it looks like a celery-idem setting written in a way this app
-    never reads (the case, or a prefix of a namespace the app does not have); None for any other key.
+_WARNED: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
 
-    Under a namespace only a key that names (or nearly names) one of ours counts, as a Django
-    project's own settings (``IDEMPOTENCY_HEADER``) sit in the same ``app.conf``.
+
+def _unread(app: Any, key: str, known: Collection[str]) -> tuple[str, bool] | None:
+    """What is wrong with ``key``, when it looks like a celery-idem setting written in a way this app
+    never reads (the case, or a prefix of a namespace the app does not have), and whether that is
+    certain; None for any other key.
+
+    Only a key that names (or nearly names) one of ours counts. Under a namespace a key without its
+    prefix (``IDEMPOTENCY_STORE`` under ``CELERY``) is not certain: a Django project's own settings
+    sit in the same ``app.conf``, and one of them may share a name with ours (a warning, then).
     """
     namespace = str(getattr(app, "namespace", None) or "").rstrip("_").upper()
     parts = key.lower().split("_")
@@ -302,8 +313,9 @@ def _unread(app: Any, key: str, known: Collection[str]) -> str | None:
         wanted = f"{namespace}_IDEMPOTENCY_{guess.upper()}"
         if key == wanted or (key.startswith(f"{namespace}_") and key == key.upper()):
             return None  # read (a misspelt one is reported as unknown)
-        return f"{key} (the app reads its settings under namespace {namespace!r} in upper case: {wanted})"
-    return f"{key} (celery-idem reads idempotency_{guess}, in lower case, from an app without a namespace)"
+        text = f"{key} (the app reads its settings under namespace {namespace!r} in upper case: {wanted})"
+        return text, key.lower().startswith(f"{namespace.lower()}_")
+    return f"{key} (celery-idem reads idempotency_{guess}, in lower case, from an app without a namespace)", True
 
 
 def _setting_name(app: Any) -> Callable[[str], str]:

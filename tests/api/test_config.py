@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import socket
 from typing import Any
@@ -451,8 +452,6 @@ def test_a_misspelt_setting_given_in_code_on_a_namespaced_app_is_refused() -> No
     [
         (None, "IDEMPOTENCY_LEASE_SECONDS", "celery-idem reads idempotency_lease_seconds, in lower case"),
         (None, "CELERY_IDEMPOTENCY_LEASE_SECOND", "celery-idem reads idempotency_lease_seconds, in lower case"),
-        ("CELERY", "IDEMPOTENCY_LEASE_SECONDS", "in upper case: CELERY_IDEMPOTENCY_LEASE_SECONDS"),
-        ("CELERY", "IDEMPOTENCY_LEASE_SECOND", "in upper case: CELERY_IDEMPOTENCY_LEASE_SECONDS"),
         ("CELERY", "celery_idempotency_ttl_seconds", "in upper case: CELERY_IDEMPOTENCY_TTL_SECONDS"),
     ],
 )
@@ -467,6 +466,23 @@ def test_a_setting_written_in_a_case_or_prefix_the_app_never_reads_is_refused(
     app.config_from_object(SimpleNamespace(**{key: 30}), namespace=namespace)
     with pytest.raises(ConfigurationError, match=re.escape(f"it never reads: {key} (") + ".*" + re.escape(reads)):
         Idempotency(app).settings  # noqa: B018
+
+
+@pytest.mark.parametrize("key", ["IDEMPOTENCY_LEASE_SECONDS", "IDEMPOTENCY_LEASE_SECOND"])
+def test_a_setting_of_ours_without_the_namespace_is_warned_of_as_it_may_be_the_projects_own(
+    key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Under Django's namespace app.conf holds every project setting: IDEMPOTENCY_LEASE_SECONDS may be
+    # one of the project's own, so it is a warning, not a refusal to start.
+    from types import SimpleNamespace
+
+    app = Celery("no-prefix", set_as_current=False)
+    app.config_from_object(SimpleNamespace(**{key: 5, "CELERY_TASK_ALWAYS_EAGER": True}), namespace="CELERY")
+    with caplog.at_level(logging.WARNING, logger="celery_idem"):
+        assert Idempotency(app).settings.lease_seconds == 30  # not read
+    (warned,) = [r.getMessage() for r in caplog.records if "never reads" in r.getMessage()]
+    assert f"{key} (the app reads its settings under namespace 'CELERY' in upper case: " in warned
+    assert warned.endswith("CELERY_IDEMPOTENCY_LEASE_SECONDS)")
 
 
 def test_installing_the_extension_does_not_configure_the_app_before_its_on_after_configure_handlers() -> None:
