@@ -6,6 +6,8 @@ log lines and SQL rows as given, so nothing in it may split, hide or reorder wha
 
 from __future__ import annotations
 
+import uuid
+
 from .errors import InvalidKeyError
 from .records import Identity
 
@@ -27,7 +29,13 @@ def validate_key(value: object, *, what: str = "idempotency key") -> str:
     if type(value) is str and 0 < len(value) <= MAX_KEY_LENGTH and value.isprintable() and " " not in value:
         return value
     if not isinstance(value, str):
-        raise InvalidKeyError(f"{what} must be a str of {_RULE}; got {type(value).__name__}")
+        # A number or a UUID is a key once made text: say how, where the type is one str() keeps whole.
+        hint = (
+            f"; pass str(...) of it, e.g. {str(value)!r}"
+            if isinstance(value, (int, uuid.UUID)) and not isinstance(value, bool)
+            else ""
+        )
+        raise InvalidKeyError(f"{what} must be a str of {_RULE}; got {type(value).__name__}{hint}")
     if not value:
         raise InvalidKeyError(f"{what} must be {_RULE}; got an empty string")
     if len(value) > MAX_KEY_LENGTH:

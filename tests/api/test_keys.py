@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import sys
+import uuid
 
 import pytest
 from hypothesis import given, settings
@@ -29,18 +30,27 @@ valid_keys = st.text(valid_chars, min_size=1, max_size=255)
 # --- the type rule -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("value", "type_name"), [(42, "int"), (b"order-42", "bytes"), (None, "NoneType")])
-def test_non_str_key_is_rejected_naming_the_type(value: object, type_name: str) -> None:
+@pytest.mark.parametrize(
+    ("value", "ending"),
+    [
+        (42, "got int; pass str(...) of it, e.g. '42'"),
+        (uuid.UUID(int=7), "got UUID; pass str(...) of it, e.g. '00000000-0000-0000-0000-000000000007'"),
+        (True, "got bool"),  # an int to Python, never a key anyone meant
+        (b"order-42", "got bytes"),
+        (None, "got NoneType"),
+    ],
+)
+def test_non_str_key_is_rejected_naming_the_type_and_for_a_number_how_to_pass_it(value: object, ending: str) -> None:
     with pytest.raises(InvalidKeyError) as excinfo:
         validate_key(value)
 
     message = str(excinfo.value)
     assert message.startswith("idempotency key must be a str")
     assert RULE in message
-    assert message.endswith(f"got {type_name}")
+    assert message.endswith(ending)
 
 
-@pytest.mark.parametrize(("value", "type_name"), [(42, "int"), (b"tenant-a", "bytes")])
+@pytest.mark.parametrize(("value", "type_name"), [(42, "int; pass str(...) of it, e.g. '42'"), (b"tenant-a", "bytes")])
 def test_non_str_scope_is_rejected_naming_scope_and_type(value: object, type_name: str) -> None:
     with pytest.raises(InvalidKeyError) as excinfo:
         validate_scope(value)
