@@ -23,6 +23,27 @@ def readme_commands() -> list[str]:
     return [line for line in block.group(1).splitlines() if line.strip()]
 
 
+def test_every_path_the_status_table_names_exists() -> None:
+    text = (REPO / "README.md").read_text()
+    table = text.split("## Status", 1)[1].split("\n## ", 1)[0]
+    named = re.findall(r"`([\w./-]+\.(?:py|json|yml|md))`|`([\w./-]+/)`|\]\(([\w./-]+)\)", table)
+    paths = [next(part for part in found if part) for found in named]
+    assert len(paths) >= 8, table
+    assert [p for p in paths if not (REPO / p).exists()] == []
+
+
+def test_the_readme_names_every_field_of_the_reconcile_report() -> None:
+    from celery_idem import ReconcileReport
+
+    text = (REPO / "README.md").read_text()
+    listed = re.search(r"It returns a `ReconcileReport` \(([^)]*)\)", text, re.S)
+    assert listed, "the README lost its list of the report's fields"
+    words = set(re.findall(r"[a-z_]+", listed.group(1)))
+    fields = set(ReconcileReport.model_fields) - {"dry_run", "left_records"}  # said in words: "the records it left"
+    assert fields <= words, fields - words
+    assert "left with why" in " ".join(listed.group(1).split())
+
+
 def test_the_readme_has_exactly_two_commands() -> None:
     commands = readme_commands()
     assert len(commands) == 2
