@@ -1,14 +1,8 @@
 """Shared fixtures: one ``store`` fixture over every store, real servers, a fake clock.
 
-Servers come from the environment (defaults: the loopback services of the dev machine):
-
-- ``CELERY_IDEM_TEST_REDIS_URL``     redis://127.0.0.1:6379/15
-- ``CELERY_IDEM_TEST_POSTGRES_URL``  postgresql+psycopg://postgres@127.0.0.1:5432/test
-- ``CELERY_IDEM_TEST_RABBITMQ_URL``  amqp://guest:guest@127.0.0.1:5672// (a vhost of one's own keeps
-  the queues and the native delayed delivery exchanges of concurrent runs apart)
-- ``CELERY_IDEM_TEST_MARIADB_URL``   mysql://root@127.0.0.1:3306/test (its server: the store kind
-  ``mariadb`` uses a database of each test process's own, ``idem_<pid>``, created on first use and
-  dropped when the process ends)
+Servers come from the environment, all read in tests/addresses.py. The store kind ``mariadb`` uses a
+database of each test process's own on the MariaDB server, ``idem_<pid>``, created on first use and
+dropped when the process ends.
 
 A test that needs a server which is down is skipped with the reason locally, and fails in CI
 (``CI=true``): CI must never go green by skipping the real thing.
@@ -25,20 +19,26 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+from addresses import (  # noqa: F401 - re-exported: tests import the addresses from here too
+    MARIADB_SERVER_URL,
+    POSTGRES_URL,
+    RABBITMQ_URL,
+    REDIS_BACKEND_URL,
+    REDIS_BROKER_URL,
+    REDIS_COUNTER_URL,
+    REDIS_URL,
+)
 
 from celery_idem.stores import MemoryStore, Store, store_from_url
 
-REDIS_URL = os.environ.get("CELERY_IDEM_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
-POSTGRES_URL = os.environ.get("CELERY_IDEM_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-_MARIA = urlsplit(os.environ.get("CELERY_IDEM_TEST_MARIADB_URL", "mysql://root@127.0.0.1:3306/test"))
+_MARIA = urlsplit(MARIADB_SERVER_URL)
 MARIADB_DATABASE = f"idem_{os.getpid()}"
 MARIADB_URL = (
     f"mysql://{_MARIA.username or 'root'}{':' + _MARIA.password if _MARIA.password else ''}"
     f"@{_MARIA.hostname}:{_MARIA.port or 3306}/{MARIADB_DATABASE}"
 )
 
-RABBITMQ_URL = os.environ.get("CELERY_IDEM_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672//")
 
 STORE_KINDS = ("memory", "sqlite", "redis", "postgresql", "mariadb")
 # The django:// store on each database of tests/django_project.py (kind -> its alias).

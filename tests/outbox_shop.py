@@ -22,13 +22,14 @@ from typing import Any
 
 import redis
 import sqlalchemy as sa
+from addresses import REDIS_COUNTER_URL
 from celery import Celery
 from celery.signals import before_task_publish
 
 from celery_idem import Idempotency, IdempotentTask
 from celery_idem.outbox import SQLOutbox, staging
 
-COUNTER_URL = os.environ.get("SHOP_COUNTER", "redis://127.0.0.1:6379/12")
+COUNTER_URL = os.environ.get("SHOP_COUNTER", REDIS_COUNTER_URL)
 
 
 def make(

@@ -16,6 +16,7 @@ from typing import Any
 
 import redis
 import sqlalchemy as sa
+from addresses import REDIS_COUNTER_URL
 from celery import Celery, chain, group
 from celery.exceptions import Ignore, Reject
 from pydantic import BaseModel
@@ -23,7 +24,7 @@ from pydantic import BaseModel
 from celery_idem import Idempotency, IdempotentTask, PermanentError, StoreUnavailableError, idempotent_task
 from celery_idem.ledger import Ledger
 
-COUNTER_URL = os.environ.get("SHOP_COUNTER", "redis://127.0.0.1:6379/12")
+COUNTER_URL = os.environ.get("SHOP_COUNTER", REDIS_COUNTER_URL)
 
 
 class Order(BaseModel):

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import redis
+from addresses import REDIS_BACKEND_URL, REDIS_BROKER_URL
 from celery import signals
 from celery.contrib.testing.worker import start_worker
 from conftest import RABBITMQ_URL, REDIS_URL, require_rabbitmq, require_server
@@ -25,8 +26,8 @@ from shop import COUNTER_URL, effects_key, make_app
 
 from celery_idem import Idempotency
 
-BROKERS = {"redis": "redis://127.0.0.1:6379/14", "rabbitmq": RABBITMQ_URL}
-BACKEND = "redis://127.0.0.1:6379/13"
+BROKERS = {"redis": REDIS_BROKER_URL, "rabbitmq": RABBITMQ_URL}
+BACKEND = REDIS_BACKEND_URL
 GET = 20  # seconds a test waits for a result
 
 

@@ -17,12 +17,13 @@ import uuid
 from typing import Any
 
 import redis
+from addresses import REDIS_COUNTER_URL
 from celery import Celery
 from pydantic import BaseModel, ConfigDict, Field
 
 from celery_idem import Idempotency, IdempotentTask
 
-COUNTER_URL = "redis://127.0.0.1:6379/12"
+COUNTER_URL = REDIS_COUNTER_URL
 
 
 class Speed(enum.Enum):

@@ -21,15 +21,16 @@ from typing import Any
 
 import redis
 import sqlalchemy as sa
+from addresses import REDIS_BACKEND_URL, REDIS_BROKER_URL, REDIS_COUNTER_URL
 from celery import Celery
 from pydantic import BaseModel
 
 from celery_idem import Idempotency, IdempotentTask
 from celery_idem.ledger import Ledger
 
-COUNTER_URL = "redis://127.0.0.1:6379/12"
-BROKER = "redis://127.0.0.1:6379/14"
-BACKEND = "redis://127.0.0.1:6379/13"
+COUNTER_URL = REDIS_COUNTER_URL
+BROKER = REDIS_BROKER_URL
+BACKEND = REDIS_BACKEND_URL
 LEDGER_URL = os.environ.get("CELERY_IDEM_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
 # Seconds. Short, so that leases, liveness and TTLs pass within a history.

@@ -14,8 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from addresses import REDIS_BACKEND_URL
+
 TESTS = Path(__file__).parent
-BACKEND = "redis://127.0.0.1:6379/13"
+BACKEND = REDIS_BACKEND_URL
 
 
 def execute_as_worker(app: Any, name: str, task_id: str, *, args: tuple[Any, ...] = (1,), **fields: Any) -> None:

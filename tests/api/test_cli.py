@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from addresses import REDIS_BACKEND_URL, REDIS_BROKER_URL
 from conftest import PICKLE, REDIS_URL, FakeClock, Planted, plant_pickle, require_server, wipe
 
 from celery_idem import ReconcileReport
@@ -30,8 +31,8 @@ from celery_idem.records import ErrorInfo, Identity, State
 from celery_idem.stores import Store, store_from_url
 
 TESTS = Path(__file__).resolve().parents[1]  # tests/: the shop app the CLI loads
-BROKER = "redis://127.0.0.1:6379/14"
-BACKEND = "redis://127.0.0.1:6379/13"
+BROKER = REDIS_BROKER_URL
+BACKEND = REDIS_BACKEND_URL
 FP = "f" * 64
 LONG = 600.0  # seconds: leases and TTLs that do not run out during a test
 

@@ -16,6 +16,7 @@ import uuid
 from typing import Any
 
 import pytest
+from addresses import REDIS_BACKEND_URL, REDIS_BROKER_URL
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -699,7 +700,7 @@ def test_the_same_pydantic_call_from_producers_with_other_hash_seeds_runs_once_o
     from celery_idem import Idempotency
 
     require_server("redis")
-    broker, backend = "redis://127.0.0.1:6379/14", "redis://127.0.0.1:6379/13"
+    broker, backend = REDIS_BROKER_URL, REDIS_BACKEND_URL
     app = tagged_orders.make_app(broker, backend, REDIS_URL, prefix)
     counter = redis.Redis.from_url(tagged_orders.COUNTER_URL)
     effects = f"effects:{prefix}:tagged.place"

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from addresses import REDIS_BROKER_URL
 from celery import Celery
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -163,7 +164,7 @@ def test_a_prefork_workers_children_reach_one_aggregated_scrape_with_no_code_bey
     from celery_idem import store_from_url
 
     require_server("redis")
-    prefix, broker = f"prom{uuid.uuid4().hex[:8]}", "redis://127.0.0.1:6379/14"
+    prefix, broker = f"prom{uuid.uuid4().hex[:8]}", REDIS_BROKER_URL
     files = tmp_path / "prometheus"
     files.mkdir()
     worker = Worker(tmp_path, broker, REDIS_URL, prefix, concurrency=2, env={"PROMETHEUS_MULTIPROC_DIR": str(files)})

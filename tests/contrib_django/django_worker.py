@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import django
+from addresses import REDIS_COUNTER_URL
 from django.conf import settings  # noqa: E402
 
 if not settings.configured:  # a worker process: the example project's settings (a test process has its own,
@@ -27,7 +28,7 @@ from storefront.models import Payment  # noqa: E402
 from celery_idem import Idempotency, IdempotentTask  # noqa: E402
 from celery_idem.contrib.django.ledger import DjangoLedger  # noqa: E402
 
-COUNTER_URL = os.environ.get("SHOP_COUNTER", "redis://127.0.0.1:6379/12")
+COUNTER_URL = os.environ.get("SHOP_COUNTER", REDIS_COUNTER_URL)
 
 
 def make_app(prefix: str, broker: str, backend: str, store: str, ledger: DjangoLedger) -> Celery:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from addresses import REDIS_BROKER_URL
 
 pytest.importorskip("django", reason="celery_idem.contrib.django needs the django extra")
 
@@ -34,7 +35,7 @@ from celery_idem.contrib.django.ledger import DjangoLedger  # noqa: E402
 from celery_idem.contrib.django.models import LedgerEntry, OutboxEntry  # noqa: E402
 from celery_idem.contrib.django.outbox import DjangoOutbox  # noqa: E402
 
-BROKER = "redis://127.0.0.1:6379/14"
+BROKER = REDIS_BROKER_URL
 GET = 30
 TASK = "djworker.pay"
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from addresses import REDIS_BROKER_URL, REDIS_COUNTER_URL
 
 pytest.importorskip("django", reason="celery_idem.contrib.django needs the django extra")
 
@@ -27,8 +28,8 @@ from celery_idem import Idempotency, State, store_from_url  # noqa: E402
 from celery_idem.contrib.django.ledger import DjangoLedger  # noqa: E402
 from celery_idem.contrib.django.models import LedgerEntry  # noqa: E402
 
-BROKER = "redis://127.0.0.1:6379/14"
-COUNTER_URL = "redis://127.0.0.1:6379/12"
+BROKER = REDIS_BROKER_URL
+COUNTER_URL = REDIS_COUNTER_URL
 GET = 30
 TASK = "djworker.pay"
 

@@ -7,14 +7,15 @@ import subprocess
 import sys
 
 import pytest
+from addresses import REDIS_DEMO_BACKEND_URL, REDIS_DEMO_BROKER_URL
 from conftest import POSTGRES_URL, RABBITMQ_URL, REDIS_URL, require_rabbitmq, require_server
 
 pytestmark = pytest.mark.slow
 
 WIRINGS = {
     "embedded": [],
-    "redis": ["--broker", "redis://127.0.0.1:6379/10", "--backend", "redis://127.0.0.1:6379/11", "--store", REDIS_URL],
-    "rabbitmq": ["--broker", RABBITMQ_URL, "--backend", "redis://127.0.0.1:6379/11"],
+    "redis": ["--broker", REDIS_DEMO_BROKER_URL, "--backend", REDIS_DEMO_BACKEND_URL, "--store", REDIS_URL],
+    "rabbitmq": ["--broker", RABBITMQ_URL, "--backend", REDIS_DEMO_BACKEND_URL],
     "postgresql": ["--store", POSTGRES_URL],
 }
 

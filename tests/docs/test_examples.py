@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 import pytest
 import sqlalchemy as sa
 import yaml
+from addresses import REDIS_BROKER_URL
 from conftest import IN_CI, POSTGRES_URL, RABBITMQ_URL, REDIS_URL, require_server, wipe
 from workers import BACKEND, wait_for
 
@@ -37,7 +38,7 @@ from examples.payments import tasks as payment_tasks  # noqa: E402
 from examples.payments.config import Config as PaymentsConfig  # noqa: E402
 from examples.payments.web import create_app  # noqa: E402
 
-REDIS_BROKER = "redis://127.0.0.1:6379/14"
+REDIS_BROKER = REDIS_BROKER_URL
 GET = 20  # seconds a test waits for an outcome
 
 pytestmark = pytest.mark.slow

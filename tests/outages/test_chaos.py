@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import redis
 import sqlalchemy as sa
+from addresses import REDIS_BROKER_URL
 from celery.result import AsyncResult
 from chaos_shop import make_chaos_app
 from conftest import POSTGRES_URL, RABBITMQ_URL, REDIS_URL, require_rabbitmq, require_server
@@ -38,7 +39,7 @@ from celery_idem import Idempotency, LockLostError, State, StoreUnavailableError
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 
-BROKER = "redis://127.0.0.1:6379/14"  # shared: the tests break the store, never the broker
+BROKER = REDIS_BROKER_URL  # shared: the tests break the store, never the broker
 GET = 30  # seconds a caller waits for a result
 
 

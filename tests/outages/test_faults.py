@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 import redis
 import sqlalchemy as sa
+from addresses import REDIS_BACKEND_URL, REDIS_BROKER_URL
 from celery import signals
 from celery.contrib.testing.worker import start_worker
 from celery.exceptions import TaskRevokedError
@@ -42,8 +43,8 @@ from celery_idem.reconciler import Reconciler
 from celery_idem.records import Identity
 from celery_idem.stores import RedisStore, SQLStore, Store
 
-BROKER = "redis://127.0.0.1:6379/14"
-BACKEND = "redis://127.0.0.1:6379/13"
+BROKER = REDIS_BROKER_URL
+BACKEND = REDIS_BACKEND_URL
 GET = 20  # seconds a caller waits for an outcome: a bound, not a benchmark
 LEASE = 0.9  # seconds: the heartbeat renews every 0.3 s
 LATER = 7200  # seconds the "later" reconciler's clock is ahead: past every lease and PENDING timeout

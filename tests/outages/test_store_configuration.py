@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import redis
+from addresses import REDIS_BROKER_URL, REDIS_URL
 from celery import Celery
 from conftest import MARIADB_URL, POSTGRES_URL, make_store, require_server, wipe
 from shop import COUNTER_URL, effects_key
@@ -112,9 +113,9 @@ def test_a_worker_fails_a_message_of_a_misconfigured_store_once(tmp_path: Path) 
     require_server("redis")
     prefix = f"c{uuid.uuid4().hex[:10]}"
     url = "redis://127.0.0.1:6379/99"
-    worker = Worker(tmp_path, "redis://127.0.0.1:6379/14", url, prefix, pool="solo", concurrency=1)
+    worker = Worker(tmp_path, REDIS_BROKER_URL, url, prefix, pool="solo", concurrency=1)
     try:
-        producer = Celery("plain", broker="redis://127.0.0.1:6379/14", backend=BACKEND, set_as_current=False)
+        producer = Celery("plain", broker=REDIS_BROKER_URL, backend=BACKEND, set_as_current=False)
         # When a service that does not import the task sends it keyed
         task_id = f"cfg-{uuid.uuid4().hex}"
         result = producer.send_task(
@@ -202,7 +203,7 @@ def test_a_task_whose_policy_keeps_forever_fails_once_instead_of_looping_its_mes
     # Given a task that asks to keep its outcome forever, on Redis (whose PEXPIRE refuses inf)
     require_server("redis")
     app = Celery("forever", set_as_current=False, broker="memory://", backend="cache+memory://")
-    Idempotency(app, store="redis://127.0.0.1:6379/15", key_prefix=prefix)
+    Idempotency(app, store=REDIS_URL, key_prefix=prefix)
     runs: list[int] = []
 
     @app.task(base=IdempotentTask, shared=False, idempotency={"ttl_seconds": float("inf")})

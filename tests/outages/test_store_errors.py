@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from addresses import REDIS_URL
 from conftest import POSTGRES_URL, require_server
 
 from celery_idem import (
@@ -162,7 +163,7 @@ def test_memory_url_builds_a_fresh_memory_store() -> None:
 
 def test_redis_key_prefix_with_braces_is_refused() -> None:
     with pytest.raises(ConfigurationError, match="must not contain braces"):
-        store_from_url("redis://127.0.0.1:6379/15", key_prefix="{x}")
+        store_from_url(REDIS_URL, key_prefix="{x}")
 
 
 def test_sentinel_url_without_service_name_is_refused() -> None:

@@ -24,6 +24,7 @@ from typing import Any
 import outbox_shop
 import pytest
 import sqlalchemy as sa
+from addresses import REDIS_BROKER_URL
 from conftest import MARIADB_URL, POSTGRES_URL, REDIS_URL, require_server
 from sqlalchemy import orm
 from workers import BACKEND, TESTS, Worker, wait_for
@@ -31,7 +32,7 @@ from workers import BACKEND, TESTS, Worker, wait_for
 from celery_idem import Idempotency, InvalidKeyError, PayloadMismatchError, SerializationError
 from celery_idem.outbox import SQLOutbox
 
-BROKER = "redis://127.0.0.1:6379/14"
+BROKER = REDIS_BROKER_URL
 
 
 class Boom(Exception):

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import redis
 import sqlalchemy as sa
+from addresses import REDIS_BROKER_URL
 from celery import Celery, chain, chord, states
 from conftest import POSTGRES_URL, REDIS_URL, require_server, wipe
 from shop import COUNTER_URL, effects_key, make_app, payments_table
@@ -42,7 +43,7 @@ from celery_idem.reconciler import BEAT_ENTRY, TASK_NAME
 from celery_idem.records import Decision, Identity
 from celery_idem.stores import Store
 
-BROKER = "redis://127.0.0.1:6379/14"
+BROKER = REDIS_BROKER_URL
 GET = 30
 LIVE_PAST_THE_SKEW = 7200  # a worker's liveness record outlives the reconcilers' hour ahead below
 FP = "e" * 64

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import redis
+from addresses import REDIS_BACKEND_URL, REDIS_BROKER_URL
 from conftest import REDIS_URL, require_server, wipe
 from shop import COUNTER_URL
 
@@ -21,8 +22,8 @@ PREFIX = f"cp{uuid.uuid4().hex[:10]}"
 def celery_config() -> dict[str, Any]:
     require_server("redis")
     return {
-        "broker_url": "redis://127.0.0.1:6379/14",
-        "result_backend": "redis://127.0.0.1:6379/13",
+        "broker_url": REDIS_BROKER_URL,
+        "result_backend": REDIS_BACKEND_URL,
         "task_default_queue": PREFIX,
         "idempotency_store": REDIS_URL,  # the app.conf way to configure celery-idem
         "idempotency_key_prefix": PREFIX,

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from addresses import REDIS_BROKER_URL
 from celery import Celery
 from conftest import REDIS_URL, require_server, wipe
 from kombu.exceptions import OperationalError
@@ -72,7 +73,7 @@ def test_the_next_call_after_a_failed_publish_is_new_not_a_duplicate(dead_broker
     with pytest.raises(OperationalError):
         charge.apply_async((1, 10), idempotency_key="order-1", retry=False)
     # The same call on a working broker is published as a new call.
-    working = _app("redis://127.0.0.1:6379/14", prefix)
+    working = _app(REDIS_BROKER_URL, prefix)
     result = working.tasks["pub.charge"].apply_async((1, 10), idempotency_key="order-1")
     assert not result.deduplicated
     working.connection_for_write().default_channel.queue_purge(prefix)
@@ -80,7 +81,7 @@ def test_the_next_call_after_a_failed_publish_is_new_not_a_duplicate(dead_broker
 
 @pytest.mark.parametrize("schedule", ["countdown", "eta"])
 def test_a_scheduled_call_keeps_its_claim_past_its_eta(prefix: str, schedule: str) -> None:
-    app = _app("redis://127.0.0.1:6379/14", prefix)
+    app = _app(REDIS_BROKER_URL, prefix)
     charge = app.tasks["pub.charge"]
     delay = 7200
     options: dict[str, Any] = (
@@ -115,7 +116,7 @@ def tokyo() -> Iterator[None]:
 
 def test_a_naive_eta_is_read_as_celery_reads_it_in_utc_whatever_the_local_zone(prefix: str, tokyo: None) -> None:
     # Given a process at UTC+9 and a naive ETA two hours ahead in UTC (how Celery reads a naive ETA)
-    app = _app("redis://127.0.0.1:6379/14", prefix)
+    app = _app(REDIS_BROKER_URL, prefix)
     charge = app.tasks["pub.charge"]
     delay = 7200
     eta = datetime.datetime.now(datetime.timezone.utc).replace(tzinfo=None) + datetime.timedelta(seconds=delay)
@@ -135,7 +136,7 @@ def test_a_copy_of_a_claimed_task_id_is_sent_only_by_the_outboxs_relay_never_for
     # producer cannot ask for that with an option (a chain message's options are input too).
     from celery_idem.publish import resending
 
-    app = Celery("pub", broker="redis://127.0.0.1:6379/14", set_as_current=False)
+    app = Celery("pub", broker=REDIS_BROKER_URL, set_as_current=False)
     Idempotency(app, store=REDIS_URL, key_prefix=prefix)
 
     @app.task(shared=False, base=IdempotentTask, idempotency={**POLICY, "on_duplicate": "raise"})

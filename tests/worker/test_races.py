@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import redis
+from addresses import REDIS_BACKEND_URL, REDIS_BROKER_URL, REDIS_COUNTER_URL, REDIS_URL
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from conftest import require_server
@@ -25,10 +26,10 @@ from conftest import require_server
 from celery_idem import Idempotency, IdempotentTask, State
 from celery_idem.stores.redis import RedisStore
 
-BROKER = "redis://127.0.0.1:6379/14"
-BACKEND = "redis://127.0.0.1:6379/13"
-STORE = "redis://127.0.0.1:6379/15"
-COUNTER = "redis://127.0.0.1:6379/12"
+BROKER = REDIS_BROKER_URL
+BACKEND = REDIS_BACKEND_URL
+STORE = REDIS_URL
+COUNTER = REDIS_COUNTER_URL
 
 
 class SlowStore(RedisStore):

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from addresses import REDIS_BROKER_URL
 from celery import Celery
 from conftest import REDIS_URL, require_server
 from shop import make_app
@@ -24,7 +25,7 @@ from celery_idem import ConfigurationError, Idempotency, MemoryStore
 pytestmark = pytest.mark.slow
 TESTS = Path(__file__).resolve().parents[1]  # tests/: the spawn_shop app
 GET = 60
-BROKER = "redis://127.0.0.1:6379/14"
+BROKER = REDIS_BROKER_URL
 
 
 @pytest.fixture
@@ -133,10 +134,10 @@ def test_a_store_instance_given_in_code_fails_clearly_in_a_spawned_child(spawn_w
 def test_settings_given_in_code_travel_with_the_pickled_app() -> None:
     # What billiard does for a spawned child: pickle the app, rebuild it from its conf
     app = Celery("travel", set_as_current=False)
-    Idempotency(app, store="redis://127.0.0.1:6379/15", key_prefix="far", ttl_seconds=77, retryable=(KeyError,))
+    Idempotency(app, store=REDIS_URL, key_prefix="far", ttl_seconds=77, retryable=(KeyError,))
     rebuilt = pickle.loads(pickle.dumps(app))
     settings = Idempotency.of(rebuilt).settings
-    assert (settings.store, settings.key_prefix, settings.ttl_seconds) == ("redis://127.0.0.1:6379/15", "far", 77)
+    assert (settings.store, settings.key_prefix, settings.ttl_seconds) == (REDIS_URL, "far", 77)
     assert settings.retryable == (KeyError,)
 
     # A Store instance stays behind: using it there is a clear error, and here the instance is used

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from addresses import REDIS_BACKEND_URL, REDIS_BROKER_URL
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from conftest import REDIS_URL, require_server, wipe
@@ -22,7 +23,7 @@ from celery_idem import Idempotency, IdempotentTask, store_from_url, tracing
 from celery_idem.events import key_hash
 from celery_idem.records import Identity
 
-BROKER, BACKEND = "redis://127.0.0.1:6379/14", "redis://127.0.0.1:6379/13"
+BROKER, BACKEND = REDIS_BROKER_URL, REDIS_BACKEND_URL
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from addresses import REDIS_BROKER_URL
 from celery import Celery
 from conftest import REDIS_URL, require_server, wipe
 from workers import execute_as_worker, wait_for
@@ -19,7 +20,7 @@ from celery_idem import Idempotency, IdempotentTask, store_from_url
 from celery_idem.events import key_hash
 from celery_idem.records import Identity
 
-BROKER = "redis://127.0.0.1:6379/14"
+BROKER = REDIS_BROKER_URL
 
 
 @pytest.fixture
