@@ -256,6 +256,26 @@ def test_a_duplicate_handle_waits_on_the_store_when_the_backend_cannot_answer_it
         wipe(shop.store)
 
 
+def test_a_handle_says_started_while_an_attempt_of_its_call_runs(on_every_store: Running, key: str) -> None:
+    # Given a call whose body runs for a while (the backend knows nothing of it yet: no
+    # task_track_started), and a duplicate's handle
+    shop = on_every_store
+    original = shop.run.apply_async((3, 1.5), idempotency_key=key)
+    duplicate = shop.run.apply_async((3, 1.5), idempotency_key=key)
+    wait_for(
+        lambda: (
+            (record := Idempotency.of(shop.app).get("handles.run", key)) is not None
+            and record.state is State.IN_PROGRESS
+        ),
+        "the worker took the call",
+    )
+    # Then both handles say STARTED from the store while it runs, and neither is ready
+    assert original.state == duplicate.state == states.STARTED
+    assert not original.ready() and not duplicate.ready()
+    assert original.get(timeout=GET) == duplicate.get(timeout=GET) == {"run": 1}
+    assert original.state == duplicate.state == states.SUCCESS
+
+
 def test_a_handle_answered_from_the_store_stops_listening_for_its_id(on_every_store: Running, key: str) -> None:
     # Given a call whose outcome is settled (the backend holds it too), its handle not yet asked
     shop = on_every_store
