@@ -53,6 +53,7 @@ class TaskCalls:
         self._sets = parameter_shapes(task)  # a pydantic=True task's set fields, sent as lists
         if policy.key_args is not None:
             check_key_args(self._run_function, policy.key_args, task_name=task.name, typed=self._typed)
+        self._seen_keyed = self._seen_keyless = False  # called()
 
     def fingerprint(self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None) -> str:
         return fingerprint(
@@ -77,6 +78,27 @@ class TaskCalls:
                 task_name=self.task.name,
             )
         return Identity(scope_value, self.task.name, fp)
+
+    def called(self, keyed: bool) -> None:
+        """A producer's call, with a key of its caller's or without one (the worker side cannot
+        tell: a key-less call's fingerprint travels as its key). Warned of once per task and process
+        when both are seen: the two are two identities even for the same arguments (DESIGN, identity
+        rules), so a retry that lost its key runs again."""
+        if keyed:
+            if self._seen_keyed:
+                return
+            self._seen_keyed = True
+        else:
+            if self._seen_keyless:
+                return
+            self._seen_keyless = True
+        if self._seen_keyed and self._seen_keyless:
+            logger.warning(
+                "task %s is called both with an idempotency key and without one: a keyed call and a "
+                "key-less call of the same arguments are two calls, and both run; give every call a key "
+                "(require_key=True makes a call without one an error)",
+                self.task.name,
+            )
 
     def as_sent(
         self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, options: Mapping[str, Any]

@@ -80,6 +80,7 @@ def publish(
 
     args, kwargs = calls.as_sent(args, kwargs, options)
     fp = calls.fingerprint(args, kwargs)
+    calls.called(keyed=key is not None)
     if key is None and scope is None:
         key, scope = calls.running_identity(fp)
     identity = calls.identify(key, scope, fp)

@@ -116,6 +116,7 @@ def stage_call(
         # The identity is decided now, as apply_async would decide it here, and rides in the row.
         args, kwargs = handler.as_sent(args, kwargs, options)
         fp = handler.fingerprint(args, kwargs)
+        handler.called(keyed=key is not None)
         if key is None and scope is None:
             key, scope = handler.running_identity(fp)
         identity = handler.identify(key, scope, fp)

@@ -206,3 +206,22 @@ def test_a_store_outage_is_told_to_the_caller_and_logs_no_warning_of_its_own(
     # The claim may have landed with its reply lost: giving it back fails too, which is no news.
     assert [r.getMessage() for r in logged.records if r.levelno >= logging.WARNING] == []
     assert calls == []
+
+
+def test_a_task_called_with_and_without_a_key_is_warned_of_once(app: Celery, calls: list[Any], logged: Logged) -> None:
+    Idempotency(app)
+    signup = signup_task(app, calls)
+    signup.apply_async(("gina", "gold"))  # keyed by its fingerprint
+    signup.apply_async(("gina", "gold"))  # the same call: replayed
+    assert [r for r in logged.records if r.levelno >= logging.WARNING] == []
+    signup.apply_async(("gina", "gold"), idempotency_key=KEY)  # the same arguments, another identity
+    signup.apply_async(("gina", "gold"), idempotency_key=KEY + "-2")
+    signup.apply_async(("gina", "silver"))
+
+    assert len(calls) == 4  # as documented: keyed and key-less are two calls (two keys, two more)
+    warned = [r.getMessage() for r in logged.records if r.levelno >= logging.WARNING]
+    assert warned == [
+        "task shop.signup is called both with an idempotency key and without one: a keyed call and a "
+        "key-less call of the same arguments are two calls, and both run; give every call a key "
+        "(require_key=True makes a call without one an error)"
+    ]
