@@ -295,11 +295,14 @@ def _unread(app: Any, key: str, known: Collection[str]) -> tuple[str, bool] | No
 
     Only a key that names (or nearly names) one of ours counts. Under a namespace a key without its
     prefix (``IDEMPOTENCY_STORE`` under ``CELERY``) is not certain: a Django project's own settings
-    sit in the same ``app.conf``, and one of them may share a name with ours (a warning, then).
+    sit in the same ``app.conf``, and one of them may share a name with ours (a warning, then). So
+    is, on an app without a namespace (a Django project configured the older way has its settings
+    there too), an upper-case key that only resembles one of ours and lacks Celery's prefix.
     """
-    namespace = str(getattr(app, "namespace", None) or "").rstrip("_").upper()
+    raw = str(getattr(app, "namespace", None) or "").rstrip("_")
+    case = _namespace_case(raw)
     parts = key.lower().split("_")
-    if parts[0] in ("celery", namespace.lower()):
+    if parts[0] in ("celery", raw.lower()):
         parts = parts[1:]
     if len(parts) < 2 or parts[0] != "idempotency":
         return None
@@ -309,13 +312,21 @@ def _unread(app: Any, key: str, known: Collection[str]) -> tuple[str, bool] | No
     if name not in known and not difflib.get_close_matches(name, known, n=1, cutoff=0.8):
         return None
     guess = name if name in known else difflib.get_close_matches(name, known, n=1, cutoff=0.8)[0]
-    if namespace:
-        wanted = f"{namespace}_IDEMPOTENCY_{guess.upper()}"
-        if key == wanted or (key.startswith(f"{namespace}_") and key == key.upper()):
+    if raw:
+        wanted = case(f"{raw}_IDEMPOTENCY_{guess}")
+        if key == wanted or (key.startswith(case(f"{raw}_")) and key == case(key)):
             return None  # read (a misspelt one is reported as unknown)
-        text = f"{key} (the app reads its settings under namespace {namespace!r} in upper case: {wanted})"
-        return text, key.lower().startswith(f"{namespace.lower()}_")
-    return f"{key} (celery-idem reads idempotency_{guess}, in lower case, from an app without a namespace)", True
+        which = "upper" if case is str.upper else "lower"
+        text = f"{key} (the app reads its settings under namespace {raw!r} in {which} case: {wanted})"
+        return text, key.lower().startswith(f"{raw.lower()}_")
+    text = f"{key} (celery-idem reads idempotency_{guess}, in lower case, from an app without a namespace)"
+    return text, name in known or key.lower().startswith("celery_") or key != key.upper()
+
+
+def _namespace_case(namespace: str) -> Callable[[str], str]:
+    """How Celery spells the keys it reads under ``namespace`` (``celery.utils.text.match_case``):
+    upper case under an upper-case namespace (``CELERY``), lower case under any other (``celery``)."""
+    return str.upper if f"{namespace}_".isupper() else str.lower
 
 
 def _setting_name(app: Any) -> Callable[[str], str]:
@@ -325,11 +336,13 @@ def _setting_name(app: Any) -> Callable[[str], str]:
     key counts as written: a setting given in code (``app.conf.idempotency_ttl_seconds``) is lower
     case, while a project's own setting without the namespace (a Django setting
     ``IDEMPOTENCY_HEADER``) is upper case, none of Celery's, and names no setting of ours."""
-    # Celery reads CELERY_X under namespace "CELERY" and "CELERY_" alike, and only in upper case.
-    prefix = f"{str(app.namespace).rstrip('_')}_".upper() if getattr(app, "namespace", None) else ""
+    # Celery reads CELERY_X under namespace "CELERY" and "CELERY_" alike, in the namespace's case.
+    raw = str(getattr(app, "namespace", None) or "").rstrip("_")
+    case = _namespace_case(raw)
+    prefix = case(f"{raw}_") if raw else ""
 
     def name(key: str) -> str:
-        if prefix and str(key).startswith(prefix) and str(key) == str(key).upper():
+        if prefix and str(key).startswith(prefix) and str(key) == case(str(key)):
             return str(key)[len(prefix) :].lower()
         return str(key)  # as set in code (app.conf.idempotency_ttl = ...): a lower-case name counts
 

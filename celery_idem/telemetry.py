@@ -41,6 +41,7 @@ __all__ = [
     "configure",
     "counted",
     "decision",
+    "described",
     "fields",
     "key_hash",
     "last_store_seconds",
@@ -198,3 +199,13 @@ def fields(identity: Identity, **more: object) -> dict[str, object]:
     for name, value in more.items():
         extra[f"idempotency_{name}"] = value
     return extra
+
+
+def described(exc: BaseException) -> str:
+    """``exc`` for a log line or an operational error's text: its type and message; for a database
+    error wrapped by SQLAlchemy, the driver's own (SQLAlchemy's adds the statement and its parameters,
+    which hold keys, arguments and results, on any engine made without ``hide_parameters``)."""
+    orig = getattr(exc, "orig", None)
+    if orig is not None and hasattr(exc, "statement"):
+        return f"{type(orig).__name__}: {orig}"
+    return f"{type(exc).__name__}: {exc}"

@@ -154,7 +154,7 @@ def after_ambiguous_commit(
         logger.warning(
             "COMMIT of %s failed (%s); %s",
             telemetry.shown(identity),
-            failed,
+            telemetry.described(failed),
             "the ledger holds no row of it" if known else "the ledger could not be asked",
         )
         raise failed
@@ -162,7 +162,7 @@ def after_ambiguous_commit(
     logger.warning(
         "COMMIT of %s raised %s but %s row is committed: its outcome stands",
         telemetry.shown(identity),
-        failed,
+        telemetry.described(failed),
         "its" if ours else "another attempt's",
     )
     return None if ours else entry

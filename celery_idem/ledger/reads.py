@@ -114,8 +114,9 @@ class LedgerReads(LedgerTable):
             )
         if failure:
             if isinstance(failure[0], _DOWN):
+                why = telemetry.described(failure[0])  # the driver's message: no statement parameters
                 raise LedgerUnavailableError(
-                    f"the ledger could not be asked about {telemetry.shown(identity)}: {failure[0]}"
+                    f"the ledger could not be asked about {telemetry.shown(identity)}: {why}"
                 ) from failure[0]
             raise failure[0]
         return answer[0]

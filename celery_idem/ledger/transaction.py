@@ -128,7 +128,9 @@ class LedgerTransactions(LedgerReads):
                     return True, None
             except sa_exc.DBAPIError as exc:
                 if time.monotonic() + pause >= deadline:
-                    logger.warning("could not ask the ledger about %s: %s", telemetry.shown(identity), exc)
+                    logger.warning(
+                        "could not ask the ledger about %s: %s", telemetry.shown(identity), telemetry.described(exc)
+                    )
                     return False, None
                 time.sleep(pause)
                 pause = min(pause * 2, 1.0)

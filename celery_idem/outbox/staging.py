@@ -27,6 +27,7 @@ from celery.utils.time import maybe_iso8601
 from kombu.exceptions import DecodeError
 from kombu.utils import json as kombu_json
 
+from .. import telemetry
 from ..calls import MAX_CALL_BYTES, published_options
 from ..errors import (
     ConfigurationError,
@@ -224,29 +225,29 @@ def relay_rows(app: Any, rows: Iterable[Taken], *, max_attempts: int) -> RelayRe
         try:
             relay_call(app, row)
         except FINAL_ERRORS as exc:
-            logger.error("outbox: task %s (%s) can never be published: %r", row.task_id, row.task_name, exc)
+            logger.error("outbox: task %s (%s) can never be published: %s", row.task_id, row.task_name, _logged(exc))
             report.dead.append((row.id, row.attempts + 1, _describe(exc)))
             _answer(app, row.task_id, exc)
         except Exception as exc:  # the broker or the store down, or anything else: tried again later
             attempts = row.attempts + 1
             if attempts >= max_attempts:
                 logger.error(
-                    "outbox: task %s (%s) failed %d times, moved to the dead letter: %r",
+                    "outbox: task %s (%s) failed %d times, moved to the dead letter: %s",
                     row.task_id,
                     row.task_name,
                     attempts,
-                    exc,
+                    _logged(exc),
                 )
                 report.dead.append((row.id, attempts, _describe(exc)))
                 _answer(app, row.task_id, exc)
             else:
                 logger.warning(
-                    "outbox: task %s (%s) not published (try %d of %d): %r",
+                    "outbox: task %s (%s) not published (try %d of %d): %s",
                     row.task_id,
                     row.task_name,
                     attempts,
                     max_attempts,
-                    exc,
+                    _logged(exc),
                 )
                 report.failed.append((row.id, attempts, _describe(exc)))
         else:
@@ -263,8 +264,19 @@ def _answer(app: Any, task_id: str, exc: BaseException) -> None:
         if app.backend.get_state(task_id) != "PENDING":  # Celery's "unknown"
             return
         app.backend.mark_as_failure(task_id, exc)
-    except Exception:  # no result backend, or it is down: the row keeps the error
-        logger.warning("outbox: could not store the dead letter's error for task %s", task_id, exc_info=True)
+    except Exception as down:  # no result backend, or it is down: the row keeps the error
+        # No traceback: it would chain the refusal being stored, whose text names the key.
+        logger.warning(
+            "outbox: could not store the dead letter's error for task %s: %s", task_id, telemetry.described(down)
+        )
+
+
+def _logged(exc: BaseException) -> str:
+    """``exc`` for a log line: a claim's refusal by its type only, as its text names the key (the row's
+    ``last_error`` keeps the text; :mod:`celery_idem.telemetry` says why logs carry no keys)."""
+    if isinstance(exc, (PayloadMismatchError, DuplicateTaskError)):
+        return f"{type(exc).__name__} (the row's last_error says more)"
+    return telemetry.described(exc)
 
 
 def _describe(exc: BaseException) -> str:

@@ -19,6 +19,7 @@ A package adds a scheme with :func:`register_scheme` (``celery_idem.contrib.djan
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigurationError, IdempotencyError, StoreUnavailableError
@@ -160,9 +161,15 @@ def _opened(cls: Any, url: str, options: dict[str, Any]) -> Store:
     return store
 
 
+# A password given as a query parameter (redis-py's ?password=, libpq's, ?sentinel_password=, ...).
+_QUERY_PASSWORD = re.compile(r"([?&][A-Za-z_]*(?:password|passwd|pwd)=)[^&#]*", re.IGNORECASE)
+
+
 def _redacted(url: str) -> str:
-    """A store URL without its password."""
+    """A store URL without its password (in the user info or in the query)."""
     scheme, _, rest = url.partition("://")
+    rest = _QUERY_PASSWORD.sub(r"\1***", rest)
+    url = f"{scheme}://{rest}"
     credentials, at, host = rest.rpartition("@")
     if not at or ":" not in credentials:
         return url

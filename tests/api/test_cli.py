@@ -466,3 +466,23 @@ def test_a_store_that_is_down_is_one_clear_line_not_a_traceback(cli: Cli) -> Non
         assert "check that the store is up" in human.stderr
     for as_json in done[len(commands) :]:
         assert as_json.returncode == 1 and "check that the store is up" in json.loads(as_json.stdout)["error"]
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://127.0.0.1:6379/8?password=s3cret-pw",
+        "valkey://127.0.0.1:6379/8?socket_keepalive=true&password=s3cret-pw",
+        "postgresql+psycopg://postgres@127.0.0.1:5432/test?password=s3cret-pw",
+    ],
+)
+def test_stats_never_shows_a_password_given_in_the_query_string(url: str) -> None:
+    # Shows: redis-py and libpq both take the password as a query parameter (?password=...), and the
+    # store's URL (what `stats` prints as "store", and errors name) redacted only user:password@: the
+    # password was printed as given.
+    store = store_from_url(url)
+    try:
+        assert store.url is not None and "s3cret-pw" not in store.url
+        assert store.url == url.replace("s3cret-pw", "***")
+    finally:
+        store.close()

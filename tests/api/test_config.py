@@ -511,3 +511,39 @@ def test_a_misspelt_setting_under_a_namespace_with_its_underscore_is_refused() -
     )
     with pytest.raises(ConfigurationError, match=r"did you mean idempotency_lease_seconds"):
         Idempotency(app).settings  # noqa: B018
+
+
+# ---- found by review (h-attack): spellings Celery reads, refused; spellings it never reads, ignored -----
+
+
+def test_a_lower_case_namespace_reads_lower_case_settings_which_are_not_refused() -> None:
+    # Shows: Celery matches a namespace's case (celery.utils.text.match_case): under namespace="celery"
+    # it reads celery_idempotency_ttl_seconds, as app.conf.get("idempotency_ttl_seconds") answers. The
+    # check upper-cased the namespace and refused this working setting ("reads ... in upper case"),
+    # stopping the deployment at first use.
+    app = Celery("lower-ns", set_as_current=False, namespace="celery")
+    app.conf.update({"celery_idempotency_ttl_seconds": 7})
+    assert app.conf.get("idempotency_ttl_seconds") == 7  # what Celery itself reads
+    assert Idempotency(app).settings.ttl_seconds == 7
+
+
+def test_an_upper_case_setting_under_a_lower_case_namespace_is_not_silently_ignored() -> None:
+    # Shows: the converse. Under namespace="celery" Celery never reads CELERY_IDEMPOTENCY_TTL_SECONDS,
+    # and the check took it for the read spelling: the TTL silently stayed the default.
+    app = Celery("lower-ns-upper-key", set_as_current=False, namespace="celery")
+    app.conf.update({"CELERY_IDEMPOTENCY_TTL_SECONDS": 7})
+    assert app.conf.get("idempotency_ttl_seconds") is None  # Celery does not read it
+    with pytest.raises(ConfigurationError, match="CELERY_IDEMPOTENCY_TTL_SECONDS"):
+        Idempotency(app).settings  # noqa: B018
+
+
+def test_a_projects_own_setting_that_only_resembles_ours_does_not_stop_an_app_without_a_namespace() -> None:
+    # Shows: a Django project configured the pre-namespace way (config_from_object("django.conf:settings"))
+    # has every project setting in app.conf, as under a namespace. Its own IDEMPOTENCY_STORAGE (say an
+    # HTTP idempotency middleware's cache alias) is "close" to our `store` and was refused outright, so
+    # the worker could not start; under namespace="CELERY" the same key is only a warning.
+    from types import SimpleNamespace
+
+    app = Celery("django-old-style", set_as_current=False)
+    app.config_from_object(SimpleNamespace(IDEMPOTENCY_STORAGE="default", CELERY_ALWAYS_EAGER=True))
+    assert Idempotency(app).settings.ttl_seconds == 86400

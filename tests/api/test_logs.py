@@ -225,3 +225,75 @@ def test_a_task_called_with_and_without_a_key_is_warned_of_once(app: Celery, cal
         "key-less call of the same arguments are two calls, and both run; give every call a key "
         "(require_key=True makes a call without one an error)"
     ]
+
+
+# ---- found by review (h-attack): paths that still wrote a key ----------------------------------------
+
+
+def test_the_outbox_relay_logs_no_key_of_a_call_the_claim_refuses(
+    app: Celery, calls: list[Any], logged: Logged, tmp_path: Any
+) -> None:
+    # Shows: a staged call whose key was taken by other arguments is refused with PayloadMismatchError
+    # (whose own text names the key); the relay logged that error's repr at ERROR, and the failed
+    # attempt to store it in a result backend logged a traceback chaining it: the key, twice.
+    import sqlalchemy as sa
+    from sqlalchemy import orm
+
+    from celery_idem.outbox import SQLOutbox
+
+    Idempotency(app)
+    signup = signup_task(app, calls)
+    signup.apply_async(("alice", "gold"), idempotency_key=KEY)  # another call takes the key first
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'outbox.db'}")
+    outbox = SQLOutbox(engine, publish_on_commit=False)
+    outbox.create_schema()
+    with orm.Session(engine) as session, session.begin():
+        outbox.apply_async(session, signup, ("alice", "silver"), idempotency_key=KEY)
+    report = outbox.relay(app)
+
+    assert len(report.dead) == 1 and report.dead[0][2].startswith("PayloadMismatchError")  # the row says why
+    assert any("can never be published" in r.getMessage() for r in logged.records)
+    assert_no_key(logged)
+    engine.dispose()
+
+
+def test_a_ledger_that_cannot_be_read_logs_no_key_and_its_error_names_none(
+    app: Celery, calls: list[Any], logged: Logged, tmp_path: Any
+) -> None:
+    # Shows: a ledger read that fails (here SQLite's "database is locked") is a LedgerUnavailableError
+    # whose text held SQLAlchemy's whole message, "[parameters: ('idem', '', 'shop.signup', KEY)]":
+    # the key in the error the caller gets and in the "could not read the ledger" warning. The
+    # engine is the user's own (Ledger(engine)), so hide_parameters on the store's engines does not
+    # cover it.
+    import sqlite3
+
+    import sqlalchemy as sa
+
+    from celery_idem import LedgerUnavailableError
+    from celery_idem.ledger import Ledger
+
+    path = tmp_path / "ledger.db"
+    engine = sa.create_engine(f"sqlite:///{path}", connect_args={"timeout": 0.05})
+    ledger = Ledger(engine)
+    ledger.create_schema()
+    idem = Idempotency(app, ledger=ledger)
+    signup = signup_task(app, calls)
+    with pytest.raises(PermanentError):
+        signup.apply_async(("alice", "broken"), idempotency_key=KEY)  # FAILED in the store
+    record = idem.get("shop.signup", KEY)
+    assert record is not None
+
+    lock = sqlite3.connect(path, isolation_level=None)
+    lock.execute("BEGIN EXCLUSIVE")  # no one else reads the file now
+    try:
+        with pytest.raises(LedgerUnavailableError) as caught:
+            ledger.completed(record.identity, record.fingerprint)
+        with pytest.raises(PermanentError):  # the stored failure stands, and the ledger's silence is logged
+            signup.apply_async(("alice", "broken"), idempotency_key=KEY).get()
+    finally:
+        lock.close()
+        engine.dispose()
+    assert "database is locked" in str(caught.value)
+    assert KEY not in str(caught.value)
+    assert any("could not read the ledger" in r.getMessage() for r in logged.records)
+    assert_no_key(logged)
