@@ -131,7 +131,7 @@ class StoreCore:
     def _describe(cls, exc: Exception) -> str:
         """What went wrong, for the message of the error the caller gets and the logs print: never a
         key or an argument of the command that failed (the error itself stays its ``__cause__``)."""
-        return f"{type(exc).__name__}: {exc}"
+        return telemetry.described(exc)
 
     def now(self) -> float:
         """The store server's current time (POSIX seconds): the clock every lease is judged by.

@@ -168,9 +168,11 @@ class RedisBase(Store):
         glob = re.sub(r"([\\*?\[\]^])", r"\\\1", self.key_prefix)
         ours = re.compile(re.escape(f"{{{self.key_prefix}:".encode()) + rb"[0-9]+\}:r:")
         batch: list[Any] = []
+        seen: set[Any] = set()  # SCAN may return a key more than once (a rehash while it iterates)
         for key in self.client.scan_iter(match=f"{{{glob}:[0-9]*}}:r:*", count=1000):
-            if not ours.match(key):
+            if not ours.match(key) or key in seen:
                 continue
+            seen.add(key)
             batch.append(key)
             if len(batch) == 500:
                 yield from self._read(batch)

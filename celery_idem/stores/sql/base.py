@@ -105,14 +105,6 @@ class SQLBase(Statements, Store):
             return True  # the server or its transaction takes no writes (a replica): an outage, as on PostgreSQL
         return super()._is_outage(exc)
 
-    @classmethod
-    def _describe(cls, exc: Exception) -> str:
-        # The driver's own error: SQLAlchemy's text adds the statement and its parameters (a key).
-        orig = getattr(exc, "orig", None)
-        if isinstance(exc, sa_exc.StatementError) and orig is not None:
-            return f"{type(orig).__name__}: {orig}"
-        return super()._describe(exc)
-
     def __init__(
         self,
         engine: sa.Engine,
