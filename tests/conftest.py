@@ -7,6 +7,8 @@ Servers come from the environment (defaults: the loopback services of the dev ma
 - ``CELERY_IDEM_TEST_MARIADB_URL``   mysql://root@127.0.0.1:3306/test (its server: the store kind
   ``mariadb`` uses a database of each test process's own, ``idem_<pid>``, created on first use and
   dropped when the process ends)
+- ``CELERY_IDEM_TEST_RABBITMQ_URL``  amqp://guest:guest@127.0.0.1:5672// (the broker of the worker tests
+  on RabbitMQ: a vhost of one's own keeps a run's queues apart from another's on the same server)
 
 A test that needs a server which is down is skipped with the reason locally, and fails in CI
 (``CI=true``): CI must never go green by skipping the real thing.
@@ -36,7 +38,7 @@ MARIADB_URL = (
     f"@{_MARIA.hostname}:{_MARIA.port or 3306}/{MARIADB_DATABASE}"
 )
 
-RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
+RABBITMQ_URL = os.environ.get("CELERY_IDEM_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672//")
 
 STORE_KINDS = ("memory", "sqlite", "redis", "postgresql", "mariadb")
 # The django:// store on each database of tests/django_project.py (kind -> its alias).

@@ -37,7 +37,7 @@ from examples.payments import tasks as payment_tasks  # noqa: E402
 from examples.payments.config import Config as PaymentsConfig  # noqa: E402
 from examples.payments.web import create_app  # noqa: E402
 
-RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
+RABBITMQ_URL = os.environ.get("CELERY_IDEM_TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672//")
 REDIS_BROKER = "redis://127.0.0.1:6379/14"
 GET = 20  # seconds a test waits for an outcome
 
