@@ -33,6 +33,14 @@ def _running_here() -> set[tuple[str, str]]:
     return running
 
 
+def _replacing_inline() -> set[tuple[str, str]]:
+    """The attempts on this thread whose eager ``replace`` is tracing its replacement inline now."""
+    replacing: set[tuple[str, str]] | None = getattr(_local, "replacing", None)
+    if replacing is None:
+        replacing = _local.replacing = set()
+    return replacing
+
+
 class IdempotentTask(Task, HandledTask):  # type: ignore[misc]
     """Base class of idempotent tasks: ``@app.task(base=IdempotentTask, idempotency={...})``.
 
@@ -161,6 +169,15 @@ class IdempotentTask(Task, HandledTask):  # type: ignore[misc]
             return super().__call__(*args, **kwargs)
         attempt = (self.name, request.id)
         if attempt in _running_here():
+            replacing = _replacing_inline()
+            if attempt in replacing:
+                # Celery's eager replace traces the replacement here, frozen under this task id, with
+                # a request of its own (eager, this id): its body runs as Celery's tracer runs a task,
+                # under that request. Task.__call__ would push a blank one before Celery 5.5 (5.5
+                # copies the current one), and the body's own replace would then publish and return
+                # nothing. Its body's calls of the task are plain calls again.
+                replacing.discard(attempt)
+                return self.run(*args, **kwargs)
             # The body calls its own task as a function (``countdown(n - 1)``): Celery pushes that
             # call's request only inside Task.__call__, so until then it wears this attempt's; it
             # is a plain call, never a copy of the running message.
@@ -194,7 +211,16 @@ class IdempotentTask(Task, HandledTask):  # type: ignore[misc]
 
     def on_replace(self, sig: Any) -> Any:
         # The replacement inherits this task id: it takes this attempt's record, or callbacks settle it.
-        return replacement.on_replace(self.idempotency_handler, sig, super().on_replace)
+        request = self.request
+        if not request.is_eager:
+            return replacement.on_replace(self.idempotency_handler, sig, super().on_replace)
+        attempt = (self.name, request.id)
+        replacing = _replacing_inline()
+        replacing.add(attempt)  # eager: Celery traces the replacement inline, on this thread (__call__)
+        try:
+            return replacement.on_replace(self.idempotency_handler, sig, super().on_replace)
+        finally:
+            replacing.discard(attempt)
 
     def AsyncResult(self, task_id: str, **kwargs: Any) -> IdempotentResult:  # noqa: N802 - Celery's name
         return IdempotentResult(task_id, backend=self.backend, task_name=self.name, app=self.app, **kwargs)

@@ -9,6 +9,7 @@ celery-idem's headers). :func:`deliver` runs one :class:`Message`.
 
 from __future__ import annotations
 
+import inspect
 import threading
 import uuid
 from collections.abc import Mapping, Sequence
@@ -21,6 +22,10 @@ from celery.result import EagerResult
 from ..protocol import BYPASS_HEADER, HANDOVER_HEADER, KEY_HEADER, SCOPE_HEADER, request_header
 
 __all__ = ["Message", "Messages", "deliver", "message_for"]
+
+# EagerResult takes the task's name only in later 5.3 patch releases (5.3.6 does, 5.3.0 does not): on
+# those before, its ``name`` is None, as Celery's own eager results are there.
+_EAGER_RESULT_TAKES_NAME = "name" in inspect.signature(EagerResult.__init__).parameters
 
 # What a call run inline keeps of its message: celery-idem's own headers (the pacing headers of a
 # trip back to the broker are not the original message's).
@@ -108,6 +113,8 @@ def deliver(app: Any, message: Message) -> EagerResult:
     finally:
         signals.task_postrun.disconnect(dispatch_uid=receiver_id)
     state = ended.get("state") or states.REVOKED
+    if not _EAGER_RESULT_TAKES_NAME:
+        return EagerResult(message.task_id, ended.get("retval"), state)
     return EagerResult(message.task_id, ended.get("retval"), state, name=message.task_name)
 
 

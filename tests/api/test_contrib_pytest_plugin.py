@@ -6,12 +6,22 @@ this process. The inner session warns as errors (``filterwarnings = error``), as
 
 from __future__ import annotations
 
+import contextlib
+
 # celery.contrib.pytest's worker imports this module, whose shared task registers on every finalized
 # app in the process. pytester drops what an inner session imported when it ends, so the next import
 # would run the module again, and Celery 5.7 warns (an error here) that a new callable met the one an
 # app of ours kept. Imported here, it stays, as it would in a user's single session.
 import celery.contrib.testing.tasks  # noqa: F401
 import pytest
+
+# The first Idempotency(app) of the process imports opentelemetry (celery_idem/tracing.py). At the floor
+# of the opentelemetry extra (1.20) that brings importlib_metadata < 7, which on import takes the
+# standard library's finder of installed packages off (it puts its own on sys.meta_path instead).
+# pytester then drops the module and restores sys.meta_path, leaving no finder at all: the next inner
+# session's pytest cannot read pluggy's version. Imported here, it stays for the whole session.
+with contextlib.suppress(ImportError):
+    import opentelemetry.trace  # noqa: F401
 
 pytest_plugins = ["pytester"]
 

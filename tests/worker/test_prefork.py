@@ -227,9 +227,12 @@ class _StoreComesBack:
         except OSError:
             pass
         finally:
+            # Closed here, not left to the garbage collector: its ResourceWarning would land in the
+            # teardown of whichever test runs then (on the oldest versions, this one's).
             for s in (source, target):
                 with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
+                s.close()
 
     def close(self) -> None:
         if self.server is not None:
