@@ -15,6 +15,7 @@ import multiprocessing
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import ledger_shop
@@ -37,11 +38,29 @@ EFFECT_SECONDS = 0.2  # how long a racing effect holds its transaction open afte
 
 
 def _race_threads(
-    ledger: Ledger, payments: sa.Table, key: str, n: int, go: Any = None, times: dict[str, list[float]] | None = None
+    ledger: Ledger,
+    payments: sa.Table,
+    key: str,
+    n: int,
+    go: Any = None,
+    times: dict[str, list[float]] | None = None,
+    everyone_entered: Callable[[], bool] | None = None,
 ) -> tuple[list[str], list[Any]]:
-    """n threads, each with its own app and store, run the same call together; (fn calls, answers)."""
+    """n threads, each with its own app and store, run the same call together; (fn calls, answers).
+
+    ``everyone_entered``: the winner's effect holds its transaction open until every racer has
+    reached the ledger (at most 30 s), so the race is real however slow the machine is, instead of
+    for a fixed time a loaded machine can outlast."""
     calls: list[str] = []
-    apps = [shop_app(ledger, payments, calls, effect_seconds=EFFECT_SECONDS, times=times) for _ in range(n)]
+
+    def hold() -> None:
+        deadline = time.monotonic() + 30
+        while everyone_entered is not None and not everyone_entered() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    apps = [
+        shop_app(ledger, payments, calls, effect_seconds=EFFECT_SECONDS, times=times, holding=hold) for _ in range(n)
+    ]
     barrier = threading.Barrier(n)
     answers: list[Any] = [None] * n
 
@@ -72,7 +91,9 @@ def test_eight_threads_racing_past_the_store_make_one_effect_and_all_get_the_com
     # Given 8 workers that each believe they own the call (each its own store), released together
     # When each runs the body, whose effect holds its transaction open for a while
     times: dict[str, list[float]] = {"entered": [], "effect_done": []}
-    calls, answers = _race_threads(db.ledger, db.payments, key, 8, times=times)
+    calls, answers = _race_threads(
+        db.ledger, db.payments, key, 8, times=times, everyone_entered=lambda: len(times["entered"]) == 8
+    )
     # (a real race: all 8 reached the ledger while the winner's transaction was still open)
     assert len(times["entered"]) == 8 and max(times["entered"]) < min(times["effect_done"])
     # Then exactly one effect committed, fn ran once, and all 8 answer the winner's outcome
@@ -84,16 +105,41 @@ def test_eight_threads_racing_past_the_store_make_one_effect_and_all_get_the_com
     assert entry is not None and entry.task_id == winner and entry.value() == answers[0]
 
 
+class _Counted(list):  # type: ignore[type-arg]
+    """The racers' entry times, counted across processes in ``entered`` as they are appended."""
+
+    def __init__(self, entered: Any) -> None:
+        super().__init__()
+        self.entered = entered
+
+    def append(self, value: Any) -> None:
+        super().append(value)
+        with self.entered.get_lock():
+            self.entered.value += 1
+
+
 def _race_process(
-    url: str, ledger_name: str, payments_name: str, key: str, threads: int, ready: Any, go: Any, out: Any
+    url: str,
+    ledger_name: str,
+    payments_name: str,
+    key: str,
+    threads: int,
+    ready: Any,
+    go: Any,
+    out: Any,
+    entered: Any,
+    racers: int,
 ) -> None:
     engine = sa.create_engine(url)
     try:
         ledger = Ledger(engine, table_name=ledger_name)
         payments = payments_table(sa.MetaData(), payments_name)
         ready.put(True)
-        times: dict[str, list[float]] = {"entered": [], "effect_done": []}
-        calls, answers = _race_threads(ledger, payments, key, threads, go, times)
+        times: dict[str, list[float]] = {"entered": _Counted(entered), "effect_done": []}
+        calls, answers = _race_threads(
+            ledger, payments, key, threads, go, times, everyone_entered=lambda: entered.value >= racers
+        )
+        times = {name: list(values) for name, values in times.items()}
         out.put((calls, [repr(a) if isinstance(a, BaseException) else a for a in answers], times))
     finally:
         engine.dispose()
@@ -104,8 +150,8 @@ def test_two_processes_of_four_threads_racing_make_one_effect_and_all_get_the_co
     db: Db, key: str
 ) -> None:
     ctx = multiprocessing.get_context("spawn")
-    ready, go, out = ctx.Queue(), ctx.Event(), ctx.Queue()
-    args = (db.url, db.ledger.table.name, db.payments.name, key, 4, ready, go, out)
+    ready, go, out, entered = ctx.Queue(), ctx.Event(), ctx.Queue(), ctx.Value("i", 0)
+    args = (db.url, db.ledger.table.name, db.payments.name, key, 4, ready, go, out, entered, 8)
     processes = [ctx.Process(target=_race_process, args=args) for _ in range(2)]
     for p in processes:
         p.start()
