@@ -48,8 +48,9 @@ FLOORS = [
     ("opentelemetry-instrumentation-celery", "dev"),
 ]
 EXTRAS = "redis,sql,prometheus,opentelemetry"
-# The test tools, as the dev extra declares them (their versions are not what this run checks).
-TOOLS = ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "pyyaml"]
+# The test tools, as the dev extra declares them (their versions are not what this run checks);
+# pytest-celery too: tests/api checks our pytest plugin beside it, as users run the two.
+TOOLS = ["pytest", "pytest-timeout", "pytest-xdist", "hypothesis", "pyyaml", "pytest-celery"]
 # Where pip cannot install the declared floor on this Python, the oldest release it can (the one pip
 # would choose for a user): psycopg[binary] pins psycopg-binary to its own version, whose wheels for
 # CPython 3.11 start at 3.1.4 (3.1.0-3.1.3 have them up to 3.10).
