@@ -34,7 +34,6 @@ from celery.result import AsyncResult
 from . import telemetry
 from .errors import RecordGoneError, StoreUnavailableError
 from .outcome import accepted_content_types, rebuild_exception, replay
-from .records import State
 
 if TYPE_CHECKING:
     from .records import IdempotencyRecord, Identity
@@ -136,17 +135,6 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
         if record.state.settled:
             self._record = record
         return record
-
-    def _stored_record_or_none(self) -> IdempotencyRecord | None:
-        """This handle's record in any state, as :meth:`_settled_record_or_none` answers."""
-        if self._record is None and (self.identity is None or self.idempotency is None):
-            return None
-        try:
-            return self._stored_record()
-        except StoreUnavailableError:
-            if not self._backend_keeps_results():
-                raise
-            return None
 
     def _settled_record_or_none(self) -> IdempotencyRecord | None:
         """The settled record; None when there is none yet, or when the store is down but the
@@ -325,12 +313,7 @@ class IdempotentResult(AsyncResult):  # type: ignore[misc]
             if backend_state != states.PENDING:
                 return backend_state
         if record is None:
-            stored = self._stored_record_or_none()
-            if stored is not None and stored.state is State.IN_PROGRESS:
-                # The backend knows nothing yet (Celery writes STARTED only under task_track_started);
-                # the store knows an attempt of this call runs.
-                return str(states.STARTED)
-            record = stored if stored is not None and stored.state.settled else None
+            record = self._settled_record_or_none()
         if record is not None:
             failed = record.error is not None and self._overruled(record) is None
             return str(states.FAILURE if failed else states.SUCCESS)

@@ -60,6 +60,13 @@ def handles_app(*, broker: str, backend: str, store: Any, prefix: str) -> Celery
         time.sleep(hold)
         return {"run": n}
 
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="handles.retry_once")
+    def retry_once(self: Any, order_id: int, hold: float) -> dict[str, int]:
+        if self.request.retries == 0:
+            raise self.retry(countdown=0.1, max_retries=1)
+        time.sleep(hold)
+        return {"retries": self.request.retries}
+
     @app.task(shared=False, name="handles.then")
     def then(value: Any) -> Any:
         return value
@@ -256,9 +263,8 @@ def test_a_duplicate_handle_waits_on_the_store_when_the_backend_cannot_answer_it
         wipe(shop.store)
 
 
-def test_a_handle_says_started_while_an_attempt_of_its_call_runs(on_every_store: Running, key: str) -> None:
-    # Given a call whose body runs for a while (the backend knows nothing of it yet: no
-    # task_track_started), and a duplicate's handle
+def test_a_handle_reads_pending_while_its_call_runs_as_celerys_own_does(on_every_store: Running, key: str) -> None:
+    # Given a call whose body runs for a while (without task_track_started the backend knows nothing)
     shop = on_every_store
     original = shop.run.apply_async((3, 1.5), idempotency_key=key)
     duplicate = shop.run.apply_async((3, 1.5), idempotency_key=key)
@@ -269,11 +275,31 @@ def test_a_handle_says_started_while_an_attempt_of_its_call_runs(on_every_store:
         ),
         "the worker took the call",
     )
-    # Then both handles say STARTED from the store while it runs, and neither is ready
-    assert original.state == duplicate.state == states.STARTED
-    assert not original.ready() and not duplicate.ready()
+    # Then both handles read PENDING, as Celery's do: code that polls "while state == PENDING" for
+    # the next state Celery writes (RETRY, SUCCESS) must not stop at a STARTED Celery never wrote
+    # (Celery's integration test test_retry_with_unpickleable_exception does). The store's
+    # IN_PROGRESS is Idempotency.get()'s, or STARTED comes with task_track_started (results guide).
+    assert original.state == duplicate.state == states.PENDING
     assert original.get(timeout=GET) == duplicate.get(timeout=GET) == {"run": 1}
     assert original.state == duplicate.state == states.SUCCESS
+
+
+def test_a_handle_says_what_the_backend_says_of_a_running_retry(on_every_store: Running, key: str) -> None:
+    # Given a call that retried once and whose second attempt runs: the backend says RETRY (Celery
+    # wrote it at the retry, and writes nothing when the retry starts without task_track_started)
+    shop = on_every_store
+    handle = shop.app.tasks["handles.retry_once"].apply_async((4, 1.5), idempotency_key=key)
+    wait_for(
+        lambda: (
+            (record := Idempotency.of(shop.app).get("handles.retry_once", key)) is not None
+            and record.state is State.IN_PROGRESS
+            and record.attempt == 2
+        ),
+        "the retry to run",
+    )
+    # Then the handle says RETRY, as Celery's own would
+    assert handle.state == states.RETRY
+    assert handle.get(timeout=GET) == {"retries": 1}
 
 
 def test_a_handle_answered_from_the_store_stops_listening_for_its_id(on_every_store: Running, key: str) -> None:
