@@ -53,11 +53,14 @@ def test_the_example_project_migrates_checks_and_charges_a_retried_checkout_once
     url = REDIS_URL if store == "redis" else "django://"
     env = dict(shop_env(alias), DJANGO_SHOP_STORE=url, DJANGO_SHOP_KEY_PREFIX=prefix)
 
+    logged: list[str] = []  # each child's stderr: what the project logged, shown when a check fails
+
     def run(*argv: str) -> str:
         done = subprocess.run(
             [sys.executable, *argv], cwd=EXAMPLE, env=env, capture_output=True, text=True, timeout=120
         )
         assert done.returncode == 0, done.stdout + done.stderr
+        logged.append(done.stderr)
         return done.stdout
 
     try:
@@ -68,4 +71,5 @@ def test_the_example_project_migrates_checks_and_charges_a_retried_checkout_once
         wipe(store_from_url(REDIS_URL, key_prefix=prefix))
     # Three posts of one key: accepted each time, one payment, the outbox drained; no key: 400; no
     # such order: 404
-    assert answer == {"statuses": [202, 202, 202, 400, 404], "payments": 1, "status": "paid", "outbox": 0}
+    expected = {"statuses": [202, 202, 202, 400, 404], "payments": 1, "status": "paid", "outbox": 0}
+    assert answer == expected, logged[-1]

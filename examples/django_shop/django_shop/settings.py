@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import django
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 SECRET_KEY = os.environ.get("DJANGO_SHOP_SECRET_KEY", "django-shop-example-only-not-a-secret")
 DEBUG = os.environ.get("DJANGO_SHOP_DEBUG", "1") == "1"
@@ -62,7 +64,17 @@ def database(url: str) -> dict[str, Any]:
     """A DATABASES entry from a URL (postgresql://, mysql://, sqlite:///path)."""
     parts = urlsplit(url)
     if parts.scheme == "sqlite":
-        return {"ENGINE": "django.db.backends.sqlite3", "NAME": parts.path or str(BASE_DIR / "shop.sqlite3")}
+        entry: dict[str, Any] = {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": parts.path or str(BASE_DIR / "shop.sqlite3"),
+        }
+        if django.VERSION >= (5, 1):
+            # Write transactions take the write lock at BEGIN. A deferred one (Django's default) that
+            # reads first, as checkout does, cannot write once another connection has committed since
+            # its read (SQLite's "database is locked" at once, no waiting): celery-idem's heartbeat
+            # writes to this file from its own thread when the store is django://.
+            entry["OPTIONS"] = {"transaction_mode": "IMMEDIATE"}
+        return entry
     engine = {"postgresql": "postgresql", "mysql": "mysql"}[parts.scheme]
     if engine == "mysql":
         try:
