@@ -25,9 +25,12 @@ def checkout(request: HttpRequest, order_id: int) -> JsonResponse:
         return JsonResponse({"error": "an Idempotency-Key header is required"}, status=400)
     try:
         with transaction.atomic():
-            order = Order.objects.select_for_update().get(pk=order_id)
-            # A row of this transaction: published after the commit; a rollback sends nothing.
-            handle = outbox.apply_async(charge, (order.pk,), idempotency_key=key)
+            # A row of this transaction: published after the commit; a rollback (no such order)
+            # sends nothing. Written first: on SQLite before Django 5.1 (no IMMEDIATE transactions)
+            # a transaction that reads before it writes fails at once when another connection (the
+            # store's heartbeat) committed in between; one that writes first waits its turn.
+            handle = outbox.apply_async(charge, (order_id,), idempotency_key=key)
+            Order.objects.select_for_update().get(pk=order_id)
     except Order.DoesNotExist:
         return JsonResponse({"error": f"no order {order_id}"}, status=404)
     except InvalidKeyError as exc:
