@@ -5,7 +5,9 @@ What this file does to each page's Markdown before MkDocs renders it:
 1. **Configuration reference.** ``<!-- config-reference: IdempotencyPolicy -->`` and
    ``<!-- config-reference: IdempotencySettings -->`` are replaced by tables generated from the
    pydantic models in ``celery_idem.config`` (field, type, default, constraints, description), so
-   the reference cannot drift from the code. An unknown model name fails the build.
+   the reference cannot drift from the code. An unknown model name fails the build. A number is
+   shown with its unit, read off the field's name: ``86400`` of ``ttl_seconds`` as
+   ``86400 s (24 h)``, ``1048576`` of ``max_result_bytes`` as ``1048576 bytes (1 MiB)``.
 
 2. **Benchmark results.** ``<!-- benchmarks-readme -->`` is replaced by ``benchmarks/README.md``
    from its ``## Results`` heading on (the whole file if there is no such heading), headings moved
@@ -87,19 +89,52 @@ def _type_name(annotation: Any) -> str:
     return getattr(annotation, "__name__", str(annotation))
 
 
-def _default(value: Any) -> str:
+# The unit of a field, by its name: every duration of celery_idem.config is named ``..._seconds`` (one
+# time unit, seconds, in every name) and its one size ``max_result_bytes``.
+_SECONDS_SPANS = ((86400 * 365, "years"), (86400, "days"), (3600, "h"), (60, "min"))
+_BYTE_SPANS = ((1024**3, "GiB"), (1024**2, "MiB"), (1024, "KiB"))
+
+
+def _unit(name: str) -> str | None:
+    if name.endswith("_seconds"):
+        return "s"
+    if name.endswith("_bytes"):
+        return "bytes"
+    return None
+
+
+def _readable(value: float, spans: tuple[tuple[int, str], ...]) -> str | None:
+    """``86400`` -> ``24 h``: the largest span ``value`` is a whole number of (hours for a day, as
+    TTLs are sized), or None when no span fits (a value already readable as it is)."""
+    for span, name in spans:
+        if value >= span and value % span == 0 and not (name == "days" and value < 7 * 86400):
+            return f"{value // span:g} {name}"
+    return None
+
+
+def _amount(name: str, value: Any, *, code: bool = True) -> str:
+    """A value of field ``name`` with its unit: ``86400`` of ``ttl_seconds`` is `` `86400` s (24 h)``."""
+    spelled = f"`{value!r}`" if code else repr(value)
+    unit = _unit(name)
+    if unit is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return spelled
+    readable = _readable(value, _SECONDS_SPANS if unit == "s" else _BYTE_SPANS)
+    return f"{spelled} {unit}" + (f" ({readable})" if readable else "")
+
+
+def _default(name: str, value: Any) -> str:
     if isinstance(value, str):
         return f'`"{value}"`'
-    return f"`{value!r}`"
+    return _amount(name, value)
 
 
-def _constraints(field: Any) -> str:
+def _constraints(name: str, field: Any) -> str:
     spelled = []
     for item in field.metadata:
         for attribute, symbol in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="), ("min_length", "min length")):
             value = getattr(item, attribute, None)
             if value is not None:
-                spelled.append(f"{symbol} {value}")
+                spelled.append(f"{symbol} {_amount(name, value, code=False)}")
     return ", ".join(spelled)
 
 
@@ -131,7 +166,7 @@ def config_table(model_name: str) -> str:
     for name, field in fields.items():
         kind = overrides.get(name) or _type_name(field.annotation)
         lines.append(
-            f"| `{name}` | `{kind}` | {_default(field.default)} | {_cell(_constraints(field))} "
+            f"| `{name}` | `{kind}` | {_default(name, field.default)} | {_cell(_constraints(name, field))} "
             f"| {_cell(field.description or '')} |"
         )
     return "\n".join(lines)
