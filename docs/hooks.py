@@ -4,7 +4,7 @@ What this file does to each page's Markdown before MkDocs renders it:
 
 1. **Configuration reference.** ``<!-- config-reference: IdempotencyPolicy -->`` and
    ``<!-- config-reference: IdempotencySettings -->`` are replaced by tables generated from the
-   pydantic models in ``celery_idem.config`` (field, type, default, constraints, description), so
+   pydantic models in ``celery_idem.config`` (field, type with its bounds, default, description), so
    the reference cannot drift from the code. An unknown model name fails the build. A number is
    shown with its unit, read off the field's name: ``86400`` of ``ttl_seconds`` as
    ``86400 s (24 h)``, ``1048576`` of ``max_result_bytes`` as ``1048576 bytes (1 MiB)``.
@@ -33,6 +33,12 @@ What this file does to each page's Markdown before MkDocs renders it:
    repository has it (readable on GitHub too), and the build fails when the two differ.
    tests/docs/test_docs.py checks it as well; ``CELERY_IDEM_WRITE_INCLUDES=1 python -m pytest
    tests/docs/test_docs.py -k included`` rewrites the blocks from the files.
+
+And to each page's HTML:
+
+5. **Code in table cells breaks only at its spaces.** A code span with spaces in a table cell gets
+   class ``idem-words`` and each of its words a ``<span>``, which docs/stylesheets/extra.css keeps
+   whole (tests/docs/test_site_browser.py checks every such word at 1280 px).
 """
 
 from __future__ import annotations
@@ -91,6 +97,8 @@ def _type_name(annotation: Any) -> str:
 
 # The unit of a field, by its name: every duration of celery_idem.config is named ``..._seconds`` (one
 # time unit, seconds, in every name) and its one size ``max_result_bytes``.
+# A number and its unit stay on one line in a narrow column ("24 h", not "24" then "h").
+NBSP = "\u00a0"
 _SECONDS_SPANS = ((86400 * 365, "years"), (86400, "days"), (3600, "h"), (60, "min"))
 _BYTE_SPANS = ((1024**3, "GiB"), (1024**2, "MiB"), (1024, "KiB"))
 
@@ -108,7 +116,7 @@ def _readable(value: float, spans: tuple[tuple[int, str], ...]) -> str | None:
     TTLs are sized), or None when no span fits (a value already readable as it is)."""
     for span, name in spans:
         if value >= span and value % span == 0 and not (name == "days" and value < 7 * 86400):
-            return f"{value // span:g} {name}"
+            return f"{value // span:g}{NBSP}{name}"
     return None
 
 
@@ -119,7 +127,7 @@ def _amount(name: str, value: Any, *, code: bool = True) -> str:
     if unit is None or isinstance(value, bool) or not isinstance(value, (int, float)):
         return spelled
     readable = _readable(value, _SECONDS_SPANS if unit == "s" else _BYTE_SPANS)
-    return f"{spelled} {unit}" + (f" ({readable})" if readable else "")
+    return f"{spelled}{NBSP}{unit}" + (f" ({readable})" if readable else "")
 
 
 def _default(name: str, value: Any) -> str:
@@ -134,8 +142,14 @@ def _constraints(name: str, field: Any) -> str:
         for attribute, symbol in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="), ("min_length", "min length")):
             value = getattr(item, attribute, None)
             if value is not None:
-                spelled.append(f"{symbol} {_amount(name, value, code=False)}")
+                spelled.append(f"{symbol}{NBSP}{_amount(name, value, code=False)}")
     return ", ".join(spelled)
+
+
+def _type_cell(kind: str, constraints: str) -> str:
+    # The bounds under the type rather than in a column of their own: one column fewer lets the
+    # tables fit the page at 1280 px.
+    return f"`{kind}`" + (f"<br>{_cell(constraints)}" if constraints else "")
 
 
 def _cell(text: str) -> str:
@@ -160,13 +174,13 @@ def config_table(model_name: str) -> str:
         # The policy fields are documented in the policy table; here only the app-wide ones.
         fields = {name: f for name, f in fields.items() if name not in config.POLICY_FIELDS}
     lines = [
-        "| field | type | default | constraint | description |",
-        "|---|---|---|---|---|",
+        "| field | type | default | description |",
+        "|---|---|---|---|",
     ]
     for name, field in fields.items():
         kind = overrides.get(name) or _type_name(field.annotation)
         lines.append(
-            f"| `{name}` | `{kind}` | {_default(name, field.default)} | {_cell(_constraints(name, field))} "
+            f"| `{name}` | {_type_cell(kind, _constraints(name, field))} | {_default(name, field.default)} "
             f"| {_cell(field.description or '')} |"
         )
     return "\n".join(lines)
@@ -230,6 +244,29 @@ def rewrite_includes(markdown: str) -> str:
     return INCLUDED.sub(fresh, markdown)
 
 
+# ---- 5. code in table cells ----------------------------------------------------------------------
+
+TABLE_CELL = re.compile(r"<(?P<tag>td|th)\b[^>]*>.*?</(?P=tag)>", flags=re.DOTALL)
+# A code span of plain text (no link, no highlighting inside) with a space in it.
+SPACED_CODE = re.compile(r"<code>(?P<text>[^<]*?\S\s+\S[^<]*)</code>")
+
+
+def _words(match: re.Match[str]) -> str:
+    parts = re.split(r"(\s+)", match["text"])
+    return (
+        '<code class="idem-words">'
+        + "".join(p if p.isspace() or not p else f"<span>{p}</span>" for p in parts)
+        + "</code>"
+    )
+
+
+def wrap_code_at_spaces(html: str) -> str:
+    """Each word of a code span with spaces in a table cell in a span of its own, so that
+    docs/stylesheets/extra.css can let such a span wrap at its spaces and nowhere else (a line of
+    CSS alone would also break after a ``/`` or a ``-``, inside a path or a name)."""
+    return TABLE_CELL.sub(lambda cell: SPACED_CODE.sub(_words, cell[0]), html)
+
+
 # ---- the hook --------------------------------------------------------------------------------------
 
 
@@ -244,3 +281,7 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     if BENCHMARKS_MARKER in markdown:
         markdown = markdown.replace(BENCHMARKS_MARKER, benchmarks_results())
     return RUNNABLE_TITLE.sub(_runnable_title, markdown)
+
+
+def on_page_content(html: str, page: Any, config: Any, files: Any) -> str:
+    return wrap_code_at_spaces(html)
