@@ -24,6 +24,7 @@ from ..errors import PermanentError
 from ..extension import Idempotency
 from ..ledger import Ledger
 from ..task import IdempotentTask
+from .transport import Transport
 
 LEASE_SECONDS = 2.0
 #: The worker processes' liveness records live this long unrenewed: a killed worker is provably dead
@@ -73,6 +74,7 @@ def make_app(*, workdir: Path, broker: str | None, backend: str | None, store: s
     if broker.startswith("filesystem://"):
         queue = workdir / "queue"
         queue.mkdir(parents=True, exist_ok=True)
+        app.conf.broker_transport = Transport  # kombu's, writing each message atomically
         app.conf.broker_transport_options = {
             "data_folder_in": str(queue),
             "data_folder_out": str(queue),

@@ -81,6 +81,14 @@ class Demo:
                 raise RuntimeError(f"the demo worker did not start; its log:\n{log.read_text(errors='replace')}")
             time.sleep(0.05)
 
+    def dead(self) -> str | None:
+        """Why the running worker is gone (its log's last line), or None while it runs."""
+        worker = self.workers[-1]
+        if worker.poll() is None:
+            return None
+        lines = self.log().read_text(errors="replace").splitlines() or ["(empty log)"]
+        return f"the worker exited ({worker.returncode}); its log ends: {lines[-1]}"
+
     def kill_worker(self) -> None:
         """SIGKILL the worker and its children at once: nothing of it runs another line."""
         worker = self.workers[-1]

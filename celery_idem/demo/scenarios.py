@@ -30,10 +30,16 @@ class Shown:
 
 
 def play(demo: Demo, scenario: Callable[[Demo], Shown]) -> Shown:
+    """Run a scenario on a live worker; one that crashes, or whose worker died, did not hold."""
+    if (dead := demo.dead()) is not None:
+        return Shown(False, dead)
     try:
-        return scenario(demo)
+        shown = scenario(demo)
     except Exception as exc:  # noqa: BLE001 - a scenario that crashes did not hold
-        return Shown(False, f"{type(exc).__name__}: {exc}")
+        shown = Shown(False, f"{type(exc).__name__}: {exc}")
+    if not shown.held and (dead := demo.dead()) is not None:
+        shown.detail += f" ({dead})"
+    return shown
 
 
 def _storm(demo: Demo, task: str, key: str | None) -> set[tuple[str, str]]:

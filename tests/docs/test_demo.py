@@ -127,3 +127,35 @@ def test_the_demo_with_a_server_it_cannot_reach_names_it_in_one_line_and_exits_2
     assert f"cannot use the {what} at redis://:**@127.0.0.1:1/0: " in run.stderr
     assert "Connection refused" in run.stderr
     assert "secret" not in run.stderr
+
+
+def test_the_demo_broker_writes_a_message_where_no_consumer_reads_it_until_it_is_whole(tmp_path, monkeypatch) -> None:
+    # kombu's filesystem transport creates the message file under its final name, then writes it: a
+    # consumer that takes it in between reads an empty file and the worker stops (the demo's "job never
+    # started" on a loaded machine). The demo's transport renames a whole file into place.
+    import os
+    import queue
+
+    from kombu import Connection
+
+    from celery_idem.demo.transport import Transport
+
+    folder = tmp_path / "queue"
+    folder.mkdir()
+    options = {"data_folder_in": str(folder), "data_folder_out": str(folder), "control_folder": str(tmp_path)}
+    seen_before_rename: list[list[str]] = []
+    rename = os.replace
+
+    def watched(source: str, target: str) -> None:
+        seen_before_rename.append(sorted(os.listdir(folder)))
+        with Connection("filesystem://", transport=Transport, transport_options=options) as other:
+            with pytest.raises(queue.Empty):
+                other.default_channel._get("q")  # a consumer polling at the worst moment
+        rename(source, target)
+
+    monkeypatch.setattr(os, "replace", watched)
+    with Connection("filesystem://", transport=Transport, transport_options=options) as connection:
+        connection.default_channel._put("q", {"body": "x" * 100_000})
+        monkeypatch.setattr(os, "replace", rename)
+        assert connection.default_channel._get("q") == {"body": "x" * 100_000}
+    assert len(seen_before_rename) == 1 and all(name.endswith(".tmp") for name in seen_before_rename[0])
