@@ -21,8 +21,8 @@ Rewritten, and why:
   management API on port 15672; where neither can, the server's vhost stays and ``PAYMENTS_QUEUE`` is
   added, a queue of the test's own, deleted at the end); Redis's ``/1`` (result backend) and ``/2``
   (idempotency store) become the backend and store databases of addresses.py. The scheme, the query and
-  every other variable stay. Before that, the fast test holds the file's URLs to its own servers: the
-  port is one the server service maps, the credentials and database are the ones its environment sets.
+  every other variable stay. Before rewriting, each URL is held to the file's own server: its port is
+  one the server's service maps, its credentials and database the ones that service's environment sets.
 - **Added variables.** ``PAYMENTS_KEY_PREFIX`` (the store's key prefix, which the file leaves at the
   default ``idem``): a prefix of the test's own, whose records are removed at the end (never a FLUSHDB).
   The results the worker wrote to the backend are removed by task id.
@@ -33,8 +33,9 @@ Rewritten, and why:
   is its own, the machine's is shared. The file's path must be under /tmp (the image's user ``app``
   cannot write /app).
 - **web's ``-b 0.0.0.0:8000``** becomes ``127.0.0.1:<a free port>``, and the healthcheck's URL follows
-  it: port 8000 may be taken here, and a test listens on loopback only. The fast test first holds the
-  file's bind to every interface, on the port its ``ports`` publishes and its healthcheck asks.
+  it: port 8000 may be taken here, and a test listens on loopback only. Before that, the file's bind is
+  held to every interface (a published port reaches nothing else), on the port its ``ports`` publishes
+  and its healthcheck asks.
 - **The image.** The commands (``python``, ``celery``, ``gunicorn``) are this interpreter's (the venv
   of ``pip install -e ".[dev]"``, which has what the image installs: ``.[redis,sql]`` and
   examples/requirements.txt), run in the repository root with the Dockerfile's ``ENV`` (its
@@ -42,11 +43,14 @@ Rewritten, and why:
   the host name, as Docker sets it to the container's (the worker's healthcheck addresses
   ``payments@$HOSTNAME``, the name ``-n payments@%h`` gives it), and ``HOME`` a directory of each
   service's own, as the image's user ``app`` has ``/home/app`` (gunicorn keeps its control socket
-  there). ``PAYMENTS_*`` variables of the caller's shell are dropped.
+  there). ``PAYMENTS_*`` and ``DJANGO_SETTINGS_MODULE`` of the caller's shell are dropped (a container
+  has neither).
 
 A service the file builds that the test does not know how to check, a service key it does not know how
 to run (``entrypoint``, ``env_file``, ``volumes``, ...), a URL naming no server, or an interpolation it
-cannot resolve fails the test: the file and this test cannot drift apart.
+cannot resolve fails the test: the file and this test cannot drift apart. Not covered, with no container
+engine: building the image, running as its user ``app``, compose's network, ``restart`` policies and the
+servers' own images and healthchecks (the machine's servers stand in, checked by ``require_server``).
 """
 
 from __future__ import annotations
