@@ -26,7 +26,7 @@ from celery.exceptions import Reject, Retry, SoftTimeLimitExceeded
 from . import attempts, events, evidence, outage, publish, replacement, timing
 from .busy import BusyWait
 from .calling import TaskCalls, log_decision, log_ending
-from .endings import Answer, Ending
+from .endings import Answer, Ending, Step
 from .errors import LockLostError, StoreUnavailableError
 from .ledger.calls import joined
 from .owners import worker_token
@@ -200,7 +200,7 @@ class Handler(TaskCalls):
                     return value
                 raise value
             try:
-                self._settle_value(record, value)
+                step = self._settle_value(record, value)
             except SoftTimeLimitExceeded:
                 # The body returned: a time limit that strikes while its value is stored must not
                 # turn the effect into a failure the reconciler would free the key on. (A row on a
@@ -208,33 +208,39 @@ class Handler(TaskCalls):
                 attempt = attempts.current(self.task)
                 if attempt is not None and joined(attempt):
                     self.settle.defer(record.identity, record.owner, self.settle.release_write(record))
+                    step = f"{Step.RELEASE.value} (deferred)"
                 else:
                     self.settle.defer_value(record, value)
-            self._ended(record, Ending.RETURNED)
+                    step = f"{Step.COMPLETE.value} (deferred)"
+            self._ended(record, Ending.RETURNED, step)
             return value
         finally:
             self.idem.heartbeat.remove(lease)
 
-    def _ended(self, record: IdempotencyRecord, ending: Ending) -> None:
-        log_ending(record.identity, record.task_id, ending.value, self.mode.after[ending].value)
+    def _ended(self, record: IdempotencyRecord, ending: Ending, step: Step | str | None = None) -> None:
+        """The attempt's ENDED line, with the step its record was given (by default, its mode's)."""
+        taken = step if step is not None else self.mode.after[ending]
+        log_ending(record.identity, record.task_id, ending.value, taken if isinstance(taken, str) else taken.value)
 
-    def _settle_value(self, record: IdempotencyRecord, value: Any) -> None:
+    def _settle_value(self, record: IdempotencyRecord, value: Any) -> Step | str:
         """The body returned: the effect happened. Store the value (an unstorable one is stored as a
         permanent failure about it); a store outage is retried while the lease lasts, then left as
         evidence for the reconciler. An effect whose ledger row is on a transaction it joined is
-        stored once that row commits (:meth:`Settler.when_committed`)."""
+        stored once that row commits (:meth:`Settler.when_committed`), else its key is freed.
+        Returns the step taken, for the attempt's ENDED line."""
         attempt = attempts.current(self.task)
         if attempt is not None and joined(attempt):
-            self.settle.when_committed(attempt, record, lambda: self._store_value(record, value))
-            return
-        self._store_value(record, value)
+            return self.settle.when_committed(attempt, record, lambda: self._store_value(record, value))
+        return self._store_value(record, value)
 
-    def _store_value(self, record: IdempotencyRecord, value: Any) -> None:
+    def _store_value(self, record: IdempotencyRecord, value: Any) -> Step:
         written = self.settle.store_value(record.identity, record.owner, record.task_id, value)
         if written is None:
             evidence.leave(self.task, value)
-        elif not written:
+            return Step.UNWRITTEN
+        if not written:
             raise self._lost(record, "its outcome was not stored")
+        return Step.COMPLETE
 
     def _lost(self, record: IdempotencyRecord, consequence: str) -> LockLostError:
         return LockLostError(

@@ -95,14 +95,15 @@ class Settler:
             self.write(identity, owner, task_id, lambda: store.fail(identity, owner, error))
             raise
 
-    def when_committed(self, attempt: attempts.Attempt, record: IdempotencyRecord, store: Callable[[], Any]) -> None:
+    def when_committed(self, attempt: attempts.Attempt, record: IdempotencyRecord, store: Callable[[], Step]) -> Step:
         """The body returned with its ledger row on a transaction it joined: the outcome is stored
         only if that row is committed now, never for an effect that may still roll back.
 
         Not committed (the transaction rolled back, or is still open: a caller's transaction that
         outlives the attempt), or the ledger cannot say, the key is freed: a later attempt's row waits
         on any transaction still holding this one's, and gets the committed outcome or runs, so the
-        ledger decides. Nothing is left for the reconciler to settle from weaker evidence.
+        ledger decides. Nothing is left for the reconciler to settle from weaker evidence. Returns the
+        step taken: ``store``'s, or :attr:`Step.RELEASE`.
         """
         identity = record.identity
         try:
@@ -113,14 +114,14 @@ class Settler:
             )
             stands = False
         if stands:
-            store()
-            return
+            return store()
         logger.info(
             "%s returned with its ledger row in a transaction that is not known committed (still open, or "
             "rolled back): the key is freed, and the ledger decides any later attempt",
             telemetry.shown(identity),
         )
         self.free_for_the_ledger(record)
+        return Step.RELEASE
 
     def free_for_the_ledger(self, record: IdempotencyRecord) -> None:
         """Free the key of an attempt whose ledger row stands on a transaction it joined; retried while

@@ -189,8 +189,12 @@ def make_store(kind: str, tmp_path: Any, prefix: str, **options: Any) -> Store:
     return store_from_url(store_url(kind, tmp_path), key_prefix=prefix, **options)
 
 
-def wipe(store: Store) -> None:
-    """Remove everything the test wrote under its prefix."""
+def wipe(store: Store, backend: Any = None) -> None:
+    """Remove everything the test wrote under its prefix; with a result ``backend``, the results of
+    the calls its records name too."""
+    if backend is not None:
+        for record in store.records(limit=100_000):
+            backend.forget(record.task_id)
     if type(store).__name__ == "RedisStore":
         client = store.client  # type: ignore[attr-defined]
         keys = list(client.scan_iter(match=f"{{{store.key_prefix}:*", count=1000))

@@ -141,6 +141,44 @@ def test_every_ending_of_an_attempt_is_logged_once(app: Celery, calls: list[Any]
     assert_no_key(logged)
 
 
+def test_the_ended_line_says_what_the_record_was_given(app: Celery, logged: Logged, tmp_path: Any) -> None:
+    # The step is the one taken, not the one the mode names for the ending: a body that returned with
+    # its ledger row on a transaction it joined is completed only once that row committed, and its
+    # key is freed while the transaction is still open.
+    import sqlalchemy as sa
+
+    from celery_idem import IdempotentTask
+    from celery_idem.ledger import Ledger
+
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'shop.db'}")
+    ledger = Ledger(engine)
+    ledger.create_schema()
+    Idempotency(app)
+    callers: list[sa.Connection] = []
+
+    @app.task(base=IdempotentTask, bind=True, shared=False, name="shop.pay")
+    def pay(self: Any, order_id: int, outlived: bool) -> Any:
+        def effect(session: Any) -> dict[str, int]:
+            return {"order": order_id}
+
+        if outlived:  # the caller's transaction outlives the attempt
+            return ledger.run_once(self, effect, session=callers[-1])
+        with engine.begin() as connection:  # committed before the body returns
+            return ledger.run_once(self, effect, session=connection)
+
+    pay.apply_async((1, False), idempotency_key=KEY)
+    with engine.connect() as caller:
+        callers.append(caller)
+        caller.begin()
+        pay.apply_async((2, True), idempotency_key=KEY + "-2")
+        caller.rollback()
+    engine.dispose()
+
+    endings = [(d["ending"], d["step"]) for d in decisions(logged) if d["outcome"] == "ENDED"]
+    assert endings == [("returned", "complete"), ("returned", "release")]
+    assert_no_key(logged)
+
+
 def test_plain_keys_are_logged_only_when_configured(app: Celery, calls: list[Any], logged: Logged) -> None:
     telemetry.configure(plain_keys=True)
     Idempotency(app)

@@ -163,11 +163,11 @@ def payments(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Payments]:
             started.stop()
         with app.connection_for_write() as connection:
             connection.default_channel.queue_delete(prefix)
+        wipe(store_from_url(REDIS_URL, key_prefix=prefix), app.backend)
         payment_tasks.dispose(app)
         with engine.begin() as connection:
             connection.exec_driver_sql(f"DROP TABLE IF EXISTS {config.payments_table}, {config.ledger_table}")
         engine.dispose()
-        wipe(store_from_url(REDIS_URL, key_prefix=prefix))
 
 
 def test_a_retried_charge_is_one_payment_with_one_task_id(payments: Payments) -> None:
@@ -282,8 +282,8 @@ def mailer(tmp_path: Path) -> Iterator[tuple[Any, email_tasks.Config, Process]]:
     finally:
         if started is not None:
             started.stop()
+        wipe(store_from_url(REDIS_URL, key_prefix=prefix), app.backend)
         email_tasks.dispose(app)
-        wipe(store_from_url(REDIS_URL, key_prefix=prefix))
 
 
 def _sent(config: email_tasks.Config, order_id: str) -> list[Any]:
