@@ -153,7 +153,7 @@ def test_the_state_diagram_draws_the_states_of_the_code_and_the_operations_of_th
     page = (REPO / "docs" / "concepts.md").read_text("utf-8")
     tabled = set(re.findall(r"^\| \*\*(\w+)\*\*(?: / \*\*(\w+)\*\*)? \|", page, flags=re.MULTILINE))
     operations = {op for pair in tabled for op in pair if op}
-    assert drawn == operations == {"claim", "acquire", "renew", "complete", "fail", "release", "forget"}
+    assert drawn == operations == {"claim", "acquire", "renew", "hand_over", "complete", "fail", "release", "forget"}
     assert all(callable(getattr(Store, op, None)) for op in drawn)
     # Every state is reached and left; a settled one only by its expiry or forget.
     for state in drawn_states:
