@@ -287,13 +287,14 @@ def plant_pickle(store: Store, identity: Any, fingerprint: str, path: str, ttl_s
 # a minute or more each), so none of them starts last and keeps one process busy alone at the end.
 LONGEST_FIRST = (
     "docs/test_readme.py",
+    "docs/test_demo.py",
     "recovery/test_outbox.py",
     "outages/test_chaos.py",
     "contrib_django/test_django_celery_outbox.py",
     "models/test_task_model.py",
     "recovery/test_reconciler.py",
     "docs/test_docs.py",
-    "docs/test_demo.py",
+    "docs/test_site_browser.py",
     "worker/test_production_config.py",
     "worker/test_busy_duplicates.py",
     "worker/test_prefork.py",

@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session
 from ..errors import PermanentError
 from ..extension import Idempotency
 from ..ledger import Ledger
+from ..stores import Store, store_from_url
 from ..task import IdempotentTask
 from .transport import Transport
 
@@ -86,7 +87,7 @@ def make_app(*, workdir: Path, broker: str | None, backend: str | None, store: s
     payments = payments_table(sa.MetaData())
     Idempotency(
         app,
-        store=store or f"sqlite:///{workdir / 'idem.db'}",
+        store=demo_store(store or f"sqlite:///{workdir / 'idem.db'}", prefix),
         key_prefix=prefix,
         ledger=ledger,  # the reconciler settles a record stuck after a payment from it
         lease_seconds=LEASE_SECONDS,
@@ -167,6 +168,19 @@ def make_app(*, workdir: Path, broker: str | None, backend: str | None, store: s
         return outcome
 
     return app
+
+
+SQL_SCHEMES = ("postgresql", "postgres", "sqlite", "mysql", "mariadb")
+
+
+def demo_store(url: str, prefix: str) -> str | Store:
+    """The demo's store. On SQL, in tables of its own, named by its prefix: it never writes to (nor
+    upgrades the layout of) the tables a user's deployment keeps in that database, and drops its own
+    when it ends."""
+    if url.partition("://")[0].lower().split("+")[0] not in SQL_SCHEMES:
+        return url
+    name = prefix.replace("-", "_")
+    return store_from_url(url, key_prefix=prefix, table_name=f"{name}_records", liveness_table_name=f"{name}_liveness")
 
 
 def create_shop_database(workdir: Path, prefix: str) -> None:

@@ -4,27 +4,42 @@ and the cleanup of what it wrote to a user's servers."""
 from __future__ import annotations
 
 import collections
+import contextlib
+import ctypes
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
 from ..extension import Idempotency
 from .app import create_shop_database, effects_file, make_app, payments
 
-__all__ = ["Demo"]
+__all__ = ["Demo", "WorkerDidNotStart"]
 
 WORKER_START_SECONDS = 60.0
+
+
+#: What a run writes in its work directory: removed before a run, so a kept ``--workdir`` starts fresh.
+OWN_FILES = ("effects.log", "shop.db", "idem.db", "queue", "results", "control")
+
+
+class WorkerDidNotStart(RuntimeError):
+    """The demo's worker process exited, or was not ready in time (the message: its log's last line)."""
 
 
 class Demo:
     def __init__(self, workdir: Path, broker: str | None, backend: str | None, store: str | None, out: TextIO):
         self.workdir, self.out = workdir, out
+        for name in (*OWN_FILES, *(p.name for p in workdir.glob("worker-*.log"))):
+            path = workdir / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
         self.prefix = f"demo-{uuid.uuid4().hex[:6]}"  # fresh keys, even on a shared Redis
         self.wiring = {"broker": broker, "backend": backend, "store": store}
         self.app = make_app(workdir=workdir, prefix=self.prefix, **self.wiring)
@@ -32,10 +47,20 @@ class Demo:
         create_shop_database(workdir, self.prefix)
         self.workers: list[subprocess.Popen[bytes]] = []
         self.task_ids: set[str] = set()  # every result the demo's calls may have written
+        self.muted = False
 
     def say(self, text: str) -> None:
-        self.out.write(text + "\n")
-        self.out.flush()
+        """Print a line; a reader that went away (``| head``) silences the demo, and it goes on to
+        stop its worker and clean up."""
+        if self.muted:
+            return
+        try:
+            self.out.write(text + "\n")
+            self.out.flush()
+        except (BrokenPipeError, ValueError):
+            self.muted = True
+            with contextlib.suppress(OSError, ValueError):  # no error at exit for the lost reader
+                os.dup2(os.open(os.devnull, os.O_WRONLY), self.out.fileno())
 
     # ---- calls and their effects ---------------------------------------------------------------
 
@@ -64,6 +89,8 @@ class Demo:
         return self.workdir / f"worker-{n % len(self.workers)}.log"
 
     def start_worker(self) -> None:
+        """A ``celery worker`` process (prefork, 2 children) in the work directory (where no module of
+        the caller's directory shadows Celery's), killed with the demo if the demo dies."""
         log = self.workdir / f"worker-{len(self.workers)}.log"
         env = {**os.environ, "CELERY_IDEM_DEMO_WORKDIR": str(self.workdir), "CELERY_IDEM_DEMO_PREFIX": self.prefix}
         env.update({f"CELERY_IDEM_DEMO_{k.upper()}": v for k, v in self.wiring.items() if v})
@@ -73,12 +100,22 @@ class Demo:
             *("--without-gossip", "--without-mingle", "--without-heartbeat"),
         ]
         with log.open("wb") as sink:
-            worker = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+            worker = subprocess.Popen(
+                command,
+                env=env,
+                cwd=self.workdir,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
         self.workers.append(worker)
         deadline = time.monotonic() + WORKER_START_SECONDS
         while "ready." not in log.read_text(errors="replace"):
             if worker.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the demo worker did not start; its log:\n{log.read_text(errors='replace')}")
+                lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+                last = lines[-1].strip() if lines else "its log is empty"
+                raise WorkerDidNotStart(f"the demo's worker did not start ({last})")
             time.sleep(0.05)
 
     def dead(self) -> str | None:
@@ -95,50 +132,85 @@ class Demo:
         os.killpg(worker.pid, signal.SIGKILL)
         worker.wait(timeout=10)
 
-    def stop(self) -> float:
-        """A warm shutdown of every worker still running (SIGTERM: each finishes the tasks it runs);
-        how long it took."""
+    def stop(self, *, cold: bool = False) -> float:
+        """Stop every worker still running; how long it took. A warm shutdown (SIGTERM to the main
+        process: it lets running tasks finish, 15 s at most), or a cold one (SIGKILL to the group)."""
         started = time.monotonic()
         for worker in self.workers:
             if worker.poll() is None:
-                os.killpg(worker.pid, signal.SIGTERM)
+                if cold:
+                    os.killpg(worker.pid, signal.SIGKILL)
+                else:
+                    os.kill(worker.pid, signal.SIGTERM)
                 try:
                     worker.wait(timeout=15)
                 except subprocess.TimeoutExpired:
                     os.killpg(worker.pid, signal.SIGKILL)
                     worker.wait(timeout=10)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(worker.pid, signal.SIGKILL)  # a child its main process left behind
         return time.monotonic() - started
 
     # ---- what it leaves behind -----------------------------------------------------------------
 
-    def clean_up(self) -> list[str]:
-        """Remove what the demo wrote to servers it was pointed at: its records, its results and its
-        queue. Files in the work directory are the runner's to keep or remove. Says what it removed."""
-        removed = []
+    def clean_up(self) -> tuple[list[str], list[str]]:
+        """Remove what the demo wrote to servers it was pointed at: its records (its own tables, on
+        SQL), its results, its queue and exchange. Files in the work directory are the runner's to
+        keep or remove. Each step on its own: what it removed, and what it could not (and why)."""
+        removed: list[str] = []
+        failed: list[str] = []
+
+        def step(what: str, remove: Callable[[], str | None]) -> None:
+            try:
+                done = remove()
+            except Exception as exc:  # noqa: BLE001 - said, and the other steps still run
+                failed.append(f"{what} ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})")
+            else:
+                if done:
+                    removed.append(done)
+
         if self.wiring["store"]:
-            store = self.idem.store
-            records = list(store.records(limit=100_000))  # the store's records under the demo's prefix
-            for record in records:
-                store.forget(record.identity)
-            removed.append(f"{len(records)} records (store prefix {self.prefix})")
+            step("its records", self._remove_records)
         if self.wiring["backend"]:
-            for task_id in self.task_ids:
-                self.app.backend.forget(task_id)
-            removed.append(f"{len(self.task_ids)} results")
+            step("its results", self._remove_results)
         if self.wiring["broker"]:
-            name = f"{self.prefix}-q"
-            with self.app.connection_for_write() as connection:
-                channel = connection.default_channel
-                queue = self.app.amqp.queues[name].bind(channel)
-                queue.declare()  # a virtual transport (Redis) deletes only the bindings its channel knows
-                queue.delete()
-                if hasattr(channel, "unacked_key"):
-                    _forget_unacked(channel, name)
-            removed.append(f"the queue {name}")
-        self.idem.store.close()
-        self.idem.settings.ledger.engine.dispose()
-        self.app.close()
-        return removed
+            step(f"the queue {self.prefix}-q", self._remove_queue)
+        for close in (self.idem.store.close, self.idem.settings.ledger.engine.dispose, self.app.close):
+            with contextlib.suppress(Exception):
+                close()
+        return removed, failed
+
+    def _remove_records(self) -> str:
+        store: Any = self.idem.store
+        if hasattr(store, "liveness"):  # SQL: the demo's own tables (app.demo_store), dropped whole
+            store.table.drop(store.engine, checkfirst=True)
+            store.liveness.drop(store.engine, checkfirst=True)
+            return f"its tables {store.table.name} and {store.liveness.name}"
+        records = list(store.records(limit=100_000))  # the store's records under the demo's prefix
+        for record in records:
+            store.forget(record.identity)
+        return f"{len(records)} records (store prefix {self.prefix})"
+
+    def _remove_results(self) -> str | None:
+        backend = self.app.backend
+        if not getattr(backend, "persistent", True) or type(backend).__name__ == "RPCBackend":
+            return None  # rpc:// keeps no results: its replies went to the caller's queue
+        for task_id in self.task_ids:
+            backend.forget(task_id)
+        return f"{len(self.task_ids)} results"
+
+    def _remove_queue(self) -> str:
+        name = f"{self.prefix}-q"
+        with self.app.connection_for_write() as connection:
+            channel = connection.default_channel
+            queue = self.app.amqp.queues[name].bind(channel)
+            queue.declare()  # a virtual transport (Redis) deletes only the bindings its channel knows
+            queue.delete()
+            if queue.exchange is not None and queue.exchange.name:
+                queue.exchange.bind(channel).delete()  # AMQP keeps the exchange Celery declared for it
+            if hasattr(channel, "unacked_key"):
+                _forget_unacked(channel, name)
+        return f"the queue {name}"
 
 
 def _forget_unacked(channel: Any, queue: str) -> None:
@@ -153,3 +225,11 @@ def _forget_unacked(channel: Any, queue: str) -> None:
         if routing_key == queue:
             client.hdel(channel.unacked_key, tag)
             client.zrem(channel.unacked_index_key, tag)
+
+
+def _die_with_parent() -> None:
+    """In the worker's process, before it runs Celery: on Linux, a SIGTERM (Celery's warm shutdown)
+    when the demo's process dies, however it dies, so no worker outlives the demo."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

@@ -3,6 +3,7 @@ reached is one line that says which, not a worker's tracebacks."""
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable
 
@@ -13,7 +14,7 @@ from kombu.utils.url import maybe_sanitize_url
 from ..errors import ConfigurationError, StoreUnavailableError
 from ..stores import store_from_url
 
-__all__ = ["problem"]
+__all__ = ["problem", "shown"]
 
 #: How long a server may take to answer the check.
 CHECK_SECONDS = 10.0
@@ -37,9 +38,29 @@ def problem(*, broker: str | None, backend: str | None, store: str | None) -> st
         ("result backend", backend, _backend),
     ]
     for what, url, check in checks:
-        if url is not None and (reason := _within(CHECK_SECONDS, check, url)) is not None:
-            return f"cannot use the {what} at {maybe_sanitize_url(url)}: {reason}"
+        if url is None:
+            continue
+        if url.partition("://")[0].lower() in IN_ONE_PROCESS:
+            return (
+                f"the {what} {shown(url)} lives inside one process, and the demo's worker is another: "
+                f"leave --{what.split()[-1]} out for the embedded one, or name a server"
+            )
+        if (reason := _within(CHECK_SECONDS, check, url)) is not None:
+            return f"cannot use the {what} at {shown(url)}: {reason}"
     return None
+
+
+#: URL schemes of stores, brokers and backends that a second process cannot reach.
+IN_ONE_PROCESS = ("memory", "cache+memory", "cache")
+
+
+def shown(url: str) -> str:
+    """A URL as the demo prints it: its password masked (and no traceback for one that cannot be read)."""
+    try:
+        return str(maybe_sanitize_url(url))
+    except Exception:  # noqa: BLE001 - a URL kombu cannot parse (a port that is no number)
+        scheme, _, rest = url.partition("://")
+        return f"{scheme}://**@{rest.rpartition('@')[2]}" if "@" in rest else url
 
 
 def _within(seconds: float, check: Callable[[str], None], url: str) -> str | None:
@@ -51,7 +72,7 @@ def _within(seconds: float, check: Callable[[str], None], url: str) -> str | Non
         try:
             check(url)
         except ConfigurationError as exc:
-            failure.append(str(exc))
+            failure.append(_one_line(str(exc)))
         except Exception as exc:  # noqa: BLE001 - whatever it is, it is why the demo cannot run
             failure.append(_reason(exc))
 
@@ -66,8 +87,13 @@ def _within(seconds: float, check: Callable[[str], None], url: str) -> str | Non
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, StoreUnavailableError) and exc.__cause__ is not None:
         exc = exc.__cause__  # what the server said, not the store's account of its call
-    text = " ".join(str(exc).split()) or "no message"
-    return f"{type(exc).__name__}: {text[:300]}"
+    return f"{type(exc).__name__}: {_one_line(str(exc))}"
+
+
+def _one_line(text: str) -> str:
+    """A message on one line, without SQLAlchemy's link to its error page, at most 300 characters."""
+    text = re.sub(r"\(Background on this error at: [^)]*\)", "", text)
+    return " ".join(text.split())[:300] or "no message"
 
 
 def _store(url: str) -> None:

@@ -59,7 +59,8 @@ def _storm(demo: Demo, task: str, key: str | None) -> set[tuple[str, str]]:
         except Exception as exc:  # noqa: BLE001 - raised below, on the demo's thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=caller) for _ in range(CALLERS)]
+    # Daemon threads: a Ctrl-C on the demo's thread stops the demo without waiting out their calls.
+    threads = [threading.Thread(target=caller, daemon=True) for _ in range(CALLERS)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -89,9 +90,10 @@ def storm(demo: Demo) -> Shown:
 
 
 def mismatch(demo: Demo) -> Shown:
-    key = f"order-1001-{demo.prefix}"
+    key = f"order-1002-{demo.prefix}"
+    demo.call("demo.charge", 1002, 4200, idempotency_key=key).get(timeout=WAIT, interval=0.05)
     try:
-        demo.call("demo.charge", 1001, 9900, idempotency_key=key)
+        demo.call("demo.charge", 1002, 9900, idempotency_key=key)
     except PayloadMismatchError:
         runs = demo.executions("demo.charge", key)
         return Shown(runs == 1, f"amount 9900 under the key of 4200: PayloadMismatchError, still {runs} charge")
@@ -129,8 +131,9 @@ def _started(demo: Demo, task: str, key: str, started: Callable[[], bool]) -> st
         if time.monotonic() > deadline:
             record = demo.idem.get(task, key)
             state = record.state.value if record else "no record"
-            tail = "\n".join(demo.log().read_text(errors="replace").splitlines()[-15:])
-            return f"the job did not start within {WAIT:g} s (its record: {state}); the worker's log ends:\n{tail}"
+            lines = [line for line in demo.log().read_text(errors="replace").splitlines() if line.strip()]
+            last = lines[-1].strip()[:200] if lines else "empty"
+            return f"the job did not start within {WAIT:g} s (its record: {state}; the worker's last line: {last})"
         time.sleep(0.05)
     return None
 

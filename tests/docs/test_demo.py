@@ -4,10 +4,16 @@ nothing behind on those servers."""
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import pytest
@@ -15,6 +21,7 @@ import redis
 import sqlalchemy as sa
 from addresses import REDIS_DEMO_BACKEND_URL, REDIS_DEMO_BROKER_URL
 from conftest import POSTGRES_URL, RABBITMQ_URL, REDIS_URL, require_rabbitmq, require_server
+from sql_layouts import make_layout_1
 
 pytestmark = pytest.mark.slow
 
@@ -24,6 +31,10 @@ WIRINGS = {
     "rabbitmq": ["--broker", RABBITMQ_URL, "--backend", REDIS_DEMO_BACKEND_URL],
     "postgresql": ["--store", POSTGRES_URL],
 }
+# The command the README runs (a console script: unlike `python -m`, it does not put the caller's
+# directory first on the import path). One file: the tests compare the servers' keys before and
+# after a run, so two runs at once would see each other's (the suite runs a file in one process).
+CELERY_IDEM = str(Path(sys.executable).parent / "celery-idem")
 SCENARIOS = (
     "storm of duplicate calls",
     "payload mismatch refused",
@@ -34,14 +45,14 @@ SCENARIOS = (
 )
 
 
-def demo(*args: str, timeout: float = 240, python: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, *python, "-m", "celery_idem", "demo", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+def demo(*args: str, timeout: float = 240, **options: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([CELERY_IDEM, "demo", *args], capture_output=True, text=True, timeout=timeout, **options)
 
 
 @pytest.fixture
 def pg_schema() -> Iterator[str]:
-    """A schema of the test's own: the demo's store creates its tables there, and they go with it."""
+    """A schema of the test's own, holding a store table of an older layout with a row, as a user's
+    deployment may: the demo must leave it as it is, and put its own tables beside it."""
     require_server("postgresql")
     schema = f"demo_{uuid.uuid4().hex[:8]}"
     engine = sa.create_engine(POSTGRES_URL)
@@ -64,10 +75,27 @@ def redis_keys() -> set[tuple[str, bytes]]:
     return keys
 
 
+def rabbitmq_has_exchange(name: str) -> bool:
+    from kombu import Connection, Exchange
+    from kombu.exceptions import OperationalError
+
+    with Connection(RABBITMQ_URL) as connection:
+        try:
+            Exchange(name, "direct").bind(connection.channel()).declare(passive=True)
+        except (OperationalError, Exception) as exc:  # amqp's NotFound (404)
+            if "404" in str(exc) or "NOT_FOUND" in str(exc):
+                return False
+            raise
+    return True
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("wiring", sorted(WIRINGS))
 def test_the_demo_shows_every_guarantee_and_leaves_nothing_behind(wiring: str, tmp_path, request) -> None:
     args = list(WIRINGS[wiring])
+    env = dict(os.environ)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
     if wiring in ("redis", "rabbitmq"):
         require_server("redis")
     if wiring == "rabbitmq":
@@ -76,8 +104,18 @@ def test_the_demo_shows_every_guarantee_and_leaves_nothing_behind(wiring: str, t
         schema = request.getfixturevalue("pg_schema")
         separator = "&" if "?" in POSTGRES_URL else "?"
         args[1] = f"{POSTGRES_URL}{separator}options={quote(f'-csearch_path={schema}')}"
-    before = redis_keys() if wiring in ("redis", "rabbitmq") else set()
-    run = demo("--workdir", str(tmp_path), *args)
+        engine = sa.create_engine(args[1])
+        users_rows = make_layout_1(engine, "celery_idem_records")  # a user's store table, older layout
+    if wiring == "embedded":
+        # What a user's shell and directory may hold: Celery's own variables (read before any
+        # configuration), a celery.py that would shadow Celery in a worker started there, and the
+        # files of an earlier run in the work directory.
+        require_server("redis")
+        env |= {"CELERY_RESULT_BACKEND": REDIS_DEMO_BACKEND_URL, "CELERY_BROKER_URL": REDIS_DEMO_BROKER_URL}
+        (cwd / "celery.py").write_text("from celery import Celery\n")
+        (tmp_path / "effects.log").write_text("demo.plain_charge x 1\n" * 300)
+    before = redis_keys() if wiring != "postgresql" else set()
+    run = demo("--workdir", str(tmp_path), *args, env=env, cwd=cwd)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "every guarantee held" in run.stdout
     for scenario in SCENARIOS:
@@ -93,15 +131,71 @@ def test_the_demo_shows_every_guarantee_and_leaves_nothing_behind(wiring: str, t
         assert "removed what the demo wrote" not in run.stdout  # nothing on a server: its files are the workdir
     else:
         assert "removed what the demo wrote to your servers" in run.stdout
-    if wiring in ("redis", "rabbitmq"):
-        # Its records, results and queue (and the killed workers' unacked copies) are gone.
-        assert redis_keys() - before == set()
+    assert "could not remove" not in run.stdout
+    # Its records, results and queue (and the killed workers' unacked copies) are gone; on the
+    # embedded wiring, nothing was written to the servers Celery's variables named.
+    assert redis_keys() - before == set()
+    if wiring == "rabbitmq":
+        prefix = re.search(r"the queue (demo-\w+)-q", run.stdout)[1]
+        assert not rabbitmq_has_exchange(f"{prefix}-q")
     if wiring == "postgresql":
-        engine = sa.create_engine(POSTGRES_URL)
+        # Its own tables are dropped; the user's table keeps its layout and its rows.
+        inspector = sa.inspect(engine)
+        assert inspector.get_table_names() == ["celery_idem_records"]
+        assert "state" in {c["name"] for c in inspector.get_columns("celery_idem_records")}  # layout 1's
         with engine.connect() as connection:
-            left = connection.execute(sa.text(f"SELECT count(*) FROM {schema}.celery_idem_records")).scalar_one()
+            count = connection.execute(sa.text("SELECT count(*) FROM celery_idem_records")).scalar_one()
+        assert count == len(users_rows)
         engine.dispose()
-        assert left == 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "its reader gone"])
+def test_a_demo_stopped_midway_stops_its_worker_and_removes_what_it_wrote(how: str, tmp_path) -> None:
+    require_server("redis")
+    before = redis_keys()
+    command = [CELERY_IDEM, "demo", "--workdir", str(tmp_path), *WIRINGS["redis"]]
+    demo_process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as in a terminal
+    )
+    assert demo_process.stdout is not None
+    while "-> storm of duplicate calls" not in demo_process.stdout.readline():
+        pass
+    time.sleep(1.5)  # in the middle of the storm
+    if how == "its reader gone":
+        demo_process.stdout.close()  # `celery-idem demo | head`
+    else:
+        demo_process.send_signal(getattr(signal, how))
+    if how == "its reader gone":
+        # It goes on unseen to the end, and stops its worker and cleans up as always.
+        assert demo_process.wait(timeout=120) == 0
+        assert demo_process.stderr is not None
+        errors = demo_process.stderr.read()
+        demo_process.stderr.close()
+        assert "Traceback" not in errors and "BrokenPipeError" not in errors, errors
+    else:
+        output, errors = demo_process.communicate(timeout=60)
+        assert demo_process.returncode == 130, output + errors
+        assert "interrupted: stopping the worker at once" in output
+        assert "removed what the demo wrote to your servers" in output
+    assert processes_in(tmp_path) == [], "the demo's worker outlived it"
+    assert redis_keys() - before == set()
+
+
+def processes_in(directory: Path) -> list[int]:
+    """The processes whose working directory is ``directory`` (the demo's workers run in its workdir)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.readlink(f"/proc/{pid}/cwd") == str(directory):
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
 
 
 def test_the_demo_without_the_sql_extra_says_so_in_one_line_and_exits_2() -> None:
@@ -127,6 +221,18 @@ def test_the_demo_with_a_server_it_cannot_reach_names_it_in_one_line_and_exits_2
     assert f"cannot use the {what} at redis://:**@127.0.0.1:1/0: " in run.stderr
     assert "Connection refused" in run.stderr
     assert "secret" not in run.stderr
+
+
+@pytest.mark.parametrize(
+    ("option", "url"),
+    [("--store", "memory://"), ("--broker", "memory://"), ("--backend", "cache+memory://")],
+)
+def test_the_demo_refuses_a_server_that_lives_in_one_process_in_one_line_and_exits_2(option: str, url: str) -> None:
+    # The demo's worker is another process: it would never see what these hold.
+    run = demo(option, url, timeout=60)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert run.stdout == "" and run.stderr.count("\n") == 1, run.stderr
+    assert "lives inside one process, and the demo's worker is another" in run.stderr
 
 
 def test_the_demo_broker_writes_a_message_where_no_consumer_reads_it_until_it_is_whole(tmp_path, monkeypatch) -> None:
