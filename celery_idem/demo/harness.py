@@ -8,12 +8,11 @@ import contextlib
 import ctypes
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
@@ -26,8 +25,8 @@ __all__ = ["Demo", "WorkerDidNotStart"]
 WORKER_START_SECONDS = 60.0
 
 
-#: What a run writes in its work directory: removed before a run, so a kept ``--workdir`` starts fresh.
-OWN_FILES = ("effects.log", "shop.db", "idem.db", "queue", "results", "control")
+#: How long one cleanup step may take: a server that stopped answering does not hold the demo.
+STEP_SECONDS = 20.0
 
 
 class WorkerDidNotStart(RuntimeError):
@@ -35,12 +34,12 @@ class WorkerDidNotStart(RuntimeError):
 
 
 class Demo:
-    def __init__(self, workdir: Path, broker: str | None, backend: str | None, store: str | None, out: TextIO):
-        self.workdir, self.out = workdir, out
-        for name in (*OWN_FILES, *(p.name for p in workdir.glob("worker-*.log"))):
-            path = workdir / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-        self.prefix = f"demo-{uuid.uuid4().hex[:6]}"  # fresh keys, even on a shared Redis
+    def __init__(
+        self, workdir: Path, prefix: str, broker: str | None, backend: str | None, store: str | None, out: TextIO
+    ):
+        """``workdir``: a new directory, the demo's alone (its workers run there, and nothing of the
+        caller's directory shadows a module of theirs); ``prefix``: of its keys, tables and queue."""
+        self.workdir, self.out, self.prefix = workdir, out, prefix
         self.wiring = {"broker": broker, "backend": backend, "store": store}
         self.app = make_app(workdir=workdir, prefix=self.prefix, **self.wiring)
         self.idem = Idempotency.of(self.app)
@@ -107,7 +106,7 @@ class Demo:
                 stdout=sink,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=_dying_with(os.getpid()),
             )
         self.workers.append(worker)
         deadline = time.monotonic() + WORKER_START_SECONDS
@@ -161,13 +160,23 @@ class Demo:
         failed: list[str] = []
 
         def step(what: str, remove: Callable[[], str | None]) -> None:
-            try:
-                done = remove()
-            except Exception as exc:  # noqa: BLE001 - said, and the other steps still run
-                failed.append(f"{what} ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})")
-            else:
-                if done:
-                    removed.append(done)
+            """One step on a thread of its own, waited for STEP_SECONDS at most (a server that
+            stopped answering); its failure said, the other steps run."""
+            outcome: list[str | None] = []
+
+            def run() -> None:
+                try:
+                    outcome.append(remove())
+                except Exception as exc:  # noqa: BLE001 - said, and the other steps still run
+                    failed.append(f"{what} ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})")
+
+            thread = threading.Thread(target=run, name="celery-idem-demo-cleanup", daemon=True)
+            thread.start()
+            thread.join(STEP_SECONDS)
+            if thread.is_alive():
+                failed.append(f"{what} (no answer within {STEP_SECONDS:g} s)")
+            elif outcome and outcome[0]:
+                removed.append(outcome[0])
 
         if self.wiring["store"]:
             step("its records", self._remove_records)
@@ -175,10 +184,16 @@ class Demo:
             step("its results", self._remove_results)
         if self.wiring["broker"]:
             step(f"the queue {self.prefix}-q", self._remove_queue)
-        for close in (self.idem.store.close, self.idem.settings.ledger.engine.dispose, self.app.close):
-            with contextlib.suppress(Exception):
-                close()
+        step("its connections", self._close)
         return removed, failed
+
+    def _close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.idem.store.close()
+        with contextlib.suppress(Exception):
+            self.idem.settings.ledger.engine.dispose()
+        with contextlib.suppress(Exception):
+            self.app.close()
 
     def _remove_records(self) -> str:
         store: Any = self.idem.store
@@ -210,6 +225,7 @@ class Demo:
                 queue.exchange.bind(channel).delete()  # AMQP keeps the exchange Celery declared for it
             if hasattr(channel, "unacked_key"):
                 _forget_unacked(channel, name)
+                _forget_pidboxes(channel, self.prefix)
         return f"the queue {name}"
 
 
@@ -227,9 +243,26 @@ def _forget_unacked(channel: Any, queue: str) -> None:
             client.zrem(channel.unacked_index_key, tag)
 
 
-def _die_with_parent() -> None:
-    """In the worker's process, before it runs Celery: on Linux, a SIGTERM (Celery's warm shutdown)
-    when the demo's process dies, however it dies, so no worker outlives the demo."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+def _forget_pidboxes(channel: Any, prefix: str) -> None:
+    """Drop the demo's workers from the Redis transport's table of remote-control queues (one member
+    per worker node, ``<node>.celery.pidbox``), which kombu sweeps only hours later."""
+    client = channel.client
+    table = channel.keyprefix_queue % ("celery.pidbox",)
+    mine = [m for m in client.smembers(table) if f"{prefix}-".encode() in m]
+    if mine:
+        client.srem(table, *mine)
+
+
+def _dying_with(parent: int) -> Callable[[], None]:
+    """What the worker's process runs before Celery: on Linux, a SIGQUIT (Celery's cold shutdown,
+    which stops the pool's children too) when the demo's process dies, however it dies, so no worker
+    outlives the demo (and none starts if it died while the worker was being forked)."""
+
+    def die_with_parent() -> None:
+        if sys.platform.startswith("linux"):
+            with contextlib.suppress(OSError, AttributeError):
+                ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGQUIT)  # PR_SET_PDEATHSIG
+            if os.getppid() != parent:
+                os._exit(1)
+
+    return die_with_parent

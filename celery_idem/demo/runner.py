@@ -4,12 +4,14 @@ remove what it wrote, and print a summary with an exit code that says whether ev
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +36,28 @@ CELERY_ENVIRONMENT = ("CELERY_BROKER_URL", "CELERY_BROKER_READ_URL", "CELERY_BRO
 
 
 class Interrupted(BaseException):
-    """SIGTERM or SIGHUP: the demo stops its worker and cleans up, as on Ctrl-C (and, like
+    """Ctrl-C, SIGTERM or SIGHUP: the demo stops its worker and cleans up (and, like
     KeyboardInterrupt, no scenario takes it for its own failure)."""
+
+
+class Signals:
+    """The demo's handler of SIGINT, SIGTERM and SIGHUP, installed before anything else: the first
+    signal raises :class:`Interrupted`; later ones, and any once the cleanup began, wait for it."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.previous = {sig: signal.signal(sig, self) for sig in self.SIGNALS}
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if not self.closed:
+            self.closed = True
+            raise Interrupted(signal.Signals(signum).name)
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 def run_demo(
@@ -44,17 +66,42 @@ def run_demo(
     backend: str | None = None,
     store: str | None = None,
     workdir: str | None = None,
-    out: TextIO = sys.stdout,
+    out: TextIO | None = None,
 ) -> int:
     """Run every scenario; 0 when every guarantee held, 1 otherwise, 2 when the demo cannot start
     (a missing extra, a server it cannot reach, a worker that does not start: said in one line on
-    stderr), 130 when it was interrupted (after it stopped its worker and cleaned up)."""
+    stderr), 130 when it was interrupted (after it stopped its worker and cleaned up).
+
+    Its files go to a directory of their own: a new temporary one, removed at the end, or with
+    ``workdir`` a new ``run-<prefix>`` directory inside it, kept."""
+    signals = Signals()
+    try:
+        return _run(broker, backend, store, workdir, out, signals)
+    except Interrupted:  # before the worker started: nothing to stop, nothing written yet
+        return 130
+    finally:
+        signals.restore()
+
+
+def _run(
+    broker: str | None,
+    backend: str | None,
+    store: str | None,
+    workdir: str | None,
+    out: TextIO | None,
+    signals: Signals,
+) -> int:
     for name in CELERY_ENVIRONMENT:  # the worker process inherits the environment too
         os.environ.pop(name, None)
+    out = out or sys.stdout or open(os.devnull, "w")  # noqa: SIM115 - stdout closed (`>&-`): say nothing
+    prefix = f"demo-{uuid.uuid4().hex[:6]}"  # fresh keys and tables, even on a shared server
     try:
         why = problem(broker=broker, backend=backend, store=store)
-        directory = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="celery-idem-demo-"))
-        directory.mkdir(parents=True, exist_ok=True)
+        if workdir:
+            directory = Path(workdir).resolve() / f"run-{prefix}"
+            directory.mkdir(parents=True)
+        else:
+            directory = Path(tempfile.mkdtemp(prefix="celery-idem-demo-")).resolve()
     except Exception as exc:  # noqa: BLE001 - a path it cannot create, a URL no check could read
         why = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
     if why is not None:
@@ -64,15 +111,18 @@ def run_demo(
     from .scenarios import SCENARIOS, play
 
     try:
-        demo = Demo(directory.resolve(), broker, backend, store, out)
-    except Exception as exc:  # noqa: BLE001 - its files or its shop database could not be made
-        return refuse(f"cannot prepare the work directory {directory}: {type(exc).__name__}: {exc}")
-    wiring = ", ".join(f"{k}={shown(v) if v else 'embedded'}" for k, v in demo.wiring.items())
-    demo.say(f"celery-idem demo ({wiring}); work files in {directory}")
+        demo = Demo(directory, prefix, broker, backend, store, out)
+    except BaseException as exc:  # its app, store or shop database could not be made, or a signal
+        shutil.rmtree(directory, ignore_errors=True)
+        if not isinstance(exc, Exception):
+            raise
+        return refuse(f"cannot start: {type(exc).__name__}: {exc}")
     checks: list[Check] = []
     refused = interrupted = False
-    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    why = None
     try:
+        wiring = ", ".join(f"{k}={shown(v) if v else 'embedded'}" for k, v in demo.wiring.items())
+        demo.say(f"celery-idem demo ({wiring}); work files in {directory}")
         demo.say("starting a worker process (prefork, 2 children) ...")
         demo.start_worker()
         demo.say("the worker is up\n")
@@ -85,14 +135,11 @@ def run_demo(
             demo.say(f"   [{'ok' if shown_.held else 'FAILED'}] {shown_.detail} ({time.monotonic() - started:.1f}s)")
             checks.append(Check(name, shown_.held, shown_.detail))
     except WorkerDidNotStart as exc:
-        refused = True
-        why = str(exc)
+        refused, why = True, str(exc)
     except (KeyboardInterrupt, Interrupted):
         interrupted = True
     finally:
-        # Cleanup is not cut short by a second Ctrl-C or a TERM: the signals wait until it is done.
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)
+        signals.closed = True  # from here on a signal waits: the cleanup is bounded (harness.STEP_SECONDS)
         if interrupted:
             demo.say("\ninterrupted: stopping the worker at once (a cold shutdown) ...")
         else:
@@ -105,9 +152,6 @@ def run_demo(
             demo.say(f"could not remove: {'; '.join(failed)}")
         if not workdir:
             shutil.rmtree(directory, ignore_errors=True)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     if refused:
         return refuse(why or "the demo's worker did not start")
     if checks:
@@ -120,12 +164,9 @@ def run_demo(
 
 def refuse(why: str) -> int:
     """The demo cannot start: one line on stderr, exit 2."""
-    print(f"celery-idem demo: {' '.join(why.split())}", file=sys.stderr)
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # stderr closed too: the code says it
+        print(f"celery-idem demo: {' '.join(why.split())}", file=sys.stderr)
     return 2
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise Interrupted(signal.Signals(signum).name)
 
 
 def summary(say: Callable[[str], None], checks: list[Check]) -> None:

@@ -113,7 +113,13 @@ def test_the_demo_shows_every_guarantee_and_leaves_nothing_behind(wiring: str, t
         require_server("redis")
         env |= {"CELERY_RESULT_BACKEND": REDIS_DEMO_BACKEND_URL, "CELERY_BROKER_URL": REDIS_DEMO_BROKER_URL}
         (cwd / "celery.py").write_text("from celery import Celery\n")
-        (tmp_path / "effects.log").write_text("demo.plain_charge x 1\n" * 300)
+        # A work directory of the user's, with files named as the demo's are, and a module that would
+        # shadow Celery's in a worker running there: the demo's files go to a directory of their own.
+        users = {"effects.log": "demo.plain_charge x 1\n" * 300, "celery.py": "raise SystemExit(3)\n"}
+        users |= {"results/report.csv": "a,b\n", "worker-prod.log": "prod\n", "shop.db": "not sqlite"}
+        for name, text in users.items():
+            (tmp_path / name).parent.mkdir(exist_ok=True)
+            (tmp_path / name).write_text(text)
     before = redis_keys() if wiring != "postgresql" else set()
     run = demo("--workdir", str(tmp_path), *args, env=env, cwd=cwd)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -135,6 +141,9 @@ def test_the_demo_shows_every_guarantee_and_leaves_nothing_behind(wiring: str, t
     # Its records, results and queue (and the killed workers' unacked copies) are gone; on the
     # embedded wiring, nothing was written to the servers Celery's variables named.
     assert redis_keys() - before == set()
+    if wiring == "embedded":
+        assert all((tmp_path / name).read_text() == text for name, text in users.items())
+        assert [p.name for p in tmp_path.glob("run-demo-*")] != []  # the run's files, kept as asked
     if wiring == "rabbitmq":
         prefix = re.search(r"the queue (demo-\w+)-q", run.stdout)[1]
         assert not rabbitmq_has_exchange(f"{prefix}-q")
@@ -187,11 +196,11 @@ def test_a_demo_stopped_midway_stops_its_worker_and_removes_what_it_wrote(how: s
 
 
 def processes_in(directory: Path) -> list[int]:
-    """The processes whose working directory is ``directory`` (the demo's workers run in its workdir)."""
+    """The processes working in ``directory`` or below (the demo's workers run in its run directory)."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if os.readlink(f"/proc/{pid}/cwd") == str(directory):
+            if Path(os.readlink(f"/proc/{pid}/cwd")).is_relative_to(directory):
                 found.append(int(pid))
         except OSError:
             continue
@@ -265,3 +274,33 @@ def test_the_demo_broker_writes_a_message_where_no_consumer_reads_it_until_it_is
         monkeypatch.setattr(os, "replace", rename)
         assert connection.default_channel._get("q") == {"body": "x" * 100_000}
     assert len(seen_before_rename) == 1 and all(name.endswith(".tmp") for name in seen_before_rename[0])
+
+
+def test_a_cleanup_step_whose_server_stopped_answering_is_given_up_and_said(monkeypatch) -> None:
+    # A store on a server that stopped answering (no reply, no refusal) must not hold the demo's end:
+    # signals wait while it cleans up, so every step is bounded.
+    import threading
+
+    from celery_idem.demo import harness
+
+    monkeypatch.setattr(harness, "STEP_SECONDS", 0.3)
+    hang = threading.Event()
+
+    class SilentStore:
+        def records(self, **_: Any) -> list[Any]:
+            hang.wait(30)
+            return []
+
+        def close(self) -> None:
+            pass
+
+    demo = harness.Demo.__new__(harness.Demo)
+    demo.prefix, demo.task_ids = "demo-abcdef", set()
+    demo.wiring = {"broker": None, "backend": None, "store": "redis://silent"}
+    demo.idem = type("Idem", (), {"store": SilentStore(), "settings": None})()
+    demo.app = type("App", (), {"close": lambda self: None})()
+    started = time.monotonic()
+    removed, failed = demo.clean_up()
+    hang.set()
+    assert time.monotonic() - started < 5
+    assert removed == [] and failed == ["its records (no answer within 0.3 s)"]
