@@ -188,7 +188,13 @@ def main() -> None:
 @click.option("--broker", default=None, help="A broker URL (default: an embedded file transport).")
 @click.option("--backend", default=None, help="A result backend URL (default: files).")
 @click.option("--store", default=None, help="An idempotency store URL (default: SQLite).")
-@click.option("--workdir", default=None, help="Keep the demo's files here (default: a temporary directory).")
+@click.option(
+    "--workdir",
+    default=None,
+    help="Keep the demo's files in a new run-demo-<hex> directory inside this one (default: a temporary "
+    "directory, removed at the end).",
+)
 def demo(broker: str | None, backend: str | None, store: str | None, workdir: str | None) -> None:
-    """Show the guarantees on a real worker; exits 1 if one did not hold, 2 if it cannot start."""
+    """Show the guarantees on a real worker; exits 1 if one did not hold, 2 if it cannot start, 130 if
+    interrupted (it stops its worker and removes what it wrote to your servers first)."""
     raise SystemExit(run_demo(broker=broker, backend=backend, store=store, workdir=workdir))
