@@ -224,7 +224,10 @@ def _end(run: Run, cell: Cell) -> None:
         until(lambda: f"of task {cell.result.id}: record" in worker.output(), "the parent's hook", GET)
         # The hook frees an IN_PROGRESS record only once its lease ran out (its fence): on a machine
         # too loaded for the kill and the hook to come within the lease, that is what it must do.
-        cell.late_hook = bool(re.search(rf"failure of task {cell.result.id}: record \S+ released", worker.output()))
+        # (The record is shown as the logs show it: "end.hangs.late (key_hash=...)", spaces included.)
+        cell.late_hook = bool(
+            re.search(rf"failure of task {cell.result.id}: record [^\n]* released\b", worker.output())
+        )
         pid = run.counter.get(executions_key(run.prefix, cell.key) + ":pid")
         if pid is not None:
             until(lambda: not alive(int(pid)), "the child to be gone", GET)
