@@ -55,9 +55,6 @@ class Step(enum.Enum):
     REQUEUE = "requeue"  # back to PENDING for the message that carries the call on
     HAND_OVER = "hand over"  # keep it for the replacement, which takes it by its token
     RELEASE_STALE = "release stale"  # by task id: only a PENDING claim or a lease that ran out
-    # Not in a mode's table: what the ENDED line says when a complete could not be written (the store
-    # down past the lease): the outcome is left as evidence, for the reconciler.
-    UNWRITTEN = "not written: left for the reconciler"
 
 
 class Answer(enum.Enum):

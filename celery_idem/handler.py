@@ -49,6 +49,11 @@ class HandledTask:
     app: Any
 
 
+#: The ENDED line's step for a returned body whose outcome the store never took (down past the lease):
+#: left as evidence, for the reconciler.
+UNWRITTEN = "not written: left for the reconciler"
+
+
 class Handler(TaskCalls):
     """Drives one task's calls and messages through the store. One per task, built on first use."""
 
@@ -217,12 +222,11 @@ class Handler(TaskCalls):
         finally:
             self.idem.heartbeat.remove(lease)
 
-    def _ended(self, record: IdempotencyRecord, ending: Ending, step: Step | str | None = None) -> None:
+    def _ended(self, record: IdempotencyRecord, ending: Ending, step: str | None = None) -> None:
         """The attempt's ENDED line, with the step its record was given (by default, its mode's)."""
-        taken = step if step is not None else self.mode.after[ending]
-        log_ending(record.identity, record.task_id, ending.value, taken if isinstance(taken, str) else taken.value)
+        log_ending(record.identity, record.task_id, ending.value, step or self.mode.after[ending].value)
 
-    def _settle_value(self, record: IdempotencyRecord, value: Any) -> Step | str:
+    def _settle_value(self, record: IdempotencyRecord, value: Any) -> str:
         """The body returned: the effect happened. Store the value (an unstorable one is stored as a
         permanent failure about it); a store outage is retried while the lease lasts, then left as
         evidence for the reconciler. An effect whose ledger row is on a transaction it joined is
@@ -233,14 +237,14 @@ class Handler(TaskCalls):
             return self.settle.when_committed(attempt, record, lambda: self._store_value(record, value))
         return self._store_value(record, value)
 
-    def _store_value(self, record: IdempotencyRecord, value: Any) -> Step:
+    def _store_value(self, record: IdempotencyRecord, value: Any) -> str:
         written = self.settle.store_value(record.identity, record.owner, record.task_id, value)
         if written is None:
             evidence.leave(self.task, value)
-            return Step.UNWRITTEN
+            return UNWRITTEN
         if not written:
             raise self._lost(record, "its outcome was not stored")
-        return Step.COMPLETE
+        return Step.COMPLETE.value
 
     def _lost(self, record: IdempotencyRecord, consequence: str) -> LockLostError:
         return LockLostError(

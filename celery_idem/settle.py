@@ -95,7 +95,7 @@ class Settler:
             self.write(identity, owner, task_id, lambda: store.fail(identity, owner, error))
             raise
 
-    def when_committed(self, attempt: attempts.Attempt, record: IdempotencyRecord, store: Callable[[], Step]) -> Step:
+    def when_committed(self, attempt: attempts.Attempt, record: IdempotencyRecord, store: Callable[[], str]) -> str:
         """The body returned with its ledger row on a transaction it joined: the outcome is stored
         only if that row is committed now, never for an effect that may still roll back.
 
@@ -103,7 +103,7 @@ class Settler:
         outlives the attempt), or the ledger cannot say, the key is freed: a later attempt's row waits
         on any transaction still holding this one's, and gets the committed outcome or runs, so the
         ledger decides. Nothing is left for the reconciler to settle from weaker evidence. Returns the
-        step taken: ``store``'s, or :attr:`Step.RELEASE`.
+        step taken, as the ENDED line says it: ``store``'s, or ``release``.
         """
         identity = record.identity
         try:
@@ -121,7 +121,7 @@ class Settler:
             telemetry.shown(identity),
         )
         self.free_for_the_ledger(record)
-        return Step.RELEASE
+        return Step.RELEASE.value
 
     def free_for_the_ledger(self, record: IdempotencyRecord) -> None:
         """Free the key of an attempt whose ledger row stands on a transaction it joined; retried while

@@ -3,7 +3,6 @@ and the cleanup of what it wrote to a user's servers."""
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import ctypes
 import json
@@ -70,14 +69,15 @@ class Demo:
 
     def executions(self, task: str, key: str) -> int:
         """How many times a body ran for this key: lines of the effects file, written by the bodies."""
-        path = effects_file(self.workdir)
-        rows = path.read_text().splitlines() if path.exists() else []
-        return collections.Counter(row.rsplit(" ", 1)[0] for row in rows)[f"{task} {key}"]
+        return sum(1 for row in self._effects() if row.rsplit(" ", 1)[0] == f"{task} {key}")
 
     def executions_of(self, task: str) -> int:
+        """How many times a body of ``task`` ran, whatever its key."""
+        return sum(1 for row in self._effects() if row.split(" ", 1)[0] == task)
+
+    def _effects(self) -> list[str]:
         path = effects_file(self.workdir)
-        rows = path.read_text().splitlines() if path.exists() else []
-        return sum(1 for row in rows if row.split(" ", 1)[0] == task)
+        return path.read_text().splitlines() if path.exists() else []
 
     def payments(self, order_id: int) -> list[int]:
         return payments(self.workdir, order_id)
