@@ -30,7 +30,7 @@ from .result import IdempotentResult
 from .stores import MemoryStore, Store, store_from_url
 from .task import IdempotentTask
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 __all__ = [
     "ConfigurationError",

@@ -1,6 +1,7 @@
 """How a call's arguments bind to its task's signature, and how ``key_args`` narrows them (DESIGN §2):
 ``charge(42, 100)``, ``charge(order_id=42, amount=100)`` and ``charge(42, amount=100)`` bind alike,
-defaults applied, as Celery's own argument check binds them."""
+defaults applied, as Celery's own argument check binds them; :func:`at_defaults` says what a call
+that leaves a parameter out holds in it (the fingerprint leaves those out)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 from .errors import ConfigurationError
 
-__all__ = ["bind_arguments", "check_key_args", "select_key_args"]
+__all__ = ["at_defaults", "bind_arguments", "check_key_args", "select_key_args"]
 
 
 @functools.lru_cache(maxsize=2048)
@@ -48,6 +49,19 @@ def bind_arguments(
         raise TypeError(f"{name}{signature}: {exc}") from None
     bound.apply_defaults()
     return dict(bound.arguments)
+
+
+@functools.lru_cache(maxsize=2048)
+def at_defaults(func: Callable[..., Any], skip_first: bool = False) -> dict[str, Any]:
+    """What each parameter of ``func`` holds when a call leaves it out: its default, and an empty
+    ``*args`` or ``**kwargs``; required parameters are not in it. Cached: the caller must not change it."""
+    params = list(_signature(func).parameters.values())[1 if skip_first else 0 :]
+    empty: dict[Any, Any] = {inspect.Parameter.VAR_POSITIONAL: (), inspect.Parameter.VAR_KEYWORD: {}}
+    return {
+        p.name: empty[p.kind] if p.kind in empty else p.default
+        for p in params
+        if p.kind in empty or p.default is not inspect.Parameter.empty
+    }
 
 
 def check_key_args(func: Callable[..., Any], key_args: Sequence[str], *, task_name: str, typed: bool) -> None:

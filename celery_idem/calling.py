@@ -55,7 +55,9 @@ class TaskCalls:
             check_key_args(self._run_function, policy.key_args, task_name=task.name, typed=self._typed)
         self._seen_keyed = self._seen_keyless = False  # called()
 
-    def fingerprint(self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None) -> str:
+    def fingerprint(
+        self, args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None, *, keep_defaults: bool = False
+    ) -> str:
         return fingerprint(
             self._run_function,
             args,
@@ -64,6 +66,7 @@ class TaskCalls:
             serializer=self.serializer,
             bind=self._typed,
             sets=self._sets,
+            keep_defaults=keep_defaults,
         )
 
     def identify(self, key: Any, scope: Any, fp: str) -> Identity:

@@ -2,10 +2,17 @@
 :mod:`celery_idem.keys`.
 
 The fingerprint is the SHA-256 of the canonical JSON of the call's arguments *as the worker will
-receive them*: positional and keyword arguments bound to the task's signature with defaults
-applied, optionally narrowed to ``key_args``, round-tripped through the task's serializer, dumped
-with sorted keys and no whitespace. ``charge(42, 100)``, ``charge(order_id=42, amount=100)`` and
-``charge(42, amount=100)`` are one call; so are a tuple and a list, and a UUID and its string.
+receive them*: positional and keyword arguments bound to the task's signature, optionally narrowed
+to ``key_args``, round-tripped through the task's serializer, every parameter that holds its default
+(and an empty ``*args`` or ``**kwargs``) left out, dumped with sorted keys and no whitespace.
+``charge(42, 100)``, ``charge(order_id=42, amount=100)``, ``charge(42, amount=100)`` and, where
+``currency`` defaults to ``"EUR"``, ``charge(42, 100, currency="EUR")`` are one call; so are a tuple
+and a list, and a UUID and its string.
+
+A default the caller never gave is not the caller's argument: leaving defaults out is what keeps a
+call the same call across a release that adds a parameter with a default (DESIGN §2, "Across
+releases"). celery-idem before 0.2 kept them in (``keep_defaults=True`` computes that form, which
+records written then still hold).
 
 A task whose user turned Celery's argument check off (``typing=False``, ``Celery(strict_typing=
 False)``) is fingerprinted unbound: the call as given, ``{"args": [...], "kwargs": {...}}``, through
@@ -20,6 +27,7 @@ import contextlib
 import datetime
 import decimal
 import enum
+import functools
 import hashlib
 import json
 import uuid
@@ -30,7 +38,7 @@ from kombu import serialization
 from kombu.utils import json as kombu_json
 from pydantic import BaseModel
 
-from .arguments import bind_arguments, select_key_args
+from .arguments import at_defaults, bind_arguments, select_key_args
 from .errors import SerializationError
 from .pydantic_sets import Shape, Unordered, model_shape, unordered
 
@@ -151,6 +159,7 @@ def fingerprint(
     skip_first: bool = False,
     bind: bool = True,
     sets: Mapping[str, Shape] | None = None,
+    keep_defaults: bool = False,
 ) -> str:
     """SHA-256 hex digest of the call's canonical arguments (DESIGN §2).
 
@@ -166,6 +175,8 @@ def fingerprint(
             ``typing`` is off), and then ``key_args`` must be None.
         sets: Where a ``pydantic=True`` task's parameters hold sets that arrive as lists
             (celery_idem.pydantic_sets.parameter_shapes): those lists count unordered.
+        keep_defaults: Keep the parameters that hold their defaults, as celery-idem before 0.2
+            fingerprinted a call (the form its records hold).
 
     Raises:
         TypeError: the arguments do not fit the signature, or ``key_args`` is given with
@@ -183,13 +194,22 @@ def fingerprint(
         arguments = bind_arguments(func, args, kwargs, skip_first=skip_first)
         if key_args is not None:
             arguments = select_key_args(arguments, key_args, func)
+    defaults: Mapping[str, str] = {}
+    if bind and not keep_defaults:
+        # The very default object (a sentinel no serializer can encode too) is left out as it is;
+        # an equal value, once compared in the form the worker receives (below).
+        given = at_defaults(func, skip_first)
+        arguments = {name: value for name, value in arguments.items() if name not in given or value is not given[name]}
+        defaults = _default_forms(func, skip_first, serializer)
     if serializer == "json" and not sets and _plain(arguments):
         # What the worker receives is this very JSON: the round trip and the normalisation change
         # nothing (tests/api/test_fingerprint.py holds this against the long way for any plain value).
         # What json cannot dump (an int of over 4,300 digits, a depth past the recursion limit) takes
         # the long way, which says what is wrong.
         with contextlib.suppress(ValueError, RecursionError):
-            text = json.dumps(arguments, sort_keys=True, separators=(",", ":"))
+            if defaults:
+                arguments = _without_defaults(arguments, defaults, _dumps)
+            text = _dumps(arguments)
             return hashlib.sha256(text.encode()).hexdigest()
     received = _round_trip(arguments, serializer)
     if sets and bind:
@@ -197,6 +217,8 @@ def fingerprint(
             if name in received:
                 received[name] = unordered(received[name], shape)
     try:
+        if defaults:
+            received = _without_defaults(received, defaults, canonical_json)
         text = canonical_json(received)
     except (TypeError, ValueError) as exc:
         raise SerializationError(
@@ -205,3 +227,33 @@ def fingerprint(
             "pass JSON-like values (str, numbers, lists, dicts, UUID, datetime, Decimal, bytes, enums, models)"
         ) from exc
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _dumps(value: Any) -> str:
+    """:func:`canonical_json` of a value that is already plain JSON (:func:`_plain`)."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def _without_defaults(received: dict[str, Any], forms: Mapping[str, str], dump: Callable[[Any], str]) -> dict[str, Any]:
+    """``received`` (the bound call as the worker receives it) without the parameters that hold their
+    default, compared in the form the worker would receive the default in: ``1`` and ``True`` stay
+    apart, ``(1, 2)`` and ``[1, 2]`` do not."""
+    kept = dict(received)
+    for name, form in forms.items():
+        if name in kept and dump(kept[name]) == form:
+            del kept[name]
+    return kept
+
+
+@functools.lru_cache(maxsize=2048)
+def _default_forms(func: Callable[..., Any], skip_first: bool, serializer: str) -> dict[str, str]:
+    """Each defaulted parameter's default of ``func`` (an empty ``*args`` and ``**kwargs`` too) in its
+    canonical form as the worker would receive it passed; a default no call can pass (a sentinel the
+    serializer cannot encode), which no argument equals, is left out."""
+    forms: dict[str, str] = {}
+    for name, default in at_defaults(func, skip_first).items():
+        try:
+            forms[name] = canonical_json(_round_trip(default, serializer))
+        except (SerializationError, TypeError, ValueError, RecursionError):
+            continue
+    return forms

@@ -30,8 +30,9 @@ from .endings import Answer, Ending, Step
 from .errors import LockLostError, StoreUnavailableError
 from .ledger.calls import joined
 from .owners import worker_token
-from .protocol import BYPASS_HEADER, HANDOVER_HEADER, KEY_HEADER, SCOPE_HEADER, request_header
+from .protocol import BYPASS_HEADER, KEY_HEADER, SCOPE_HEADER, request_header
 from .records import Decision, IdempotencyRecord
+from .releases import continues_its_chain, message_fingerprint, same_call
 from .settle import Settler
 
 if TYPE_CHECKING:
@@ -49,8 +50,7 @@ class HandledTask:
     app: Any
 
 
-#: The ENDED line's step for a returned body whose outcome the store never took (down past the lease):
-#: left as evidence, for the reconciler.
+#: The ENDED step of a returned body whose outcome the store never took: left for the reconciler.
 UNWRITTEN = "not written: left for the reconciler"
 
 
@@ -74,15 +74,6 @@ class Handler(TaskCalls):
         """Claim, then publish through ``send`` (Celery's own apply_async) or hand back the original."""
         return publish.publish(self, self.idem, self.settle, args, kwargs, options, send)
 
-    def _continues_its_chain(self) -> bool:
-        """Whether the running message says it continues its task id's attempt chain, which may carry
-        other arguments than the record's: Celery's retry (``retries > 0``), or a replacement (or a
-        copy of one: a redelivery, a requeue) that a replaced attempt handed its record to. Both are
-        fields a producer could set, so the store grants it only under the record's own task id (a
-        random id: whoever knows it can publish under it anyway) and once an attempt has run."""
-        request = self.task.request
-        return bool(request.retries) or isinstance(request_header(request, HANDOVER_HEADER), str)
-
     # ---- worker side ---------------------------------------------------------------------------
 
     def run(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
@@ -91,7 +82,9 @@ class Handler(TaskCalls):
         if request_header(request, BYPASS_HEADER) is False:
             request.idempotency_key = request.idempotency_scope = None  # bypassed: the body holds no identity
             return self._run_function(*args, **kwargs)
-        fp = self.fingerprint(args, kwargs)
+        fp = message_fingerprint(
+            self, self.settle, args, kwargs
+        )  # one another release's signature cannot bind fails here
         key, scope = request_header(request, KEY_HEADER), request_header(request, SCOPE_HEADER)
         identity = self.identify(key, scope, fp)
         if key is not None and KEY_HEADER not in (request.headers or {}):
@@ -118,7 +111,7 @@ class Handler(TaskCalls):
                     owner=owner,
                     call=call,
                     next_look_seconds=wait.next_look_seconds(),
-                    retry=self._continues_its_chain(),
+                    retry=continues_its_chain(request),
                 )
             except StoreUnavailableError as exc:
                 if self.idem.proceed_unprotected("acquire", identity, task_id):
@@ -149,6 +142,9 @@ class Handler(TaskCalls):
                 self.idem.count("replays")
                 return self.idem.replay(record)
             if answer is Answer.REFUSE:
+                if fp != record.fingerprint and same_call(self, record, args, kwargs):
+                    fp = record.fingerprint  # this very call, bound by another release: the caller's call
+                    continue
                 self.idem.count("mismatches")
                 raise wait.mismatched(record) or self.mismatch(identity, record)
             wait.busy(record, args, kwargs)  # WAIT: another attempt holds a live lease (celery_idem.busy)

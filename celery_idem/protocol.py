@@ -11,6 +11,7 @@ from typing import Any
 __all__ = [
     "BUSY_TRIPS_HEADER",
     "BYPASS_HEADER",
+    "CLAIM_HEADER",
     "HANDOVER_HEADER",
     "KEY_HEADER",
     "OPTION_HEADERS",
@@ -38,6 +39,9 @@ REPLACED_TASK, REPLACED_FAILED_TASK = "celery_idem.replaced", "celery_idem.repla
 # The token a self.replace() hands its record over to, carried by the replacement's message. Input
 # like any header: it is worth something only while the store holds the record under that token.
 HANDOVER_HEADER = "idempotency_handover"
+# The owner token of the PENDING claim its producer made for this message (celery_idem.releases):
+# worth something only while the store holds the record under that token, as the handover's is.
+CLAIM_HEADER = "idempotency_claim"
 
 
 def request_header(request: Any, name: str) -> Any:

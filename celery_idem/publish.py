@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 from . import attempts, timing
 from .calling import TaskCalls, log_decision
 from .errors import DuplicateTaskError, StoreUnavailableError
-from .protocol import BYPASS_HEADER, HANDOVER_HEADER, KEY_HEADER, OPTION_HEADERS, SCOPE_HEADER
+from .protocol import BYPASS_HEADER, CLAIM_HEADER, HANDOVER_HEADER, KEY_HEADER, OPTION_HEADERS, SCOPE_HEADER
 from .records import Decision, Identity, State
+from .releases import earlier_fingerprint
 from .result import bind_handle
 from .settle import Settler
 from .stores.base import new_token
@@ -102,16 +103,25 @@ def publish(
         return bind_handle(send(args, kwargs, options), identity, idem, deduplicated=False)
     policy = calls.policy
     claim_token = new_token()
+    # The message carries its claim's token: a worker of another release, binding its arguments to
+    # another fingerprint, still knows it for the call its record was claimed for (celery_idem.releases).
+    options["headers"][CLAIM_HEADER] = claim_token
+    claim = functools.partial(
+        idem.store.claim,
+        identity,
+        task_id=task_id,
+        pending_seconds=timing.pending_seconds(policy.pending_timeout_seconds, options, task.expires),
+        ttl_seconds=policy.ttl_seconds,
+        owner=claim_token,
+        call=calls.kept_call(args, kwargs, options),
+    )
     try:
-        claimed = idem.store.claim(
-            identity,
-            fp,
-            task_id,
-            pending_seconds=timing.pending_seconds(policy.pending_timeout_seconds, options, task.expires),
-            ttl_seconds=policy.ttl_seconds,
-            owner=claim_token,
-            call=calls.kept_call(args, kwargs, options),
-        )
+        claimed = claim(fp)
+        if claimed.decision is Decision.MISMATCH and claimed.record is not None:
+            earlier = earlier_fingerprint(calls, args, kwargs)
+            if earlier != fp and earlier == claimed.record.fingerprint:
+                # Recorded by a celery-idem that kept defaults in the fingerprint: this very call.
+                claimed = claim(earlier)
     except StoreUnavailableError:
         if not idem.proceed_unprotected("claim", identity, task_id):
             # The claim may have landed with only its reply lost: a PENDING record under a task

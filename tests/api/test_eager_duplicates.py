@@ -28,6 +28,8 @@ from celery_idem import (
     PayloadMismatchError,
     State,
 )
+from celery_idem.fingerprint import fingerprint
+from celery_idem.records import Identity
 
 app = eager_apps.app
 idem = eager_apps.idem
@@ -104,6 +106,28 @@ def test_positional_keyword_and_default_forms_are_one_call(app: Celery, idem: Id
     assert len({r.idempotency_key for r in results}) == 1
     assert len({r.id for r in results}) == 1
     assert [r.deduplicated for r in results] == [False, True, True, True, True]
+
+
+@pytest.mark.parametrize("spelling", [((42, 100), {}), ((42,), {"amount": 100, "currency": "EUR"})])
+def test_a_record_written_before_defaults_were_left_out_still_answers_its_call(
+    app: Celery, idem: Idempotency, calls: list[Any], spelling: Any
+) -> None:
+    # Given a record that celery-idem before 0.2 wrote for refund(42, 100): its fingerprint holds the default
+    @app.task(shared=False, base=IdempotentTask)
+    def refund(order_id: int, amount: int, currency: str = "EUR") -> str:
+        calls.append((order_id, amount, currency))
+        return "refunded"
+
+    earlier = fingerprint(refund.run, (42, 100), {}, keep_defaults=True)
+    assert earlier != fingerprint(refund.run, (42, 100), {})
+    idem.store.claim(Identity("", refund.name, "k-upgrade"), earlier, "t-before", pending_seconds=60, ttl_seconds=60)
+    # When the same call comes after the upgrade, spelled either way
+    again = refund.apply_async(*spelling, idempotency_key="k-upgrade")
+    # Then it is that call's duplicate, never a PayloadMismatchError; other arguments still are one
+    assert again.deduplicated and again.id == "t-before"
+    assert calls == []
+    with pytest.raises(PayloadMismatchError):
+        refund.apply_async((42, 100, "USD"), idempotency_key="k-upgrade")
 
 
 def test_same_key_in_keyword_form_is_not_a_mismatch(charge: Task, calls: list[Any]) -> None:

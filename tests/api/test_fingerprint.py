@@ -25,9 +25,12 @@ from celery_idem.fingerprint import fingerprint
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: tagged_orders.py, run as a producer
 
-# The canonical JSON of charge(42, 100): sorted keys, no whitespace, default applied.
-CHARGE_42_100_CANONICAL = b'{"amount":100,"currency":"EUR","order_id":42}'
-CHARGE_42_100_FINGERPRINT = "190e6618c812c7fe98a036bdd1ff93bc46207b5e12f7db8e9892aae3c35a95f1"
+# The canonical JSON of charge(42, 100): sorted keys, no whitespace, the parameter at its default left out.
+CHARGE_42_100_CANONICAL = b'{"amount":100,"order_id":42}'
+CHARGE_42_100_FINGERPRINT = hashlib.sha256(CHARGE_42_100_CANONICAL).hexdigest()
+# ...and as celery-idem before 0.2 fingerprinted it (its records still hold this: keep_defaults=True).
+CHARGE_42_100_EARLIER_CANONICAL = b'{"amount":100,"currency":"EUR","order_id":42}'
+CHARGE_42_100_EARLIER_FINGERPRINT = "190e6618c812c7fe98a036bdd1ff93bc46207b5e12f7db8e9892aae3c35a95f1"
 
 
 def charge(order_id: Any, amount: Any, currency: Any = "EUR") -> None:
@@ -440,9 +443,73 @@ def test_fingerprint_is_64_lowercase_hex_characters(value: Any) -> None:
 
 def test_fingerprint_of_a_known_call_is_pinned() -> None:
     # A change here changes every stored fingerprint: every in-flight key would mismatch.
-    assert hashlib.sha256(CHARGE_42_100_CANONICAL).hexdigest() == CHARGE_42_100_FINGERPRINT
+    assert CHARGE_42_100_FINGERPRINT == "5747414616fa1d43865494a5473d1e79af3bfa986658ee9f45a026a45649beec"
 
     assert fingerprint(charge, (42, 100), {}) == CHARGE_42_100_FINGERPRINT
+
+
+def test_the_earlier_form_of_a_known_call_is_pinned() -> None:
+    # Records written by celery-idem before 0.2 hold this form: a call that finds one under its key
+    # is recognised by it (celery_idem.releases), so it must never change either.
+    assert hashlib.sha256(CHARGE_42_100_EARLIER_CANONICAL).hexdigest() == CHARGE_42_100_EARLIER_FINGERPRINT
+
+    assert fingerprint(charge, (42, 100), {}, keep_defaults=True) == CHARGE_42_100_EARLIER_FINGERPRINT
+    assert fingerprint(charge, (42, 100), {"currency": "EUR"}, keep_defaults=True) == CHARGE_42_100_EARLIER_FINGERPRINT
+
+
+# ---- across releases: a parameter at its default is not part of the call -------------------------
+
+
+def charge_v1(order_id: Any, amount: Any) -> None:
+    """charge as the release before one that added ``currency="EUR"`` declared it."""
+
+
+def charge_v3(order_id: Any, amount: Any, currency: Any = "EUR", *extra: Any, note: Any = None, **options: Any) -> None:
+    """A later release: an optional parameter, a keyword-only default and *args/**kwargs added."""
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [((42, 100), {}), ((42, 100, "EUR"), {}), ((42,), {"amount": 100, "currency": "EUR", "note": None})],
+    ids=["left-out", "default-by-position", "defaults-by-keyword"],
+)
+def test_a_release_that_adds_parameters_with_defaults_changes_no_call(args: Any, kwargs: Any) -> None:
+    assert fingerprint(charge_v3, args, kwargs) == fingerprint(charge_v1, (42, 100), {}) == CHARGE_42_100_FINGERPRINT
+
+
+@pytest.mark.parametrize(
+    ("value", "default"),
+    [(True, 1), (1, True), (1.0, 1), (0, False), ("1", 1), (None, ""), ([], {}), ("EUR ", "EUR")],
+)
+def test_a_value_is_left_out_only_when_the_worker_receives_it_as_the_default(value: Any, default: Any) -> None:
+    # 1 == True in Python, but the worker receives `1` and `true`: two calls, as before defaults were left out.
+    def task(order_id: Any, flag: Any = default) -> None: ...
+
+    assert fingerprint(task, (42, value), {}) != fingerprint(task, (42,), {})
+
+
+@pytest.mark.parametrize("serializer", ["json", "pickle"])
+def test_a_sentinel_default_is_left_out_and_no_value_equals_it(serializer: str) -> None:
+    # A sentinel default has no canonical form (before 0.2, a call that left it out could not be
+    # fingerprinted at all): left out by identity, it equals no value a call can pass.
+    sentinel = object()
+
+    def task(order_id: Any, flag: Any = sentinel) -> None: ...
+
+    def without_flag(order_id: Any) -> None: ...
+
+    left_out = fingerprint(task, (42,), {}, serializer=serializer)
+    assert left_out == fingerprint(task, (42, sentinel), {}, serializer=serializer)
+    assert left_out == fingerprint(without_flag, (42,), {}, serializer=serializer)
+    assert left_out != fingerprint(task, (42, None), {}, serializer=serializer)
+
+
+def test_a_key_arg_at_its_default_is_left_out_as_it_is_from_the_whole_call() -> None:
+    whole = fingerprint(charge, (42, 100), {})
+    assert fingerprint(charge, (42, 100), {}, key_args=["order_id", "amount", "currency"]) == whole
+    assert fingerprint(charge, (42, 100, "USD"), {}, key_args=["order_id", "currency"]) != fingerprint(
+        charge, (42, 100), {}, key_args=["order_id", "currency"]
+    )
 
 
 SUBPROCESS_CALLS = {
