@@ -10,10 +10,13 @@ that has celery-idem loaded (the worker also reads it from the properties, where
 After a hard kill (SIGKILL, the hard time limit, a terminating revoke) the task's own code never
 runs again: the worker's parent process sends ``task_failure`` (WorkerLostError, TimeLimitExceeded)
 or ``task_revoked``. These hooks take the step the task's mode gives those endings
-(``endings.Step.RELEASE_STALE``): they release the record, fenced by the task id (the parent has no
-owner token). The store frees only what that delivery may still hold: a PENDING claim, or an
-IN_PROGRESS record past its lease. A live attempt under the same task id (a copy of the task
-running elsewhere, or the task itself) is left: its lease frees the key if it is really dead.
+(``endings.Step.RELEASE_STALE``): they release what that delivery may still hold, and nothing else.
+The parent has no owner token of an attempt, so the fence is what the message carries: a record
+that ``replace()`` handed to this message and that no attempt has taken yet (still held under the
+token the message carries, which the store compares: :mod:`celery_idem.replacement`), else, fenced
+by the task id, a PENDING claim or an IN_PROGRESS record past its lease. A live attempt under the
+same task id (a copy of the task running elsewhere, the task itself, or a replacement that took its
+record: its token is spent) is left: its lease frees the key if it is really dead.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from . import telemetry
 from .endings import HARD_KILLS, Ending, Step
 from .errors import IdempotencyError
 from .handler import HandledTask
-from .protocol import KEY_HEADER, OPTION_HEADERS, SCOPE_HEADER, message_header, request_header
+from .protocol import HANDOVER_HEADER, KEY_HEADER, OPTION_HEADERS, SCOPE_HEADER, message_header, request_header
 
 if TYPE_CHECKING:
     from .runtime import Runtime
@@ -100,8 +103,8 @@ class _Hooks:
 
     @staticmethod
     def _request_headers(request: Any) -> dict[str, Any]:
-        """The idempotency headers a task Context holds."""
-        found = {name: request_header(request, name) for name in (KEY_HEADER, SCOPE_HEADER)}
+        """The idempotency headers a task Context holds (with a replacement's handover token)."""
+        found = {name: request_header(request, name) for name in (KEY_HEADER, SCOPE_HEADER, HANDOVER_HEADER)}
         return {name: value for name, value in found.items() if value is not None}
 
     def _settle(self, ending: Ending, task: Any, task_id: str, args: Any, kwargs: Any, headers: Any) -> None:
@@ -118,12 +121,17 @@ class _Hooks:
             key = headers.get(KEY_HEADER)
             fp = handler.fingerprint(args or (), kwargs or {}) if key is None else ""
             identity = handler.identify(key, headers.get(SCOPE_HEADER), fp)
-            answer = self.idem.store.release(identity, task_id, fence="task_id")
+            token = headers.get(HANDOVER_HEADER)
+            store = self.idem.store
+            # A replacement dropped before it ran holds its replaced attempt's record under its
+            # token, leased for its whole wait (an hour): the record waits for this very message.
+            handed = isinstance(token, str) and bool(token) and store.release(identity, token).ok
+            released = handed or store.release(identity, task_id, fence="task_id").ok
         except (IdempotencyError, TypeError, ValueError) as exc:
             logger.warning("could not settle task %s after its %s: %s", task_id, why, exc)
             return
         logger.info(
-            "%s of task %s: record %s %s", why, task_id, telemetry.shown(identity), "released" if answer.ok else "left"
+            "%s of task %s: record %s %s", why, task_id, telemetry.shown(identity), "released" if released else "left"
         )
 
 

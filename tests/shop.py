@@ -220,13 +220,15 @@ def make_app(
         raise self.replace(replacement.si(order_id))
 
     def moving(self: Any, order_id: int, how: str) -> dict[str, Any]:
-        """Replaces itself once with its own call: on the heavy queue (``how="queue"``), or a little
-        later as polling does (``"countdown"``: 1 s, ``"later"``: 4 s); the second run answers."""
+        """Replaces itself once with its own call: on the heavy queue (``how="queue"``), on a queue no
+        worker consumes until a test says so (``"parked"``), or a little later as polling does
+        (``"countdown"``: 1 s, ``"later"``: 4 s); the second run answers."""
         runs = effect(self)
         if runs == 1:
             again = self.s(order_id, how)
             delay = {"countdown": 1, "later": 4}.get(how)
-            raise self.replace(again.set(queue=f"{queue}.heavy") if delay is None else again.set(countdown=delay))
+            moved = again.set(queue=f"{queue}.parked" if how == "parked" else f"{queue}.heavy")
+            raise self.replace(moved if delay is None else again.set(countdown=delay))
         return {"order": order_id, "runs": runs, "queue": (self.request.delivery_info or {}).get("routing_key")}
 
     @task(name="shop.moving_slowly")
@@ -236,6 +238,17 @@ def make_app(
         if runs == 1:
             time.sleep(1.5)
             raise self.replace(self.s(order_id))
+        return {"order": order_id, "runs": runs}
+
+    @task(name="shop.moving_held", idempotency={"lease_seconds": 2})
+    def moving_held(self: Any, order_id: int, seconds: float) -> dict[str, Any]:
+        """Replaces itself once with its own call on the heavy queue, which works ``seconds`` (later
+        calls of the key answer at once)."""
+        runs = effect(self)
+        if runs == 1:
+            raise self.replace(self.s(order_id, seconds).set(queue=f"{queue}.heavy"))
+        if runs == 2:
+            time.sleep(seconds)
         return {"order": order_id, "runs": runs}
 
     task(name="shop.moving")(moving)

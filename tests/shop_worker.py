@@ -38,6 +38,7 @@ class Shop:
     prefix: str
     broker: str
     counter: redis.Redis
+    worker: str = ""  # the in-process worker's name, for control commands sent to it alone
 
     def task(self, name: str) -> Any:
         return self.app.tasks[f"shop.{name}"]
@@ -54,8 +55,11 @@ def shop(request: pytest.FixtureRequest) -> Iterator[Shop]:
     prefix = f"w{uuid.uuid4().hex[:10]}"
     app = make_app(broker=BROKERS[request.param], backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix)
     queues = [prefix, f"{prefix}.heavy"]  # shop.moving moves to the second
-    with start_worker(app, pool="threads", concurrency=8, perform_ping_check=False, shutdown_timeout=20, queues=queues):
-        yield Shop(app, Idempotency.of(app), prefix, request.param, redis.Redis.from_url(COUNTER_URL))
+    with start_worker(
+        app, pool="threads", concurrency=8, perform_ping_check=False, shutdown_timeout=20, queues=queues
+    ) as worker:
+        counter = redis.Redis.from_url(COUNTER_URL)
+        yield Shop(app, Idempotency.of(app), prefix, request.param, counter, worker.hostname)
 
 
 @pytest.fixture

@@ -23,8 +23,12 @@ Then one of two things settles it:
 
 If the store cannot take the handover (an outage), nothing is published and the replaced message
 is kept (back to the broker, as any message facing an outage); so is it when the replacement's own
-claim fails closed. Should neither happen (the replacement revoked or lost), the lease runs out and the reconciler
-settles the record from the result backend under the same id.
+claim fails closed. A replacement by its own call that a worker drops as revoked before it ran frees
+the key, as any call revoked before it ran does: the revoke hook releases the record fenced by the
+token the dropped message carries (:mod:`celery_idem.signals`). Should neither happen (the
+replacement lost, or another call revoked: Celery runs no callback of a task it drops, and a dropped
+copy cannot prove that the call is not running, the record staying under the token while it runs),
+the lease runs out and the reconciler settles the record from the result backend under the same id.
 """
 
 from .callbacks import install, replaced, replaced_failed

@@ -3,8 +3,9 @@ are control flow, not failures (DESIGN §3). A task that replaces itself hands i
 replacement (another call, its own call on another queue or later, a chain ending in its own call, a
 call with other arguments), through store outages and copies of its message, and the record takes the
 replacement's outcome; Reject with requeue returns the record to PENDING for the redelivery, without it
-is final; Ignore ends the call. (The group of self-replacing members runs in a `celery worker`
-subprocess of its own.)
+is final; Ignore ends the call. A call revoked while its replacement waits in a queue frees its key,
+and a revoke never frees a record its replacement took. (The group of self-replacing members, and a
+replacement terminated while it runs, run in `celery worker` subprocesses of their own.)
 
 The worker runs in this process (tests/shop_worker.py: start_worker, threads pool, one per broker for
 the module); the store is Redis; executions are counted by the INCR each task body makes
@@ -23,16 +24,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import shop_worker
 from celery import chain, group, signals
 from celery.exceptions import Ignore, Reject
 from conftest import REDIS_URL, require_server
-from shop import effects_key, make_app
+from shop import COUNTER_URL, effects_key, make_app
 from shop_worker import BACKEND, BROKERS, GET, Shop
 from shop_worker import until as _until
-from workers import Worker
+from workers import Worker, wait_for
 
-from celery_idem import PermanentError, State, StoreUnavailableError
+from celery_idem import Idempotency, PermanentError, State, StoreUnavailableError
 
 shop = shop_worker.shop
 key = shop_worker.key
@@ -80,18 +82,23 @@ def test_a_duplicate_while_the_replacement_is_queued_is_handed_the_original_id(s
     assert all(r.state in (State.IN_PROGRESS, State.COMPLETED) and r.task_id == first.id for r in ours)
 
 
-@contextlib.contextmanager
-def busy_lines() -> Iterator[list[str]]:
+def busy_lines() -> contextlib.AbstractContextManager[list[str]]:
     """The handler's BUSY decision lines (INFO) while the block runs."""
+    return logged("celery_idem.handler", "BUSY")
+
+
+@contextlib.contextmanager
+def logged(name: str, start: str) -> Iterator[list[str]]:
+    """The lines (INFO and up) of logger ``name`` that start with ``start``, while the block runs."""
     lines: list[str] = []
 
     class Keep(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             line = record.getMessage()
-            if line.startswith("BUSY"):
+            if line.startswith(start):
                 lines.append(line)
 
-    logger = logging.getLogger("celery_idem.handler")
+    logger = logging.getLogger(name)
     keep, level = Keep(), logger.level
     logger.addHandler(keep)
     logger.setLevel(logging.INFO)
@@ -324,6 +331,133 @@ def test_a_copy_of_a_message_that_replaced_itself_does_not_run_while_the_replace
     finally:
         signals.task_postrun.disconnect(attempt_ended)
     assert shop.effects("moving", key) == 2
+
+
+@contextlib.contextmanager
+def ended_attempts(shop: Shop, name: str) -> Iterator[list[tuple[str, str]]]:
+    """(task id, state) of each attempt of task ``shop.<name>`` that ends while the block runs."""
+    ended: list[tuple[str, str]] = []
+
+    def attempt_ended(sender: Any = None, task_id: Any = None, state: Any = None, **_: Any) -> None:
+        if getattr(sender, "name", None) == f"shop.{name}":
+            ended.append((task_id, state))
+
+    signals.task_postrun.connect(attempt_ended, weak=False)
+    shop.task(name).__trace__ = None  # its tracer is rebuilt with this receiver
+    try:
+        yield ended
+    finally:
+        signals.task_postrun.disconnect(attempt_ended)
+
+
+@contextlib.contextmanager
+def handover_headers(shop: Shop, name: str) -> Iterator[list[dict[str, Any]]]:
+    """The idempotency headers of each replacement of task ``shop.<name>`` published while the block
+    runs (the in-process worker publishes it here), token included."""
+    sent: list[dict[str, Any]] = []
+
+    def keep(sender: Any = None, headers: Any = None, **_: Any) -> None:
+        if sender == f"shop.{name}" and (headers or {}).get("idempotency_handover"):
+            sent.append({k: v for k, v in headers.items() if k.startswith("idempotency_")})
+
+    signals.before_task_publish.connect(keep, weak=False)
+    try:
+        yield sent
+    finally:
+        signals.before_task_publish.disconnect(keep)
+
+
+@pytest.mark.parametrize("terminate", [False, True], ids=["revoke", "revoke-terminate"])
+def test_a_call_revoked_while_its_replacement_waits_in_a_queue_frees_its_key(
+    shop: Shop, key: str, terminate: bool
+) -> None:
+    # Given a task that replaced itself with its own call on a queue no worker consumes yet
+    order, moving, parked = int(uuid.uuid4().int % 10**9), shop.task("moving"), f"{shop.prefix}.parked"
+    with ended_attempts(shop, "moving") as ended:
+        first = moving.apply_async((order, "parked"), idempotency_key=key)
+        _until(lambda: (first.id, "IGNORED") in ended)
+    # When the caller revokes the call (its own task id, which the replacement carries), and the
+    # worker then consumes the queue: it drops the replacement as revoked
+    assert shop.app.control.revoke(first.id, terminate=terminate, destination=[shop.worker], reply=True, timeout=10)
+    assert shop.app.control.add_consumer(parked, destination=[shop.worker], reply=True, timeout=10)
+    try:
+        _until(lambda: shop.app.backend.get_task_meta(first.id)["status"] == "REVOKED")
+        # Then the key is free, as a call revoked before it ran frees it: the next call runs the body.
+        # Before, the record stayed IN_PROGRESS for the replacement's whole wait (an hour), and every
+        # call was handed the revoked id and TaskRevokedError
+        _until(lambda: shop.idem.get("shop.moving", key) is None, seconds=10)
+        again = moving.apply_async((order, "parked"), idempotency_key=key)
+        assert not again.deduplicated and again.id != first.id
+        assert again.get(timeout=GET)["runs"] == 2
+    finally:
+        shop.app.control.cancel_consumer(parked, destination=[shop.worker], reply=True, timeout=10)
+    assert shop.effects("moving", key) == 2
+
+
+@pytest.mark.parametrize("when", ["after-it-ran", "while-it-runs"])
+def test_a_revoked_copy_of_a_replacement_that_took_its_record_never_frees_it(shop: Shop, key: str, when: str) -> None:
+    # Given a task that replaced itself with its own call on another queue, which took the record
+    # (and ran, or is running: 3 s of work)
+    order, moving = int(uuid.uuid4().int % 10**9), shop.task("moving_held")
+    seconds = 0.0 if when == "after-it-ran" else 3.0
+    with handover_headers(shop, "moving_held") as sent:
+        first = moving.apply_async((order, seconds), idempotency_key=key)
+        _until(lambda: shop.effects("moving_held", key) == 2)
+    if when == "after-it-ran":
+        assert first.get(timeout=GET)["runs"] == 2
+    # When the call is revoked and a copy of the replacement's message arrives (a redelivery, with
+    # the token it carries): the worker drops the copy as revoked, and its revoke hook runs
+    assert len(sent) == 1
+    with logged("celery_idem.signals", f"revoke of task {first.id}") as hooks:
+        assert shop.app.control.revoke(first.id, destination=[shop.worker], reply=True, timeout=10)
+        shop.app.send_task(
+            "shop.moving_held", (order, seconds), task_id=first.id, headers=sent[0], queue=f"{shop.prefix}.heavy"
+        )
+        _until(lambda: hooks)
+    # Then the record its replacement took is left (its token is spent): the replacement's outcome
+    # is stored (the dropped copy wrote REVOKED for the task id in the result backend meanwhile),
+    # and the next call is handed it without running
+    _until(lambda: getattr(shop.idem.get("shop.moving_held", key), "state", None) is State.COMPLETED)
+    _until(lambda: shop.app.backend.get_task_meta(first.id)["status"] == "SUCCESS" or when == "after-it-ran")
+    again = moving.apply_async((order, seconds), idempotency_key=key)
+    assert again.deduplicated and again.id == first.id and again.get(timeout=GET) == {"order": order, "runs": 2}
+    assert shop.effects("moving_held", key) == 2
+
+
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGKILL"])
+def test_a_replacement_terminated_while_it_runs_frees_the_key_once_its_attempt_is_gone(
+    tmp_path: Path, signal_name: str
+) -> None:
+    # (Prefork workers of their own: the threads pool cannot terminate a task. The replacement runs
+    # on a second worker: a worker that receives it before the replaced attempt under the same task
+    # id has ended forgets it when that attempt ends, and Celery's terminate no longer finds it.)
+    require_server("redis")
+    prefix = f"t{uuid.uuid4().hex[:10]}"
+    app = make_app(broker=BROKERS["redis"], backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix)
+    worker = Worker(tmp_path, BROKERS["redis"], REDIS_URL, prefix)
+    heavy = Worker(tmp_path, BROKERS["redis"], REDIS_URL, prefix, queue=f"{prefix}.heavy")
+    idem, counter, key = Idempotency.of(app), redis.Redis.from_url(COUNTER_URL), f"k-{uuid.uuid4().hex}"
+    moving, order = app.tasks["shop.moving_held"], int(uuid.uuid4().int % 10**9)
+    try:
+        # Given a task that replaced itself with its own call on another queue, whose replacement
+        # runs (30 s of work; lease 2 s)
+        first = moving.apply_async((order, 30), idempotency_key=key)
+        _until(lambda: int(counter.get(effects_key(prefix, "shop.moving_held", key)) or 0) == 2)
+        # When the caller revokes the call with terminate=True
+        replies = app.control.revoke(
+            first.id, terminate=True, signal=signal_name, destination=[heavy.name], reply=True, timeout=10
+        )
+        assert replies and "terminate: tasks unknown" not in str(replies), replies
+        wait_for(lambda: f"revoke of task {first.id}: record" in heavy.output(), "the revoke hook", GET)
+        # Then the record the replacement took is its attempt's to free: SIGTERM, the attempt sees
+        # SystemExit and releases it; SIGKILL, its lease runs out (2 s, not the replacement's wait)
+        # and the next call runs the body
+        _until(lambda: (r := idem.get("shop.moving_held", key)) is None or r.lease_expires_at < idem.store.now(), 10)
+        again = moving.apply_async((order, 30), idempotency_key=key)
+        assert not again.deduplicated and again.get(timeout=GET) == {"order": order, "runs": 3}
+    finally:
+        worker.stop()
+        heavy.stop()
 
 
 def test_error_callbacks_around_a_failing_replacement_run_once_and_the_record_takes_its_failure(
