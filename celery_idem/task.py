@@ -10,11 +10,12 @@ from typing import Any, ClassVar
 
 from celery import Task
 
-from . import attempts, replacement
+from . import attempts, on_commit, replacement
 from .config import IdempotencyPolicy
 from .errors import ConfigurationError
 from .extension import Idempotency
 from .handler import HandledTask, Handler
+from .on_commit import OnCommitResult
 from .protocol import BYPASS_HEADER, KEY_HEADER, SCOPE_HEADER, headers_with_options, request_header
 from .result import IdempotentResult
 
@@ -132,25 +133,25 @@ class IdempotentTask(Task, HandledTask):  # type: ignore[misc]
     # replaces the DjangoTask the fixup would have given it). Publishing, and so the claim, happens
     # when the caller's transaction commits: a rolled-back transaction leaves no claim behind.
 
-    def delay_on_commit(self, *args: Any, **kwargs: Any) -> None:
+    def delay_on_commit(self, *args: Any, **kwargs: Any) -> OnCommitResult:
         """``delay()`` once the caller's Django transaction commits (at once outside one). The
-        key and scope are checked now; the claim is made at commit. Returns None, as Celery's does:
-        the task id is not known before the claim (a duplicate is handed the original's)."""
-        self.apply_async_on_commit(args, kwargs)
+        key and scope are checked now; the claim is made at commit. Returns the call's handle
+        (:class:`~celery_idem.on_commit.OnCommitResult`): its task id is known once the commit published
+        the call (a duplicate is handed the original's), and a refusal at commit is kept there."""
+        return self.apply_async_on_commit(args, kwargs)
 
-    def apply_async_on_commit(self, args: Any = None, kwargs: Any = None, **options: Any) -> None:
+    def apply_async_on_commit(self, args: Any = None, kwargs: Any = None, **options: Any) -> OnCommitResult:
         """``apply_async()`` once the caller's Django transaction commits (see
         :meth:`delay_on_commit`). ``using`` names the database whose transaction decides (the
-        default one otherwise, as in Celery's ``DjangoTask``).
+        default one otherwise, as in Celery's ``DjangoTask``). A call refused at commit
+        (``PayloadMismatchError``, ``DuplicateTaskError``, ``StoreUnavailableError``, the broker's
+        error) is that call's alone: the transaction's other on-commit calls still run, and the
+        refusal is on the handle and in an ERROR line (:mod:`celery_idem.on_commit`).
 
         Raises:
             InvalidKeyError: the key or scope breaks the rule (now, inside the transaction).
             ConfigurationError: Django is not installed.
         """
-        try:
-            from django.db import transaction
-        except ImportError as exc:  # an optional dependency: the `django` extra
-            raise ConfigurationError("delay_on_commit needs Django: pip install 'celery-idem[django]'") from exc
         # What is checked now is what is claimed at commit: the options and their headers are the
         # call's own copies (a caller that reuses one headers dict changes nothing of this call).
         using = options.pop("using", None)
@@ -159,9 +160,11 @@ class IdempotentTask(Task, HandledTask):  # type: ignore[misc]
             options["headers"] = dict(options["headers"])
         found = headers_with_options(dict(options), options.get("headers"))
         found = found if isinstance(found, Mapping) else {}
+        identity = None
         if found.get(BYPASS_HEADER) is not False:
-            self.idempotency_handler.identify(found.get(KEY_HEADER), found.get(SCOPE_HEADER), "")
-        transaction.on_commit(functools.partial(self.apply_async, args, kwargs, **options), using=using)
+            identity = self.idempotency_handler.identify(found.get(KEY_HEADER), found.get(SCOPE_HEADER), "")
+        send = functools.partial(self.apply_async, args, kwargs, **options)
+        return on_commit.defer(send, self.name, identity, using)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request

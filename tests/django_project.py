@@ -7,6 +7,9 @@ shop's ``Order`` and ``Payment``), on three databases, each migrated with ``migr
 - ``default``: in-memory SQLite (transactions and on_commit; one connection per thread);
 - ``sqlite``: a SQLite file of this process, which threads and processes share;
 - ``postgresql``: a schema of this process in the ``test`` database, when PostgreSQL answers;
+- ``postgresql_pool``: the same schema through Django's connection pool (Django 5.1+ with
+  psycopg_pool; ``OPTIONS={"pool": ...}``), one connection at most, so every thread that asks for a
+  connection gets the one the last gave back;
 - ``mariadb``: a database of this process on MariaDB (127.0.0.1:3306, root), when it answers
   (through PyMySQL, the pure-Python driver Django runs as MySQLdb).
 
@@ -62,6 +65,8 @@ def _drop_schema() -> None:
     from django.db import connections
 
     connections.close_all()
+    if "postgresql_pool" in connections.settings:
+        connections["postgresql_pool"].close_pool()
     with psycopg.connect(PG_URL, autocommit=True, connect_timeout=2) as connection:
         connection.execute(f'DROP SCHEMA IF EXISTS "{SCHEMA}" CASCADE')
 
@@ -100,7 +105,17 @@ def _drop_mariadb() -> None:
     connection.close()
 
 
+def _no_pool() -> str | None:
+    """Why Django cannot pool PostgreSQL connections here, or None."""
+    if django.VERSION < (5, 1):
+        return f"Django {django.get_version()} has no connection pool (5.1+)"
+    if importlib.util.find_spec("psycopg_pool") is None:
+        return "psycopg_pool is not installed (the dev extra's psycopg[pool])"
+    return None
+
+
 PG_DOWN: str | None = None
+POOL_DOWN: str | None = _no_pool()
 MARIA_DOWN: str | None = None
 ALIASES = ("sqlite", "postgresql", "mariadb")
 
@@ -120,6 +135,10 @@ if not settings.configured:
             "PORT": str(_pg.port or 5432),
             "OPTIONS": {"options": f"-c search_path={SCHEMA}"},
         }
+        if POOL_DOWN is None:
+            pooled = dict(databases["postgresql"], OPTIONS=dict(databases["postgresql"]["OPTIONS"]))
+            pooled["OPTIONS"]["pool"] = {"min_size": 1, "max_size": 1, "timeout": 10}
+            databases["postgresql_pool"] = pooled
     if MARIA_DOWN is None:
         databases["mariadb"] = {
             "ENGINE": "django.db.backends.mysql",
@@ -157,7 +176,9 @@ if not settings.configured:
 
 def require_alias(alias: str) -> None:
     """Skip (locally) or fail (CI) when the database behind ``alias`` is not there."""
-    down = {"postgresql": PG_DOWN, "mariadb": MARIA_DOWN}.get(alias)
+    if alias == "postgresql_pool" and POOL_DOWN is not None:
+        pytest.skip(POOL_DOWN)  # not a server that is down: what this Django can do
+    down = {"postgresql": PG_DOWN, "postgresql_pool": PG_DOWN, "mariadb": MARIA_DOWN}.get(alias)
     if down is not None:
         if IN_CI:
             pytest.fail(f"{down} (CI=true: servers are required)")

@@ -530,6 +530,103 @@ def test_completed_does_not_pile_up_reader_threads_while_the_ledger_hangs(pg_led
     )
 
 
+# ---- readers leave nothing of theirs on a connection others get next -----------------------------
+
+TIMEOUTS = {
+    "postgresql": "SELECT current_setting('statement_timeout'), current_setting('lock_timeout')",
+    "mysql": "SELECT @@SESSION.max_statement_time, @@SESSION.innodb_lock_wait_timeout",
+    "sqlite": "PRAGMA busy_timeout",
+}
+
+
+def session_timeouts(connection: Any) -> tuple[Any, ...]:
+    """The connection's statement and lock-wait bounds, read on its DB-API connection."""
+    cursor = connection.connection.cursor()
+    try:
+        cursor.execute(TIMEOUTS[connection.vendor])
+        return tuple(cursor.fetchone())
+    finally:
+        cursor.close()
+
+
+@pytest.mark.parametrize("alias", [*django_project.ALIASES, "postgresql_pool"])
+def test_a_ledger_read_gives_its_connection_back_as_it_found_it(alias: str) -> None:
+    # Django 5.1's pool hands the connection a reader gave back to the next thread that asks, and
+    # PgBouncer (transaction mode) its server connection to another client: whatever bounds the
+    # reader set must be gone by then. Seen at the reader's connection: its bounds when it was
+    # opened, and when the reader gave it back (its close())
+    require_alias(alias)
+    from django.db.backends.signals import connection_created
+
+    ledger = DjangoLedger(alias, namespace=f"r-{uuid.uuid4().hex[:12]}", read_timeout_seconds=0.5)
+    seen: dict[str, tuple[Any, ...]] = {}
+
+    def opened(sender: Any, connection: Any, **_: Any) -> None:
+        if connection.alias != alias or threading.current_thread().name != "celery-idem-ledger-read":
+            return
+        seen["opened"] = session_timeouts(connection)
+        close = connection.close
+
+        def given_back() -> None:
+            seen["given back"] = session_timeouts(connection)
+            close()
+
+        connection.close = given_back
+
+    connection_created.connect(opened, weak=False)
+    try:
+        assert ledger.completed(Identity("", TASK, "k"), "fp") is None
+    finally:
+        connection_created.disconnect(opened)
+        connections.close_all()
+    assert seen["given back"] == seen["opened"]
+
+
+def test_a_business_query_on_a_pooled_connection_a_ledger_read_used_is_not_cancelled() -> None:
+    # The pool holds one connection: the reader's is the one this thread gets back after it
+    require_alias("postgresql_pool")
+    ledger = DjangoLedger("postgresql_pool", namespace=f"r-{uuid.uuid4().hex[:12]}", read_timeout_seconds=0.5)
+    business = connections["postgresql_pool"]
+    show = "SELECT pg_backend_pid(), current_setting('statement_timeout'), current_setting('lock_timeout')"
+    try:
+        with business.cursor() as cursor:
+            cursor.execute(show)
+            before = cursor.fetchone()
+        business.close()  # back to the pool
+        assert ledger.completed(Identity("", TASK, "k"), "fp") is None
+        with business.cursor() as cursor:
+            cursor.execute(show)
+            after = cursor.fetchone()
+            assert after == before  # the same connection, with the bounds it had
+            cursor.execute("SELECT pg_sleep(1.0)")  # twice the reader's bound: not cancelled
+    finally:
+        connections.close_all()
+
+
+@pytest.mark.parametrize("alias", ["postgresql", "postgresql_pool"])
+def test_a_ledger_read_stuck_on_a_lock_is_ended_by_the_server(alias: str) -> None:
+    # The bounds hold for the reader's own statements: a read stuck behind a migration's lock is
+    # cancelled by the server (its thread ends, its connection is free) while the lock is still held
+    require_alias(alias)
+    import psycopg
+
+    ledger = DjangoLedger(alias, namespace=f"r-{uuid.uuid4().hex[:12]}", read_timeout_seconds=0.5)
+    identity = Identity("", TASK, "k")
+    ledger.completed(identity, "fp")  # the table check is done: the next read goes straight to the SELECT
+    try:
+        with psycopg.connect(django_project.PG_URL, options=f"-c search_path={django_project.SCHEMA}") as locker:
+            locker.execute("LOCK TABLE celery_idem_ledgerentry IN ACCESS EXCLUSIVE MODE")
+            with pytest.raises(LedgerUnavailableError):
+                ledger.completed(identity, "fp")
+            reader = ledger._stuck
+            assert reader is not None
+            reader.join(3)
+            assert not reader.is_alive(), "the reader is still waiting on the lock: the server did not end its read"
+            locker.rollback()
+    finally:
+        connections.close_all()
+
+
 # ---- all or nothing ----------------------------------------------------------------------------
 
 

@@ -1,8 +1,13 @@
 """delay_on_commit / apply_async_on_commit on idempotent tasks: the claim is made when the caller's
-Django transaction commits, so a rolled-back transaction leaves no claim and runs nothing."""
+Django transaction commits, so a rolled-back transaction leaves no claim and runs nothing; a call
+refused at commit is that call's alone (the transaction's other on-commit work still runs)."""
 
 from __future__ import annotations
 
+import functools
+import logging
+import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,12 +16,27 @@ import pytest
 pytest.importorskip("django", reason="celery_idem.contrib.django needs the django extra")
 
 import django_project  # noqa: E402, F401 - configures Django for this module
+import redis  # noqa: E402
+from addresses import REDIS_BACKEND_URL, REDIS_BROKER_URL, REDIS_COUNTER_URL  # noqa: E402
 from celery import Celery  # noqa: E402
+from celery.contrib.testing.worker import start_worker  # noqa: E402
+from conftest import REDIS_URL, require_server  # noqa: E402
 from django.db import transaction  # noqa: E402
+from faults import Fault, Injector, Plan  # noqa: E402
 
-from celery_idem import Idempotency, IdempotentTask, InvalidKeyError  # noqa: E402
+from celery_idem import (  # noqa: E402
+    DuplicateTaskError,
+    Idempotency,
+    IdempotencyError,
+    IdempotentTask,
+    InvalidKeyError,
+    PayloadMismatchError,
+    StoreUnavailableError,
+)
 from celery_idem.contrib.django.tasks import IdempotentDjangoTask  # noqa: E402
 from celery_idem.records import Identity  # noqa: E402
+from celery_idem.stores import RedisStore  # noqa: E402
+from celery_idem.telemetry import key_hash  # noqa: E402
 
 
 @pytest.fixture
@@ -42,10 +62,13 @@ def claimed(idem: Idempotency, key: str) -> bool:
 def test_the_claim_is_made_when_the_transaction_commits(shop: Any) -> None:
     charge, idem, charged = shop
     with transaction.atomic():
-        assert charge.apply_async_on_commit((42,), idempotency_key="order-42") is None
-        # Not yet: the call waits for the commit
-        assert not claimed(idem, "order-42") and charged == []
+        handle = charge.apply_async_on_commit((42,), idempotency_key="order-42")
+        # Not yet: the call waits for the commit, and its handle has no task id
+        assert not claimed(idem, "order-42") and charged == [] and handle.id is None
     assert claimed(idem, "order-42") and charged == [42]
+    # The handle is the published call's: the task id the record names, and its outcome
+    record = idem.store.get(Identity("", "djshop.charge", "order-42"))
+    assert handle.id == record.task_id and handle.get() == 42 and handle.error is None
 
 
 def test_a_rolled_back_transaction_leaves_no_claim_and_runs_nothing(shop: Any) -> None:
@@ -118,3 +141,121 @@ def test_the_transaction_of_the_database_named_by_using_decides(shop: Any) -> No
     with transaction.atomic():
         charge.apply_async_on_commit((45,), idempotency_key="order-45", using="sqlite")
         assert claimed(idem, "order-45") and charged == [45]
+
+
+def test_outside_a_transaction_a_refused_call_raises_at_once(shop: Any) -> None:
+    # Nothing else is deferred with it: the caller gets the error from the call, as from apply_async
+    charge, idem, charged = shop
+    charge.apply_async_on_commit((1,), idempotency_key="order-1")
+    with pytest.raises(PayloadMismatchError):
+        charge.apply_async_on_commit((2,), idempotency_key="order-1")
+    assert charged == [1]
+
+
+# ---- a call refused at commit is that call's alone ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def committed() -> Iterator[Any]:
+    """A real worker (threads pool, Redis broker and backend) behind a Redis store the test can cut:
+    ``charge`` and ``refund`` (idempotent, ``refund`` raising on duplicates) and ``notify``, a plain
+    Celery task. Each body counts its run in Redis, outside the library."""
+    require_server("redis")
+    prefix = f"oc{uuid.uuid4().hex[:10]}"
+    app = Celery("djcommit", set_as_current=False)
+    app.conf.update(broker_url=REDIS_BROKER_URL, result_backend=REDIS_BACKEND_URL, task_default_queue=prefix)
+    store = RedisStore.from_url(REDIS_URL, key_prefix=prefix)
+    injector = Injector(store)
+    Idempotency(app, store=store)
+    counter = redis.Redis.from_url(REDIS_COUNTER_URL)
+
+    def ran(name: str, order: int) -> None:
+        counter.incr(f"{prefix}:{name}:{order}")
+
+    @app.task(base=IdempotentTask, name="djcommit.charge", shared=False)
+    def charge(order: int) -> int:
+        ran("charge", order)
+        return order
+
+    @app.task(base=IdempotentTask, name="djcommit.refund", shared=False, idempotency={"on_duplicate": "raise"})
+    def refund(order: int) -> int:
+        ran("refund", order)
+        return order
+
+    @app.task(name="djcommit.notify", shared=False)
+    def notify(order: int) -> None:
+        ran("notify", order)
+
+    def runs(name: str, order: int) -> int:
+        return int(counter.get(f"{prefix}:{name}:{order}") or 0)
+
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False, shutdown_timeout=20):
+        yield app, injector, runs
+    keys = list(counter.scan_iter(match=f"{prefix}:*")) + list(store.client.scan_iter(match=f"{{{prefix}:*"))
+    if keys:
+        counter.delete(*keys)
+    store.close()
+
+
+def eventually(check: Any, seconds: float = 15.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.mark.parametrize("refusal", ["mismatch", "duplicate", "store_outage"])
+def test_a_call_refused_at_commit_drops_none_of_the_transactions_other_on_commit_calls(
+    committed: Any, refusal: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    app, injector, runs = committed
+    charge, refund, notify = (app.tasks[f"djcommit.{name}"] for name in ("charge", "refund", "notify"))
+    base = uuid.uuid4().int % 1_000_000_000
+    first, refused, last = base, base + 1, base + 2
+    key = f"refused-{base}"
+    # Given: what makes the middle call refused when the transaction commits
+    if refusal == "mismatch":  # the key was used for other arguments
+        charge.apply_async((refused + 100,), idempotency_key=key).get(timeout=15)
+        task, expected = charge, PayloadMismatchError
+    elif refusal == "duplicate":  # on_duplicate="raise", and the key's call is done
+        refund.apply_async((refused,), idempotency_key=key).get(timeout=15)
+        task, expected = refund, DuplicateTaskError
+    else:  # the store is cut for that call's claim
+        injector.arm(Plan("claim", Fault.REFUSED, key=key))
+        task, expected = charge, StoreUnavailableError
+    done_before = runs(task.name.split(".")[1], refused)
+    # When: one transaction defers three calls, the refused one in the middle, a plain Celery task last
+    caplog.set_level(logging.ERROR, logger="celery_idem")
+    with transaction.atomic():
+        handles = [
+            charge.apply_async_on_commit((first,), idempotency_key=f"first-{base}"),
+            task.apply_async_on_commit((refused,), idempotency_key=key),
+        ]
+        transaction.on_commit(functools.partial(notify.delay, last))
+        assert all(handle.id is None and handle.error is None for handle in handles)  # nothing published yet
+    # Then: the two others were published and ran once
+    assert eventually(lambda: runs("charge", first) == 1 and runs("notify", last) == 1), (
+        f"charge ran {runs('charge', first)} time(s), the plain task {runs('notify', last)}"
+    )
+    assert handles[0].error is None and handles[0].get(timeout=15) == first
+    # And the refusal is the middle call's: on its handle, and in an ERROR line with its key's hash
+    assert isinstance(handles[1].error, expected) and handles[1].id is None
+    with pytest.raises(expected):
+        handles[1].get(timeout=1)
+    hashed = key_hash(Identity("", task.name, key))
+    line = [r for r in caplog.records if r.levelno == logging.ERROR and hashed in r.getMessage()]
+    assert len(line) == 1 and expected.__name__ in line[0].getMessage(), [r.getMessage() for r in caplog.records]
+    time.sleep(0.2)
+    assert runs(task.name.split(".")[1], refused) == done_before  # the refused call ran nothing
+
+
+def test_a_handle_of_a_rolled_back_transaction_says_it_was_never_published(shop: Any) -> None:
+    charge, idem, charged = shop
+    with pytest.raises(RuntimeError), transaction.atomic():
+        handle = charge.apply_async_on_commit((42,), idempotency_key="order-42")
+        raise RuntimeError("the view failed")
+    with pytest.raises(IdempotencyError, match="not published"):
+        handle.get()
+    assert handle.id is None and handle.error is None and charged == []

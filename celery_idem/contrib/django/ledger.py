@@ -19,7 +19,6 @@ It keeps the SQLAlchemy ledger's promise (:mod:`celery_idem.ledger`) with Django
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 import uuid
@@ -42,6 +41,7 @@ from ...errors import ConfigurationError, LedgerUnavailableError
 from ...ledger.calls import COMMITTED, UNSETTLED, LedgerCall, after_ambiguous_commit, second_call
 from ...outcome import encode_result
 from ...records import Identity, State, identity_id
+from .timeouts import bounded
 
 if TYPE_CHECKING:
     from django.db.models import QuerySet
@@ -241,12 +241,11 @@ class DjangoLedger:
     def _probe(self, call: LedgerCall, deadline: float) -> tuple[bool, LedgerEntry | None]:
         identity = call.identity
         with transaction.atomic(using=self.using):
-            connection = connections[self.using]
-            _wait_at_most(connection, deadline - time.monotonic(), local=True)
-            try:
-                self._insert(call, None)
-            except IntegrityError:
-                return True, self._committed(identity)
+            with bounded(connections[self.using], deadline - time.monotonic()):
+                try:
+                    self._insert(call, None)
+                except IntegrityError:
+                    return True, self._committed(identity)
             transaction.set_rollback(True, using=self.using)  # the probe never commits
             return True, None
 
@@ -314,17 +313,17 @@ class DjangoLedger:
         return entry
 
     def _checked_read(self, identity: Identity) -> LedgerEntry | None:
-        _wait_at_most(connections[self.using], self.read_timeout_seconds, local=False)
-        if not self._table_checked:  # a mistake, not an outage: never counted as "down"
-            connection = connections[self.using]
-            table = self._entries().model._meta.db_table
-            if table not in connection.introspection.table_names():
-                raise ConfigurationError(
-                    f"the ledger table {table!r} does not exist on database {self.using!r}: "
-                    f"run manage.py migrate celery_idem --database={self.using}"
-                )
-            self._table_checked = True
-        return self._read(identity)
+        connection = connections[self.using]
+        with bounded(connection, self.read_timeout_seconds):  # on a connection a pool may hand on next
+            if not self._table_checked:  # a mistake, not an outage: never counted as "down"
+                table = self._entries().model._meta.db_table
+                if table not in connection.introspection.table_names():
+                    raise ConfigurationError(
+                        f"the ledger table {table!r} does not exist on database {self.using!r}: "
+                        f"run manage.py migrate celery_idem --database={self.using}"
+                    )
+                self._table_checked = True
+            return self._read(identity)
 
     def _read(self, identity: Identity) -> LedgerEntry | None:
         entry: LedgerEntry | None = (
@@ -414,21 +413,3 @@ class _Commit:
                 callback()
             except Exception as exc:  # noqa: BLE001 - robust callbacks are logged, as Django does
                 logger.error("Error calling %s in on_commit() (%s).", getattr(callback, "__qualname__", callback), exc)
-
-
-def _wait_at_most(connection: Any, seconds: float, *, local: bool) -> None:
-    """Bound the statements and lock waits of ``connection`` (its transaction's, when ``local``)."""
-    ms = max(1, int(seconds * 1000))
-    with connection.cursor() as cursor:
-        if connection.vendor == "postgresql":
-            scope = "LOCAL " if local else ""
-            cursor.execute(f"SET {scope}lock_timeout = {ms}")
-            cursor.execute(f"SET {scope}statement_timeout = {ms}")
-        elif connection.vendor == "sqlite":
-            cursor.execute(f"PRAGMA busy_timeout = {ms}")
-        elif connection.vendor == "mysql":  # the connection's session: its own, closed after
-            cursor.execute(f"SET SESSION innodb_lock_wait_timeout = {max(1, math.ceil(seconds))}")
-            if connection.mysql_is_mariadb:
-                cursor.execute(f"SET SESSION max_statement_time = {seconds:.3f}")
-            else:
-                cursor.execute(f"SET SESSION max_execution_time = {ms}")
