@@ -21,7 +21,7 @@ from sqlalchemy import orm
 
 from ..stores.sql.engine import server_clock
 from ..stores.sql.schema import create_all
-from .staging import Outbox, RelayReport, Taken, backoff_seconds, stage_call
+from .staging import Outbox, RelayReport, Taken, backoff_seconds, given_back, killed, put_off, stage_call
 
 __all__ = ["SQLOutbox", "outbox_table"]
 
@@ -41,7 +41,7 @@ def outbox_table(metadata: sa.MetaData, name: str = "celery_idem_outbox") -> sa.
         sa.Column("attempts", sa.Integer, nullable=False, default=0),
         sa.Column("last_error", sa.Text, nullable=True),
         sa.Column("dead", sa.Boolean, nullable=False, default=False),
-        # When a relay took it and has not ended its pass over it yet (a relay that died did not).
+        # The mark: when a relay took it that may have published it (celery_idem.outbox.staging).
         sa.Column("taken_at", sa.Double, nullable=True),
         sa.Index(f"ix_{name}_due", "dead", "available_at", "id"),
         # Not unique: a call staged twice under one chosen task id is published twice, and the
@@ -128,49 +128,44 @@ class SQLOutbox(Outbox):
                 connection.execute(sa.delete(t).where(t.c.id.in_(report.published)))
             for row_id, attempts, error in report.failed:
                 later = self._now + backoff_seconds(attempts)
-                connection.execute(
-                    sa.update(t)
-                    .where(t.c.id == row_id)
-                    .values(attempts=attempts, last_error=error, available_at=later, taken_at=None)
-                )
+                connection.execute(sa.update(t).where(t.c.id == row_id).values(put_off(attempts, error, later)))
             for row_id, attempts, error in report.dead:
-                connection.execute(
-                    sa.update(t).where(t.c.id == row_id).values(attempts=attempts, last_error=error, dead=True)
-                )
+                connection.execute(sa.update(t).where(t.c.id == row_id).values(killed(attempts, error)))
+            if report.unmarked:
+                connection.execute(sa.update(t).where(t.c.id.in_(report.unmarked)).values(taken_at=None))
+
+    def _give_back(self, ids: Collection[Any] | None) -> int:
+        t = self.table
+        dead = t.c.dead.is_(True) if ids is None else sa.and_(t.c.dead.is_(True), t.c.id.in_(list(ids)))
+        with self.engine.begin() as connection:
+            return int(connection.execute(sa.update(t).where(dead).values(given_back(self._now))).rowcount)
 
     def _take(self, limit: int, ids: Collection[Any] | None) -> list[Taken]:
         with self.engine.begin() as connection:
             return self._take_on(connection, limit, ids)
 
     def _take_on(self, connection: sa.Connection, limit: int, ids: Collection[Any] | None) -> list[Taken]:
-        """Lock and lease up to ``limit`` due rows, marking when they were taken (kept from an
-        earlier pass that never ended: its relay died). SQLite's driver begins its transaction at
-        the first write, not at a SELECT, so there one UPDATE ... RETURNING takes the rows, holding
-        the database's write lock for the whole statement."""
+        """Lock up to ``limit`` due rows, reading the mark each had (its age; none: NULL), then
+        lease and mark them. SQLite has no row locks and its driver begins the transaction at the
+        first write, not at a SELECT, so there the rows are locked by an UPDATE that changes
+        nothing, holding the database's write lock from the read to the commit."""
         t, now = self.table, self._now
         due = sa.and_(t.c.dead.is_(False), t.c.available_at <= now)
         if ids is not None:
             due = sa.and_(due, t.c.id.in_(list(ids)))
         oldest = sa.select(t.c.id).where(due).order_by(t.c.id).limit(limit)
-        columns = (t.c.id, t.c.task_id, t.c.task_name, t.c.body, t.c.attempts)
-        leased = {"available_at": now + self.lease_seconds, "taken_at": sa.func.coalesce(t.c.taken_at, now)}
+        columns = (t.c.id, t.c.task_id, t.c.task_name, t.c.body, t.c.attempts, (now - t.c.taken_at).label("mark_age"))
         if connection.dialect.name == "sqlite":
-            # Returned after the update: this pass's "now" is the new lease's start.
-            orphaned = t.c.available_at - self.lease_seconds - t.c.taken_at
-            take = sa.update(t).where(due, t.c.id.in_(oldest.scalar_subquery())).values(leased)
-            found = connection.execute(take.returning(*columns, orphaned.label("orphaned"))).all()
+            lock = sa.update(t).where(due, t.c.id.in_(oldest.scalar_subquery())).values(taken_at=t.c.taken_at)
+            found = list(connection.execute(lock.returning(*columns)).all())
         else:
-            orphaned = now - t.c.taken_at  # read before the update
-            locked = oldest.with_only_columns(*columns, orphaned.label("orphaned")).with_for_update(skip_locked=True)
-            found = list(connection.execute(locked).all())
-            if found:
-                connection.execute(sa.update(t).where(t.c.id.in_([row.id for row in found])).values(leased))
-        # A row first taken by this statement has 0 (or none); one a dead relay took was due again
-        # only after that relay's lease ran out.
-        floor = self.lease_seconds / 2
+            found = list(connection.execute(oldest.with_only_columns(*columns).with_for_update(skip_locked=True)).all())
+        if found:
+            leased = {"available_at": now + self.lease_seconds, "taken_at": sa.func.coalesce(t.c.taken_at, now)}
+            connection.execute(sa.update(t).where(t.c.id.in_([row.id for row in found])).values(leased))
 
         def taken(row: Any) -> Taken:
-            orphaned_for = row.orphaned if row.orphaned is not None and row.orphaned > floor else None
-            return Taken(row.id, row.task_id, row.task_name, row.body, row.attempts, orphaned_for)
+            mark_age = None if row.mark_age is None else max(0.0, float(row.mark_age))
+            return Taken(row.id, row.task_id, row.task_name, row.body, row.attempts, mark_age)
 
         return sorted((taken(row) for row in found), key=lambda row: row.id)

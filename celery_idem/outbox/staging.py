@@ -11,6 +11,16 @@ before deleting the row publishes again: the claim finds the record of that task
 nothing, unless the record is still PENDING under it (the first publish may never have reached the
 broker), in which case it publishes a copy of the same task id, which a worker treats as a
 redelivery. The effect happens once; the message arrives at least once.
+
+The mark (a row's ``taken_at``), one rule for every outbox: **a relay took this row then and may
+have published it, and nothing since has told whether it did.** A pass sets it when it takes a row
+that has none (the database's time), and keeps one it finds: a relay died with the row, and no later
+pass can learn what that relay did. The mark goes only when that is settled: the row is published
+(deleted); the pass that set it ends knowing it did not publish (its publish raised: the row is put
+off or dead, :attr:`RelayReport.unmarked`); or an operator gives the row back
+(:meth:`Outbox.retry_dead`, the admin's action), deciding that it is to be sent again. A row whose
+mark is older than its key's TTL and whose key has no record is refused (:class:`AmbiguousRelay`),
+never published blind; a failed pass over it (the store timing out at that check) keeps the mark.
 """
 
 from __future__ import annotations
@@ -48,6 +58,9 @@ __all__ = [
     "Staged",
     "Taken",
     "backoff_seconds",
+    "given_back",
+    "killed",
+    "put_off",
     "relay_call",
     "relay_rows",
     "stage_call",
@@ -142,8 +155,8 @@ def stage_call(
 
 
 class Taken(NamedTuple):
-    """An outbox row a relay took: its call, its failed publishes so far, and how long ago a relay
-    that died took it (None when no relay did: every earlier pass over it ended)."""
+    """An outbox row a relay took: its call, its failed publishes so far, and how old the mark it
+    found is (None when it found none: this pass set it; see the module's docstring)."""
 
     id: Any
     task_id: str
@@ -204,14 +217,35 @@ def backoff_seconds(attempts: int, *, base: float = 2.0, cap: float = 300.0) -> 
     return float(min(cap, base * 2 ** min(max(attempts - 1, 0), 32)))
 
 
+# What each way a pass or an operator ends with a row writes to it, for every outbox's table
+# (``now`` and ``later`` are the database's clock). Only a give-back and RelayReport.unmarked
+# touch the mark.
+def put_off(attempts: int, error: str, later: Any) -> dict[str, Any]:
+    """A failed publish: tried again at ``later``."""
+    return {"attempts": attempts, "last_error": error, "available_at": later}
+
+
+def killed(attempts: int, error: str) -> dict[str, Any]:
+    """Moved to the dead letter."""
+    return {"attempts": attempts, "last_error": error, "dead": True}
+
+
+def given_back(now: Any) -> dict[str, Any]:
+    """A dead row an operator gives back: due now, its tries from zero, and its mark gone."""
+    return {"dead": False, "attempts": 0, "available_at": now, "taken_at": None}
+
+
 @dataclass
 class RelayReport:
     """What one relay pass did: rows published (and deleted), put off after a failure, and moved
-    to the dead letter (a final refusal, or ``max_attempts`` failures)."""
+    to the dead letter (a final refusal, or ``max_attempts`` failures); and of the last two, the
+    rows whose mark this pass set, which lose it (it knows it did not publish them; a mark it found
+    stays: see the module's docstring)."""
 
     published: list[Any] = field(default_factory=list)
     failed: list[tuple[Any, int, str]] = field(default_factory=list)  # (row id, attempts, error)
     dead: list[tuple[Any, int, str]] = field(default_factory=list)
+    unmarked: list[Any] = field(default_factory=list)
 
     def __str__(self) -> str:
         return f"published {len(self.published)}, put off {len(self.failed)}, dead {len(self.dead)}"
@@ -252,6 +286,9 @@ def relay_rows(app: Any, rows: Iterable[Taken], *, max_attempts: int) -> RelayRe
                 report.failed.append((row.id, attempts, _describe(exc)))
         else:
             report.published.append(row.id)
+            continue
+        if row.orphaned_for is None:
+            report.unmarked.append(row.id)
     return report
 
 
@@ -320,13 +357,29 @@ class Outbox:
             self._settle(report)
         return report
 
+    def retry_dead(self, ids: Collection[Any] | None = None) -> int:
+        """Give dead rows (all, or those of ``ids``) back to the relay: its next pass publishes
+        them, with their tries counted from zero; returns how many.
+
+        This is the operator's decision to send them again: it also clears the mark of a relay
+        that died with a row (``taken_at``), which is what refused an :class:`AmbiguousRelay`. If
+        that relay did publish the call and its key's record has expired since, the call runs a
+        second time: check first (the task's effect, the ledger), and delete a row that ran.
+        """
+        return self._give_back(ids)
+
     def _take(self, limit: int, ids: Collection[Any] | None) -> list[Taken]:
-        """Lock and lease up to ``limit`` due rows, marking when they were first taken."""
+        """Lock and lease up to ``limit`` due rows, marking those with no mark; each row says how
+        old the mark it had is."""
         raise NotImplementedError
 
     def _settle(self, report: RelayReport) -> None:
-        """Delete the published rows, put off the failed ones (``taken_at`` cleared: their pass
-        ended, knowing it did not publish), and keep the dead ones with their error."""
+        """Delete the published rows, put off the failed ones (:func:`put_off`), keep the dead ones
+        with their error (:func:`killed`), and clear the mark of ``report.unmarked``."""
+        raise NotImplementedError
+
+    def _give_back(self, ids: Collection[Any] | None) -> int:
+        """Write :func:`given_back` to the dead rows (all, or those of ``ids``); how many."""
         raise NotImplementedError
 
     def _publish_now(self, app: Any, row_id: Any) -> None:

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Callable, Iterator
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +24,13 @@ pytest.importorskip("django", reason="celery_idem.contrib.django needs the djang
 
 import django_project  # noqa: E402 - configures Django for this module
 from conftest import REDIS_URL, require_server, wipe  # noqa: E402
+from django.contrib.auth.models import Permission, User  # noqa: E402
 from django.core.management import call_command  # noqa: E402
 from django.db import transaction  # noqa: E402
+from django.db.models import F  # noqa: E402
+from django.test import Client, override_settings  # noqa: E402
 from django_project import require_alias, shop_env  # noqa: E402
+from faults import Fault, Injector, Plan  # noqa: E402
 from storefront.models import Payment  # noqa: E402
 from workers import BACKEND, TESTS, Worker  # noqa: E402
 
@@ -87,6 +91,36 @@ def workers(tmp_path: Path, prefix: str, alias: str) -> Iterator[Callable[[], Wo
     yield start
     for worker in started:
         worker.stop()
+
+
+def dead_relay(alias: str, prefix: str, dies: str) -> None:
+    """One relay pass in a process of its own, SIGKILLed ``after_publish`` or ``before_claim``."""
+    died = subprocess.run(
+        [sys.executable, str(TESTS / "contrib_django" / "django_relay.py")],
+        env=child_env(alias, prefix, SHOP_RELAY_DIES=dies, SHOP_RELAY_LEASE="300"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert died.returncode == -9, died.stderr
+
+
+def a_ttl_later(producer: Any, alias: str, handle: Any) -> None:
+    """As a TTL later: the call's record expired (forgotten here), and the relay that died took the
+    row more than a TTL ago (its mark moved back); the row is due."""
+    Idempotency.of(producer).store.forget(handle.identity)
+    ttl = producer.tasks[TASK].idempotency_handler.policy.ttl_seconds
+    OutboxEntry.objects.using(alias).update(
+        available_at=datetime(2000, 1, 1, tzinfo=timezone.utc), taken_at=F("taken_at") - timedelta(seconds=ttl + 1)
+    )
+
+
+def bodies(prefix: str, order: int) -> int:
+    """How many times the task's body ran for ``order`` (counted in Redis by the body itself)."""
+    import redis
+    from contrib_django.django_worker import COUNTER_URL
+
+    return int(redis.Redis.from_url(COUNTER_URL).get(f"djworker:{prefix}:body:o-{order}") or 0)
 
 
 def payments(alias: str, order: int) -> int:
@@ -187,3 +221,87 @@ def test_a_call_that_can_never_be_published_goes_to_the_dead_letter_and_can_be_r
     assert outbox.retry_dead() == 1
     entry.refresh_from_db()
     assert not entry.dead and entry.attempts == 0
+
+
+@pytest.mark.parametrize("alias", ["sqlite", "postgresql"], indirect=True)
+def test_a_pass_that_failed_at_the_orphan_check_keeps_the_dead_relays_mark_and_the_body_runs_once(
+    producer: Any, alias: str, prefix: str, workers: Callable[[], Worker]
+) -> None:
+    order = new_order()
+    with transaction.atomic(using=alias):
+        handle = DjangoOutbox(alias, publish_on_commit=False).apply_async(
+            producer.tasks[TASK], (order, 600), idempotency_key=f"o-{order}"
+        )
+    dead_relay(alias, prefix, "after_publish")
+    workers()
+    assert handle.get(timeout=GET) == {"paid": 600, "order": order}
+    a_ttl_later(producer, alias, handle)
+    outbox = DjangoOutbox(alias)
+    injector = Injector(Idempotency.of(producer).store)
+    plan = injector.arm(Plan("get", Fault.TIMEOUT, key=f"o-{order}"))
+    report = outbox.relay(producer)  # the orphan check's store read times out
+    injector.clear()
+    assert plan.fired == 1 and report.published == [] and len(report.failed) == 1
+    OutboxEntry.objects.using(alias).update(available_at=datetime(2000, 1, 1, tzinfo=timezone.utc))  # backoff over
+    report = outbox.relay(producer)
+    assert report.published == [] and len(report.dead) == 1  # refused, not published blind
+    (entry,) = OutboxEntry.objects.using(alias).all()
+    assert entry.dead and (entry.last_error or "").startswith("AmbiguousRelay") and entry.taken_at is not None
+    assert bodies(prefix, order) == 1 and payments(alias, order) == 1
+
+
+class _OutboxOn:
+    """Routes celery_idem's models (the outbox's entries) to one alias, so the admin acts there."""
+
+    def __init__(self, alias: str) -> None:
+        self.alias = alias
+
+    def db_for_read(self, model: Any, **hints: Any) -> str | None:
+        return self.alias if model._meta.app_label == "celery_idem" else None
+
+    db_for_write = db_for_read
+
+
+def give_back_in_the_admin(alias: str) -> None:
+    """An operator with the change permission selects the dead entries and gives them back."""
+    person = User.objects.create_user(f"u-{uuid.uuid4().hex[:8]}", is_staff=True)
+    codenames = ("view_outboxentry", "change_outboxentry")
+    allowed = Permission.objects.filter(content_type__app_label="celery_idem", codename__in=codenames)
+    person.user_permissions.set(allowed)
+    client = Client()
+    client.force_login(person)
+    dead = list(OutboxEntry.objects.using(alias).filter(dead=True).values_list("pk", flat=True))
+    with override_settings(DATABASE_ROUTERS=[_OutboxOn(alias)]):
+        page = client.post(
+            "/admin/celery_idem/outboxentry/", {"action": "retry", "_selected_action": dead}, follow=True
+        )
+    assert page.status_code == 200 and "may have published them" in page.content.decode()  # what it risks
+
+
+@pytest.mark.parametrize("how", ["retry_dead", "admin"])
+@pytest.mark.parametrize("alias", ["sqlite", "postgresql"], indirect=True)
+def test_a_row_refused_as_ambiguous_then_given_back_is_sent_on_the_next_pass_and_runs_once(
+    producer: Any, alias: str, prefix: str, workers: Callable[[], Worker], how: str
+) -> None:
+    order = new_order()
+    with transaction.atomic(using=alias):
+        handle = DjangoOutbox(alias, publish_on_commit=False).apply_async(
+            producer.tasks[TASK], (order, 700), idempotency_key=f"o-{order}"
+        )
+    dead_relay(alias, prefix, "before_claim")  # it never ran: the operator will find that out
+    a_ttl_later(producer, alias, handle)
+    outbox = DjangoOutbox(alias)
+    assert len(outbox.relay(producer).dead) == 1
+    (entry,) = OutboxEntry.objects.using(alias).all()
+    assert (entry.last_error or "").startswith("AmbiguousRelay")
+    if how == "retry_dead":
+        assert outbox.retry_dead() == 1
+    else:
+        give_back_in_the_admin(alias)
+    entry.refresh_from_db()
+    assert not entry.dead and entry.attempts == 0 and entry.taken_at is None
+    assert len(outbox.relay(producer).published) == 1
+    workers()
+    assert handle.get(timeout=GET) == {"paid": 700, "order": order}
+    assert bodies(prefix, order) == 1 and payments(alias, order) == 1
+    assert not OutboxEntry.objects.using(alias).exists()

@@ -26,6 +26,7 @@ import pytest
 import sqlalchemy as sa
 from addresses import REDIS_BROKER_URL
 from conftest import MARIADB_URL, POSTGRES_URL, REDIS_URL, require_server
+from faults import Fault, Injector, Plan
 from sqlalchemy import orm
 from workers import BACKEND, TESTS, Worker, wait_for
 
@@ -396,3 +397,75 @@ def test_one_task_id_staged_twice_never_fails_the_transaction_and_runs_once(
     finally:
         running.stop()
     assert outbox_shop.effects(prefix, 18) == 1 and rows(outbox) == []
+
+
+def a_ttl_later(outbox: SQLOutbox, app: Any, handle: Any) -> None:
+    """As a TTL later: the call's record expired (forgotten here), and the relay that died took the
+    row more than a TTL ago (its mark moved back); the row is due."""
+    Idempotency.of(app).store.forget(handle.identity)
+    ttl = app.tasks["outbox.charge"].idempotency_handler.policy.ttl_seconds
+    t = outbox.table
+    with outbox.engine.begin() as connection:
+        connection.execute(sa.update(t).values(available_at=0.0, taken_at=t.c.taken_at - ttl - 1))
+
+
+def due_now(outbox: SQLOutbox) -> None:
+    with outbox.engine.begin() as connection:
+        connection.execute(sa.update(outbox.table).values(available_at=0.0))
+
+
+@pytest.mark.parametrize("db", ["sqlite", "postgresql"], indirect=True)
+def test_a_pass_that_failed_at_the_orphan_check_keeps_the_dead_relays_mark_and_the_call_never_runs_twice(
+    shop: Any, db: str, prefix: str, tmp_path: Path
+) -> None:
+    app, outbox = shop
+    outbox.publish_on_commit = False
+    handle = stage(outbox, app, 19, 1900, key="order-19")
+    died = relay_process(db, prefix, dies="after_publish")
+    assert died.returncode == -9, died.stderr
+    running = worker(tmp_path, db, prefix)
+    try:
+        assert handle.get(timeout=30) == {"order_id": 19, "charged": 1900}
+        a_ttl_later(outbox, app, handle)
+        # The next pass asks the store whether the key has a record, and the store times out.
+        injector = Injector(Idempotency.of(app).store)
+        plan = injector.arm(Plan("get", Fault.TIMEOUT, key="order-19"))
+        report = outbox.relay(app)
+        injector.clear()
+        assert plan.fired == 1 and report.published == [] and len(report.failed) == 1
+        due_now(outbox)  # its backoff ran out
+        report = outbox.relay(app)
+        # The dead relay's mark survived the failed pass: the row is refused, not published blind.
+        assert outbox_shop.publishes(prefix, handle.id) == 1
+        assert report.published == [] and len(report.dead) == 1
+        (row,) = rows(outbox)
+        assert row.dead and row.last_error.startswith("AmbiguousRelay") and row.taken_at is not None
+    finally:
+        running.stop()
+    assert outbox_shop.effects(prefix, 19) == 1
+
+
+@pytest.mark.parametrize("db", ["sqlite", "postgresql"], indirect=True)
+def test_a_row_refused_as_ambiguous_then_given_back_is_sent_on_the_next_pass_and_runs_once(
+    shop: Any, db: str, prefix: str, tmp_path: Path
+) -> None:
+    app, outbox = shop
+    outbox.publish_on_commit = False
+    handle = stage(outbox, app, 20, 2000, key="order-20")
+    died = relay_process(db, prefix, dies="before_claim")  # it never ran: the operator will find that out
+    assert died.returncode == -9, died.stderr
+    a_ttl_later(outbox, app, handle)
+    report = outbox.relay(app)
+    assert len(report.dead) == 1 and rows(outbox)[0].last_error.startswith("AmbiguousRelay")
+    assert outbox.relay(app).dead == []  # never tried again by itself
+    assert outbox.retry_dead() == 1  # the operator checked: it never ran
+    (row,) = rows(outbox)
+    assert not row.dead and row.attempts == 0 and row.taken_at is None
+    assert len(outbox.relay(app).published) == 1
+    running = worker(tmp_path, db, prefix)
+    try:
+        assert handle.get(timeout=30) == {"order_id": 20, "charged": 2000}
+    finally:
+        running.stop()
+    assert outbox_shop.effects(prefix, 20) == outbox_shop.publishes(prefix, handle.id) == 1
+    assert rows(outbox) == []

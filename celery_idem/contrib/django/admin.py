@@ -14,7 +14,9 @@ filters by state and task, searches by key and task id, and offers, each behind 
 
 The ledger's entries are listed read-only (``LedgerEntry``): they are the record of what committed.
 The outbox's entries (``OutboxEntry``) are listed read-only too, with one action behind
-``celery_idem.change_outboxentry``: give dead ones back to the relay.
+``celery_idem.change_outboxentry``: give dead ones back to the relay, which sends them again on its
+next pass, even one a relay that died may have published (``DjangoOutbox.retry_dead`` says what
+that risks; the page warns when the selection holds such entries).
 """
 
 from __future__ import annotations
@@ -183,7 +185,7 @@ class LedgerEntryAdmin(_LedgerEntryAdmin):
 class OutboxEntryAdmin(_OutboxEntryAdmin):
     """The outbox's entries: calls staged and not published yet, and the dead letter."""
 
-    list_display = ("task_id", "task_name", "dead", "attempts", "available_at", "created_at", "last_error")
+    list_display = ("task_id", "task_name", "dead", "attempts", "available_at", "created_at", "taken", "last_error")
     list_filter = ("dead", "task_name")
     search_fields = ("task_id",)
     ordering = ("id",)
@@ -199,13 +201,28 @@ class OutboxEntryAdmin(_OutboxEntryAdmin):
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
         return [field.name for field in OutboxEntry._meta.fields if field.name != "body"]
 
-    @admin.action(description="Give dead entries back to the relay", permissions=["change"])
+    @admin.display(description="taken by a relay at", ordering="taken_at")
+    def taken(self, entry: OutboxEntry) -> datetime | None:
+        """The mark: a relay took the entry then and may have published it (one that died did not say)."""
+        return entry.taken_at
+
+    @admin.action(
+        description="Give dead entries back to the relay (sent again, even if one ran)", permissions=["change"]
+    )
     def retry(self, request: HttpRequest, queryset: Any) -> None:
         from .outbox import DjangoOutbox
 
-        ids = [entry.pk for entry in queryset if entry.dead]
-        retried = DjangoOutbox(queryset.db).retry_dead(ids)
+        dead = [entry for entry in queryset if entry.dead]
+        retried = DjangoOutbox(queryset.db).retry_dead([entry.pk for entry in dead])
         messages.success(request, f"{retried} dead entr{'y' if retried == 1 else 'ies'} given back to the relay.")
+        marked = sum(entry.taken_at is not None for entry in dead)
+        if marked:
+            messages.warning(
+                request,
+                f"{marked} of them had been taken by a relay that died (AmbiguousRelay among them): it may have "
+                "published them. They are sent again on the relay's next pass; one that ran and whose record has "
+                "expired runs again.",
+            )
 
 
 def _row(record: IdempotencyRecord) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from typing import Any
 from django.db import models, transaction
 from django.db.models.functions import Coalesce, Now
 
-from ...outbox.staging import Outbox, RelayReport, Taken, backoff_seconds, stage_call
+from ...outbox.staging import Outbox, RelayReport, Taken, backoff_seconds, given_back, killed, put_off, stage_call
 from .models import OutboxEntry
 
 __all__ = ["DjangoOutbox", "outbox"]
@@ -127,22 +127,21 @@ class DjangoOutbox(Outbox):
             if report.published:
                 entries.filter(pk__in=report.published).delete()
             for row_id, attempts, error in report.failed:
-                later = _later(backoff_seconds(attempts))
-                entries.filter(pk=row_id).update(attempts=attempts, last_error=error, available_at=later, taken_at=None)
+                entries.filter(pk=row_id).update(**put_off(attempts, error, _later(backoff_seconds(attempts))))
             for row_id, attempts, error in report.dead:
-                entries.filter(pk=row_id).update(attempts=attempts, last_error=error, dead=True)
+                entries.filter(pk=row_id).update(**killed(attempts, error))
+            if report.unmarked:
+                entries.filter(pk__in=report.unmarked).update(taken_at=None)
 
-    def retry_dead(self, ids: Collection[int] | None = None) -> int:
-        """Give dead rows (all, or those of ``ids``) back to the relay, with their tries counted
-        from zero; returns how many."""
+    def _give_back(self, ids: Collection[Any] | None) -> int:
         dead = OutboxEntry.objects.using(self._alias()).filter(dead=True)
         if ids is not None:
             dead = dead.filter(pk__in=list(ids))
-        return int(dead.update(dead=False, attempts=0, available_at=Now()))
+        return int(dead.update(**given_back(Now())))
 
 
 def _taken(row: Any) -> Taken:
-    """A row the relay took, with how long ago a relay that died took it before."""
+    """A row the relay took, with the age of the mark it had (None: it had none)."""
     orphaned_for = None if row.taken_at is None else max(0.0, (row.db_now - row.taken_at).total_seconds())
     return Taken(row.pk, row.task_id, row.task_name, bytes(row.body), row.attempts, orphaned_for)
 
