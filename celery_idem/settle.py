@@ -282,8 +282,8 @@ class Settler:
         # Its row stands on a transaction it joined, which may still commit: the ledger decides the
         # next run, so the key is freed and no failure is stored (a stored one would outlive a commit).
         in_flight = attempt is not None and joined(attempt)
-        # Whether an effect of this identity may stand committed: this attempt called run_once, or
-        # an earlier attempt (a retry, a redelivery, a takeover) ran and may have.
+        # Whether an effect of this identity may stand committed: this attempt's run_once left a row (not
+        # one rolled back with fn's error), or an earlier attempt (a retry, a redelivery, a takeover) ran.
         touched = (attempt is not None and attempt.ledger_nonce is not None) or (
             earlier_attempts and self.idem.settings.ledger is not None
         )

@@ -20,8 +20,16 @@ from addresses import REDIS_COUNTER_URL
 from celery import Celery, chain, group
 from celery.exceptions import Ignore, Reject
 from pydantic import BaseModel
+from sqlalchemy.orm import Session
 
-from celery_idem import Idempotency, IdempotentTask, PermanentError, StoreUnavailableError, idempotent_task
+from celery_idem import (
+    Idempotency,
+    IdempotentTask,
+    PermanentError,
+    RetryableError,
+    StoreUnavailableError,
+    idempotent_task,
+)
 from celery_idem.ledger import Ledger
 
 COUNTER_URL = os.environ.get("SHOP_COUNTER", REDIS_COUNTER_URL)
@@ -407,10 +415,33 @@ def make_app(
         effect(self)
         return {"order": order.order_id, "amount": order.amount}
 
+    def decline(self: Any, order_id: int, amount: int, error: str = "permanent", caller: str = "") -> Any:
+        """The provider declines inside fn (the ledger's transaction): its call is an INCR here,
+        outside the library, then ``error`` ("permanent" or "retryable") is raised. With ``caller``,
+        run_once joins the body's own Session, which wrote a row of its own first and then
+        "commits" or "rolls back" whatever run_once raised."""
+        assert ledger is not None and payments is not None
+        failure = {"permanent": PermanentError, "retryable": RetryableError}[error]
+
+        def charge_card(session: Any) -> dict[str, int]:
+            session.execute(payments.insert().values(order_id=order_id, amount=amount))
+            effect(self)  # the provider's charge: it answers with a decline
+            raise failure(f"card declined for order {order_id}")
+
+        if not caller:
+            return ledger.run_once(self, charge_card)
+        with Session(ledger.engine) as session:
+            session.execute(payments.insert().values(order_id=-order_id, amount=0))  # the caller's own write
+            try:
+                return ledger.run_once(self, charge_card, session=session)
+            finally:
+                session.commit() if caller == "commits" else session.rollback()
+
     if ledger is not None:
         paying = {"key_args": ["order_id", "amount"], "lease_seconds": 3}
         task(name="shop.pay", acks_late=True, idempotency=paying)(pay)
         task(name="shop.pay_requeue", acks_late=True, idempotency={**paying, "stale_action": "requeue"})(pay)
+        task(name="shop.decline", idempotency={"key_args": ["order_id", "amount"]})(decline)
 
     return app
 

@@ -32,7 +32,8 @@ __all__ = [
 logger = logging.getLogger("celery_idem.ledger")
 
 # What an attempt remembers of its run_once call (Attempt.ledger_nonce): the nonce of the row it
-# stands on, or this when that row is known to be committed.
+# stands on, or this when that row is known to be committed (None: it stands on no row, its call
+# never made one or rolled it back).
 COMMITTED = "committed"
 # A row's outcome until run_once stores fn's result with it; committed so only if fn ended the transaction.
 UNSETTLED = State.IN_PROGRESS.value
@@ -117,6 +118,14 @@ class LedgerCall:
         uncommitted (an earlier call in it). The handler asks the ledger about that row's nonce."""
         answering = getattr(answered_by, "nonce", None) if answered_by is not None else None
         self.attempt.ledger_nonce = COMMITTED if committed else (answering or self.nonce)
+
+    def rolled_back(self) -> None:
+        """run_once raised after rolling its row back (its SAVEPOINT, or its own transaction): no
+        transaction holds a row of this call, so none can commit it later, even one it joined that
+        goes on. The attempt stands on no row, and its failure is classed by the task's policy like
+        any other (a permanent one stored FAILED, a retryable one freeing the key), never taken for a
+        row that may still commit."""
+        self.attempt.ledger_nonce = None
 
     def answer(self, committed: CommittedEntry) -> Any:
         """What this call returns when another attempt committed the identity's row first.

@@ -93,10 +93,10 @@ class Ledger(LedgerTransactions):
         }
         call.touch(self)
         if session is None:
-            committed, value = self._record_and_commit(identity, row, fn, call.serializer)
+            committed, value = self._record_and_commit(call, row, fn)
             call.ended(committed=True)
         else:
-            committed, value = self._record(connection_of(session), identity, row, fn, call.serializer)
+            committed, value = self._record(connection_of(session), call, row, fn)
             call.ended(committed=False, answered_by=committed)
         return value if committed is None else call.answer(committed)
 

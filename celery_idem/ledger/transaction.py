@@ -18,7 +18,7 @@ from .. import telemetry
 from ..errors import ConfigurationError
 from ..outcome import encode_result
 from ..records import Identity, State
-from .calls import after_ambiguous_commit
+from .calls import LedgerCall, after_ambiguous_commit
 from .reads import LedgerEntry, LedgerReads
 
 __all__ = ["LedgerTransactions", "call_fn", "connection_of", "open_transaction"]
@@ -31,12 +31,13 @@ class LedgerTransactions(LedgerReads):
     """Writing a ledger row with ``fn``'s effect in one transaction, and settling its COMMIT."""
 
     def _record_and_commit(
-        self, identity: Identity, row: dict[str, Any], fn: Callable[[Session], T], serializer: str
+        self, call: LedgerCall, row: dict[str, Any], fn: Callable[[Session], T]
     ) -> tuple[LedgerEntry | None, T]:
         """:meth:`_record` in a transaction of its own, committed; an error at COMMIT is settled."""
+        identity = call.identity
         with self.engine.connect() as connection:
             connection.begin()
-            committed, value = self._record(connection, identity, row, fn, serializer)
+            committed, value = self._record(connection, call, row, fn)
             if committed is not None:
                 connection.rollback()
                 return committed, value
@@ -50,18 +51,16 @@ class LedgerTransactions(LedgerReads):
         return after_ambiguous_commit(identity, str(row["nonce"]), failed, known, entry), value
 
     def _record(
-        self,
-        connection: sa.Connection,
-        identity: Identity,
-        row: dict[str, Any],
-        fn: Callable[[Session], T],
-        serializer: str,
+        self, connection: sa.Connection, call: LedgerCall, row: dict[str, Any], fn: Callable[[Session], T]
     ) -> tuple[LedgerEntry | None, T]:
         """Write the row, run ``fn`` and store its outcome, in a SAVEPOINT of ``connection``'s transaction.
 
         Returns (None, fn's value) when fn ran, or (the committed entry, None) when the unique key
-        refused the row: another attempt committed it first. Nothing is committed here.
+        refused the row: another attempt committed it first. Nothing is committed here. An error
+        from ``fn`` or its outcome rolls the SAVEPOINT back and is raised, the call told
+        (:meth:`LedgerCall.rolled_back`): no transaction holds its row any more.
         """
+        identity = call.identity
         savepoint = _savepoint(connection)
         try:
             # The ledger row goes first: the unique key decides the race before any effect.
@@ -75,11 +74,12 @@ class LedgerTransactions(LedgerReads):
             if not savepoint.is_active:
                 raise _ended(identity) from exc
             savepoint.rollback()
+            call.rolled_back()
             raise
         if not savepoint.is_active:
             raise _ended(identity)
         try:
-            payload, content_type, encoding = encode_result(value, serializer)
+            payload, content_type, encoding = encode_result(value, call.serializer)
             connection.execute(
                 sa.update(self.table)
                 .where(self._where(identity), self.table.c.nonce == row["nonce"])
@@ -89,6 +89,7 @@ class LedgerTransactions(LedgerReads):
             )
         except BaseException:
             savepoint.rollback()
+            call.rolled_back()
             raise
         savepoint.commit()
         return None, value

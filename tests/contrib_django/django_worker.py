@@ -3,7 +3,8 @@ in tests/contrib_django: ``celery -A contrib_django.django_worker worker`` with 
 settings (``DJANGO_SETTINGS_MODULE=django_shop.settings``, its database from ``DJANGO_SHOP_DB``) and
 the ``SHOP_*`` variables of tests/workers.py. Its ``djworker.pay`` writes a ``storefront.Payment`` through
 ``DjangoLedger.run_once`` and can be held inside its transaction or after its commit, so a test can
-SIGKILL it at either point; each step is counted in Redis, outside the library.
+SIGKILL it at either point; its ``djworker.decline`` is a payment the provider declines inside
+``run_once``'s ``fn``. Each step is counted in Redis, outside the library.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ if not settings.configured:  # a worker process: the example project's settings 
 
 import redis  # noqa: E402
 from celery import Celery  # noqa: E402
+from django.db import transaction  # noqa: E402
 from storefront.models import Payment  # noqa: E402
 
-from celery_idem import Idempotency, IdempotentTask  # noqa: E402
+from celery_idem import Idempotency, IdempotentTask, PermanentError, RetryableError  # noqa: E402
 from celery_idem.contrib.django.ledger import DjangoLedger  # noqa: E402
 
 COUNTER_URL = os.environ.get("SHOP_COUNTER", REDIS_COUNTER_URL)
@@ -70,6 +72,46 @@ def make_app(prefix: str, broker: str, backend: str, store: str, ledger: DjangoL
         time.sleep(hold_after_commit)
         step("body", key)
         return outcome
+
+    @app.task(
+        base=IdempotentTask, bind=True, shared=False, name="djworker.decline", idempotency={"key_args": ["order_id"]}
+    )
+    def decline(self: Any, order_id: int, error: str = "permanent", caller: str = "") -> Any:
+        """The provider declines inside fn (the ledger's transaction): its call is counted in Redis,
+        then ``error`` ("permanent" or "retryable") is raised. ``caller`` runs run_once in the body's
+        own transaction, which wrote a payment of its own (order ``-order_id``) first and then
+        "commits" or "rolls back" whatever run_once raised: ``"atomic ..."`` in an ``atomic()``
+        block, ``"manual ..."`` under manual transactions (``set_autocommit(False)``)."""
+        using = ledger.using
+        failure = {"permanent": PermanentError, "retryable": RetryableError}[error]
+
+        def charge_card() -> None:
+            Payment.objects.using(using).create(order_id=order_id, amount=100, task_id=self.request.id)
+            step("provider", self.request.idempotency_key)  # the provider's charge: it answers with a decline
+            raise failure(f"card declined for order {order_id}")
+
+        if not caller:
+            return ledger.run_once(self, charge_card)
+        how, _, ending = caller.partition(" ")
+        if how == "atomic":
+            with transaction.atomic(using=using):
+                Payment.objects.using(using).create(order_id=-order_id, amount=0, task_id=self.request.id)
+                try:
+                    return ledger.run_once(self, charge_card)
+                except Exception as exc:
+                    if ending != "commits":
+                        raise
+                    raised = exc  # the block commits the caller's payment; the error goes on after it
+            raise raised
+        transaction.set_autocommit(False, using=using)
+        try:
+            Payment.objects.using(using).create(order_id=-order_id, amount=0, task_id=self.request.id)
+            try:
+                return ledger.run_once(self, charge_card)
+            finally:
+                (transaction.commit if ending == "commits" else transaction.rollback)(using=using)
+        finally:
+            transaction.set_autocommit(True, using=using)
 
     return app
 

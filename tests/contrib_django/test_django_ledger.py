@@ -4,31 +4,47 @@ written first in the transaction of the ORM writes, on SQLite and PostgreSQL (DE
 Executions run through real idempotent tasks (eager apps, each its own memory store), so the
 handler opens the attempt exactly as a worker does; racers each get their own app and store, as
 two workers do after a lost lease: only the database can stop the second payment. Effects are
-counted outside the library: rows of ``storefront.Payment``, which has no unique constraint.
+counted outside the library: rows of ``storefront.Payment``, which has no unique constraint. An error
+raised inside fn runs through a real worker process too (``contrib_django.django_worker``'s
+``djworker.decline``, one worker per database), the provider's calls counted in Redis.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from addresses import REDIS_BROKER_URL, REDIS_COUNTER_URL
 
 pytest.importorskip("django", reason="celery_idem.contrib.django needs the django extra")
 
 import django_project  # noqa: E402 - configures Django for this module
+import redis  # noqa: E402
 from celery import Celery  # noqa: E402
 from celery.exceptions import SoftTimeLimitExceeded  # noqa: E402
+from conftest import REDIS_URL, require_server, wipe  # noqa: E402
 from django.db import OperationalError, connections, transaction  # noqa: E402
 from django_project import require_alias, shop_env  # noqa: E402
 from storefront.models import Payment  # noqa: E402
+from workers import BACKEND, Worker  # noqa: E402
 
-from celery_idem import Idempotency, IdempotentTask, PayloadMismatchError, PermanentError, State  # noqa: E402
+from celery_idem import (  # noqa: E402
+    Idempotency,
+    IdempotentTask,
+    PayloadMismatchError,
+    PermanentError,
+    RetryableError,
+    State,
+    store_from_url,
+)
 from celery_idem.contrib.django.ledger import DjangoLedger  # noqa: E402
 from celery_idem.contrib.django.models import LedgerEntry  # noqa: E402
 from celery_idem.errors import ConfigurationError, LedgerUnavailableError  # noqa: E402
@@ -789,6 +805,41 @@ def test_a_task_body_running_an_idempotent_task_inline_in_its_atomic_block_then_
     assert len(payments(ledger, order)) == 1, f"the checkout succeeded with no payment (fn ran {len(calls)} time)"
 
 
+def test_a_permanent_error_inside_fn_of_an_inline_call_in_the_callers_atomic_block_is_stored_failed(
+    ledger: DjangoLedger, order: int
+) -> None:
+    # A worker's task body runs the idempotent charge inline (apply()) inside its own atomic block; the
+    # provider declines inside fn and the whole checkout rolls back; then the checkout is retried
+    calls: list[str] = []
+    app = Celery("inline-decline", set_as_current=False)  # not eager: a worker runs checkout
+    app.conf.task_eager_propagates = True
+    Idempotency(app, store=MemoryStore(), ledger=ledger)
+
+    @app.task(base=IdempotentTask, bind=True, shared=False, name=TASK)
+    def charge(self: Any, order_id: int, amount: int) -> Any:
+        def effect() -> Any:
+            calls.append(self.request.id)  # the provider's charge: it declines
+            Payment.objects.using(ledger.using).create(order_id=order_id, amount=amount, task_id=self.request.id)
+            raise PermanentError(f"card declined for order {order_id}")
+
+        return ledger.run_once(self, effect)
+
+    @app.task(bind=True, shared=False, name="inline.checkout")
+    def checkout(self: Any, order_id: int) -> Any:
+        with transaction.atomic(using=ledger.using):
+            Payment.objects.using(ledger.using).create(order_id=-order_id, amount=0, task_id=self.request.id)
+            return charge.apply((order_id, 500), headers={"idempotency_key": f"pay-{order_id}"}).get(
+                disable_sync_subtasks=False
+            )
+
+    for _ in range(2):  # the checkout, then its retry: the decline is replayed, the provider not asked again
+        with pytest.raises(PermanentError, match=f"card declined for order {order}"):
+            checkout.apply((order,), throw=True).get(disable_sync_subtasks=False)
+    record = Idempotency.of(app).get(TASK, f"pay-{order}")
+    assert record is not None and record.state is State.FAILED
+    assert len(calls) == 1 and payments(ledger, order) == [] and payments(ledger, -order) == []
+
+
 # ---- which attempts count as joined, and what a joined one may store -------------------------------
 
 
@@ -887,3 +938,93 @@ def test_a_second_call_in_the_same_callers_transaction_is_not_stored_done_from_i
     assert record is None or record.state is not State.COMPLETED
     pay(app, order, 500, "k")
     assert len(payments(ledger, order)) == 1
+
+
+# ---- an error inside fn, through a real worker -------------------------------------------------------
+
+
+@dataclass
+class Bank:
+    """``contrib_django.django_worker``'s app in a worker process on one alias's database, and as a
+    producer here (its ledger reads that alias)."""
+
+    app: Celery
+    alias: str
+    prefix: str
+
+    def provider_calls(self, key: str) -> int:
+        return int(redis.Redis.from_url(REDIS_COUNTER_URL).get(f"djworker:{self.prefix}:provider:{key}") or 0)
+
+
+@pytest.fixture(scope="module", params=django_project.ALIASES)
+def bank(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bank]:
+    alias = str(request.param)
+    require_alias(alias)
+    require_server("redis")
+    from contrib_django.django_worker import make_app
+
+    prefix = f"dj{uuid.uuid4().hex[:10]}"
+    env = shop_env(alias)
+    env["PYTHONPATH"] = os.pathsep.join([str(django_project.EXAMPLE), env["PYTHONPATH"]])
+    worker = Worker(
+        tmp_path_factory.mktemp("djworker"),
+        REDIS_BROKER_URL,
+        REDIS_URL,
+        prefix,
+        app="contrib_django.django_worker",
+        env=env,
+    )
+    try:
+        yield Bank(
+            make_app(prefix, REDIS_BROKER_URL, BACKEND, REDIS_URL, DjangoLedger(alias, namespace=prefix)), alias, prefix
+        )
+    finally:
+        worker.stop()
+        wipe(store_from_url(REDIS_URL, key_prefix=prefix))
+        LedgerEntry.objects.using(alias).filter(namespace=prefix).delete()
+        connections.close_all()
+
+
+def decline(bank: Bank, order: int, key: str, **kwargs: Any) -> Any:
+    return bank.app.tasks["djworker.decline"].apply_async((order,), kwargs, idempotency_key=key)
+
+
+@pytest.mark.parametrize("caller", ["", "atomic commits", "atomic rolls back", "manual commits", "manual rolls back"])
+def test_a_permanent_error_inside_fn_is_stored_failed_and_the_provider_is_called_once(bank: Bank, caller: str) -> None:
+    key, order = f"k-{uuid.uuid4().hex}", uuid.uuid4().int % 1_000_000_000
+    # When the provider declines inside fn (the row and the payment roll back with run_once's savepoint
+    # or transaction), in run_once's own transaction or in the body's, which then commits its own
+    # payment or rolls back
+    first = decline(bank, order, key, caller=caller)
+    with pytest.raises(PermanentError, match=f"card declined for order {order}"):
+        first.get(timeout=30)
+    # Then the record is FAILED, as for a permanent error raised anywhere else in the body
+    record = Idempotency.of(bank.app).get("djworker.decline", key)
+    assert record is not None and record.state is State.FAILED and record.error.type == "PermanentError"
+    # And the client's retry is handed the same exception class without calling the provider again
+    again = decline(bank, order, key, caller=caller)
+    assert again.deduplicated and again.id == first.id
+    with pytest.raises(PermanentError, match=f"card declined for order {order}"):
+        again.get(timeout=30)
+    assert bank.provider_calls(key) == 1
+    assert Payment.objects.using(bank.alias).filter(order_id=order).count() == 0
+    callers = Payment.objects.using(bank.alias).filter(order_id=-order).count()
+    assert callers == (1 if caller.endswith("commits") else 0)
+
+
+@pytest.mark.parametrize("caller", ["", "atomic commits", "manual commits"])
+def test_a_retryable_error_inside_fn_frees_the_key_and_the_retry_calls_the_provider_again(
+    bank: Bank, caller: str
+) -> None:
+    key, order = f"k-{uuid.uuid4().hex}", uuid.uuid4().int % 1_000_000_000
+    first = decline(bank, order, key, error="retryable", caller=caller)
+    with pytest.raises(RetryableError):
+        first.get(timeout=30)
+    assert Idempotency.of(bank.app).get("djworker.decline", key) is None
+    # The client's retry runs: the provider is asked again
+    again = decline(bank, order, key, error="retryable", caller=caller)
+    assert not again.deduplicated and again.id != first.id
+    with pytest.raises(RetryableError):
+        again.get(timeout=30)
+    assert bank.provider_calls(key) == 2
+    assert Payment.objects.using(bank.alias).filter(order_id=order).count() == 0

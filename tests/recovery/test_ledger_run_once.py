@@ -1,33 +1,54 @@
 """The contract of ``Ledger.run_once`` against real PostgreSQL and SQLite: where it may be called (the
 body of an idempotent task, a supported database), a commit whose answer is lost, a transaction of the
 caller's it joins, commits inside fn, one run_once per attempt, a bypassed call, namespaces on one table,
-and a table made before namespaces.
+a table made before namespaces, and an error raised inside fn, classed by the task's policy.
 
 Every execution runs through a real idempotent task (eager app, memory store), so the handler sets the
 request's key, scope and fingerprint exactly as a worker does; side effects are counted outside the
 library, as rows of a business table with no unique constraint and calls of the effect function. The
-apps and the ``db`` fixture (SQLite, then PostgreSQL) are tests/ledger_shop.py's.
+apps and the ``db`` fixture (SQLite, then PostgreSQL) are tests/ledger_shop.py's. The errors inside fn
+run through a real worker too (tests/shop.py's ``shop.decline``, in-process, on each database), the
+provider's calls counted by a Redis INCR.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
 import ledger_shop
 import pytest
+import redis
 import sqlalchemy as sa
+from addresses import REDIS_BROKER_URL
 from celery import Celery
+from celery.contrib.testing.worker import start_worker
+from conftest import POSTGRES_URL, REDIS_URL, require_server, wipe
 from ledger_shop import TASK, CardDeclined, Db, body_app, pay, payments_table, shop_app
+from shop import COUNTER_URL, effects_key, make_app
+from shop import payments_table as payments_table_of_shop
+from workers import BACKEND
 
-from celery_idem import ConfigurationError, Idempotency, IdempotentTask, MemoryStore, State
+from celery_idem import (
+    ConfigurationError,
+    Idempotency,
+    IdempotentTask,
+    MemoryStore,
+    PermanentError,
+    RetryableError,
+    State,
+    store_from_url,
+)
 from celery_idem.ledger import Ledger
 from celery_idem.records import Identity
 
 db = ledger_shop.db
 key = ledger_shop.key
+GET = 30  # seconds a test waits for a worker's result
 
 
 # ---- misuse --------------------------------------------------------------------------------------
@@ -530,3 +551,121 @@ def test_a_second_call_in_one_open_transaction_is_not_stored_done_from_the_first
     assert db.payment_rows() == [] and db.ledger_rows() == []
     record = Idempotency.of(app).get(TASK, key)
     assert record is None or record.state is not State.COMPLETED
+
+
+def test_a_permanent_error_inside_fn_of_a_call_inside_the_callers_transaction_is_stored_failed(
+    db: Db, key: str
+) -> None:
+    calls: list[str] = []
+    callers: list[sa.Connection] = []
+
+    def body(self: Any, order_id: int, amount: int) -> Any:
+        def effect(session: Any) -> dict[str, Any]:
+            calls.append(self.request.id)  # the provider's charge: it declines
+            session.execute(sa.insert(db.payments).values(order_id=order_id, amount=amount, task_id="x"))
+            raise PermanentError(f"card declined for order {order_id}")
+
+        return db.ledger.run_once(self, effect, session=callers[-1])
+
+    app = body_app(body)
+    # When an eager call inside the caller's transaction is declined inside fn, and the caller then
+    # rolls back everything
+    with db.engine.connect() as caller:
+        callers.append(caller)
+        caller.begin()
+        with pytest.raises(PermanentError):
+            pay(app, 15, 150, key)
+        caller.rollback()
+    # Then the decline is the call's answer: stored FAILED, replayed without calling the provider again
+    record = Idempotency.of(app).get(TASK, key)
+    assert record is not None and record.state is State.FAILED
+    with pytest.raises(PermanentError, match="card declined for order 15"):
+        pay(app, 15, 150, key)
+    assert len(calls) == 1 and db.payment_rows() == [] and db.ledger_rows() == []
+
+
+# ---- an error inside fn, through a real worker ------------------------------------------------------
+
+
+@dataclass
+class Bank:
+    """``shop`` (tests/shop.py) with its ledger on one database, served by an in-process worker."""
+
+    app: Celery
+    engine: sa.Engine
+    prefix: str
+    counter: redis.Redis
+
+    def provider_calls(self, key: str) -> int:
+        return int(self.counter.get(effects_key(self.prefix, "shop.decline", key)) or 0)
+
+    def payments(self, order_id: int) -> int:
+        table = payments_table_of_shop(self.prefix)
+        with self.engine.connect() as connection:
+            query = sa.select(sa.func.count()).select_from(table).where(table.c.order_id == order_id)
+            return int(connection.execute(query).scalar_one())
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def bank(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bank]:
+    require_server("redis")
+    if request.param == "postgresql":
+        require_server("postgresql")
+        url = POSTGRES_URL
+    else:
+        url = f"sqlite:///{tmp_path_factory.mktemp('bank')}/bank.db"
+    prefix = f"l{uuid.uuid4().hex[:10]}"
+    app = make_app(
+        broker=REDIS_BROKER_URL, backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix, ledger_url=url
+    )
+    ledger = Idempotency.of(app).settings.ledger
+    ledger.create_schema()
+    payments = payments_table_of_shop(prefix)
+    payments.create(ledger.engine)
+    try:
+        with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False, queues=[prefix]):
+            yield Bank(app, ledger.engine, prefix, redis.Redis.from_url(COUNTER_URL))
+    finally:
+        payments.drop(ledger.engine, checkfirst=True)
+        ledger.table.drop(ledger.engine, checkfirst=True)
+        ledger.engine.dispose()
+        wipe(store_from_url(REDIS_URL, key_prefix=prefix))
+
+
+@pytest.mark.parametrize("caller", ["", "commits", "rolls back"], ids=["own", "joined-commits", "joined-rolls-back"])
+def test_a_permanent_error_inside_fn_is_stored_failed_and_the_provider_is_called_once(bank: Bank, caller: str) -> None:
+    key, order_id = f"k-{uuid.uuid4().hex}", uuid.uuid4().int % 1_000_000_000
+    decline = bank.app.tasks["shop.decline"]
+    # When the provider declines inside fn (the ledger's transaction: the row and the payment roll back),
+    # in run_once's own transaction or in the body's, which then commits its own write or rolls back
+    first = decline.apply_async((order_id, 500), {"caller": caller}, idempotency_key=key)
+    with pytest.raises(PermanentError, match=f"card declined for order {order_id}"):
+        first.get(timeout=GET)
+    # Then the record is FAILED, as for a permanent error raised anywhere else in the body
+    record = Idempotency.of(bank.app).get("shop.decline", key)
+    assert record is not None and record.state is State.FAILED and record.error.type == "PermanentError"
+    # And the client's retry is handed the same exception class without calling the provider again
+    again = decline.apply_async((order_id, 500), {"caller": caller}, idempotency_key=key)
+    assert again.deduplicated and again.id == first.id
+    with pytest.raises(PermanentError, match=f"card declined for order {order_id}"):
+        again.get(timeout=GET)
+    assert bank.provider_calls(key) == 1
+    assert bank.payments(order_id) == 0 and bank.payments(-order_id) == (1 if caller == "commits" else 0)
+
+
+@pytest.mark.parametrize("caller", ["", "commits", "rolls back"], ids=["own", "joined-commits", "joined-rolls-back"])
+def test_a_retryable_error_inside_fn_frees_the_key_and_the_retry_calls_the_provider_again(
+    bank: Bank, caller: str
+) -> None:
+    key, order_id = f"k-{uuid.uuid4().hex}", uuid.uuid4().int % 1_000_000_000
+    decline = bank.app.tasks["shop.decline"]
+    first = decline.apply_async((order_id, 500), {"error": "retryable", "caller": caller}, idempotency_key=key)
+    with pytest.raises(RetryableError):
+        first.get(timeout=GET)
+    assert Idempotency.of(bank.app).get("shop.decline", key) is None
+    # The client's retry runs: the provider is asked again
+    again = decline.apply_async((order_id, 500), {"error": "retryable", "caller": caller}, idempotency_key=key)
+    assert not again.deduplicated and again.id != first.id
+    with pytest.raises(RetryableError):
+        again.get(timeout=GET)
+    assert bank.provider_calls(key) == 2 and bank.payments(order_id) == 0

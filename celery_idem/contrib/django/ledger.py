@@ -149,8 +149,13 @@ class DjangoLedger:
                     transaction.set_rollback(True, using=self.using)  # a lost race commits nothing
                 elif own:
                     commit.reached(connections[self.using].run_on_commit)
-        except DatabaseError as failed:
-            if not commit.at or commit.done:
+        except BaseException as failed:
+            if not commit.at:
+                # Raised inside the block (fn, its outcome): Django rolled its savepoint, or run_once's
+                # own transaction, back; no transaction holds our row any more.
+                call.rolled_back()
+                raise
+            if commit.done or not isinstance(failed, DatabaseError):
                 raise
             # The COMMIT's answer was lost or wrong about what happened: ask the database.
             committed = self._settle_commit(call, failed)
