@@ -1,0 +1,156 @@
+"""A store blip on every broker and queue type the docs give: the messages a worker sends back while
+its store is unreachable are kept, and every call runs exactly once afterwards (DESIGN §3, "Nothing
+lost": fail closed never means fail lost).
+
+Each layout runs a real ``celery -A chaos_shop worker`` whose store is the shared Redis behind a
+TCP proxy (tests/proxy.py) the test cuts for a few seconds while calls arrive; the callers reach the
+store directly, so they are not refused. Two tasks per call batch: ``shop.charge`` (early ack: once
+the worker has the message, the broker has forgotten it) and ``chaos.work`` (``acks_late``). Runs are
+counted by the INCR each body makes on the counter Redis, never by the library's records.
+
+Layouts (``LAYOUTS``): RabbitMQ quorum queues behind a topic exchange (Celery's native delayed
+delivery carries countdowns through the ``celery_delayed_*`` queues, and the queue has a delivery
+limit, as RabbitMQ 4 sets by default), RabbitMQ classic queues (no native delayed delivery: the
+worker holds a countdown message), and a Redis broker. Each RabbitMQ queue and exchange is the
+test's own and deleted after it.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from addresses import REDIS_BROKER_URL
+from chaos_shop import make_chaos_app
+from conftest import RABBITMQ_URL, REDIS_URL, require_rabbitmq, require_server, wipe
+from kombu import Connection
+from proxy import Proxy
+from shop import COUNTER_URL, effects_key
+from workers import BACKEND, Worker
+
+from celery_idem import Idempotency
+
+pytestmark = [pytest.mark.chaos, pytest.mark.slow]
+
+GET = 40  # seconds a caller waits for a result
+BLIP = 3.0  # seconds the store link is cut
+DELIVERY_LIMIT = 20  # RabbitMQ 4.0+'s default for quorum queues; set here on 3.x
+
+
+def _queues(layout: str, name: str) -> dict[str, Any]:
+    """``task_queues`` of a layout, as JSON (Celery builds a Queue of each entry)."""
+    if layout == "redis":
+        return {name: {"exchange": name, "routing_key": name}}
+    arguments = {"x-queue-type": "quorum", "x-delivery-limit": DELIVERY_LIMIT} if layout == "quorum" else {}
+    return {name: {"exchange": name, "exchange_type": "topic", "routing_key": name, "queue_arguments": arguments}}
+
+
+LAYOUTS = {"quorum": RABBITMQ_URL, "classic": RABBITMQ_URL, "redis": REDIS_BROKER_URL}
+
+
+def _delete_rabbitmq_queue(name: str) -> None:
+    with Connection(RABBITMQ_URL) as connection:
+        channel = connection.default_channel
+        channel.queue_delete(name)
+        channel.exchange_delete(name)
+
+
+@pytest.fixture
+def deployment(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[..., Any]]:
+    """``start(layout, worker_env)``: the callers' app, a worker of that layout whose store link the
+    returned proxy cuts, and a list for the callers' handles; everything it made is removed afterwards."""
+    require_server("redis")
+    made: list[tuple[Any, Worker | None, Proxy, str]] = []
+    results: list[Any] = []
+
+    def start(layout: str, env: dict[str, str] | None = None) -> tuple[Any, Worker, Proxy, list[Any]]:
+        if layout != "redis":
+            require_rabbitmq()
+        prefix = f"b{uuid.uuid4().hex[:10]}"
+        broker, conf = LAYOUTS[layout], {"task_queues": _queues(layout, prefix)}
+        store_port = int(REDIS_URL.rsplit(":", 1)[1].split("/")[0])
+        proxy = Proxy(store_port)
+        store_through_proxy = proxy.url(int(REDIS_URL.rsplit("/", 1)[1]))
+        app = make_chaos_app(conf=conf, broker=broker, backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix)
+        made.append((app, None, proxy, layout))
+        worker_env = {"CHAOS_CONF": json.dumps(conf), **(env or {})}
+        worker = Worker(tmp_path, broker, store_through_proxy, prefix, app="chaos_shop", env=worker_env)
+        made[-1] = (app, worker, proxy, layout)
+        return app, worker, proxy, results
+
+    yield start
+    for app, worker, proxy, layout in made:
+        if worker is not None:
+            worker.stop()
+        proxy.close()
+        idem = Idempotency.of(app)
+        counter = redis.Redis.from_url(COUNTER_URL)
+        for key in counter.scan_iter(match=f"effects:{idem.settings.key_prefix}:*", count=1000):
+            counter.delete(key)
+        counter.close()
+        wipe(idem.store, app.backend)
+        if layout != "redis":
+            _delete_rabbitmq_queue(idem.settings.key_prefix)
+    # Celery's app.backend is one per thread: results first (their __del__ unsubscribes), then backends.
+    backends = {id(r.backend): r.backend for r in results}.values()
+    results.clear()
+    gc.collect()
+    for backend in backends:
+        backend.result_consumer.stop()
+        backend.client.connection_pool.disconnect()
+
+
+def runs(app: Any, task: str, key: str) -> int:
+    counter = redis.Redis.from_url(COUNTER_URL)
+    try:
+        return int(counter.get(effects_key(Idempotency.of(app).settings.key_prefix, task, key)) or 0)
+    finally:
+        counter.close()
+
+
+def calls_through_a_blip(app: Any, proxy: Proxy, results: list[Any], per_task: int = 3) -> dict[tuple[str, str], Any]:
+    """One warm-up call (the worker consumes and reaches its store), then the store link cut for
+    :data:`BLIP` seconds while ``per_task`` calls of each task arrive. Returns the calls' handles."""
+    charge, work = app.tasks["shop.charge"], app.tasks["chaos.work"]
+    warm = work.apply_async((0.0,), idempotency_key=f"warm-{uuid.uuid4().hex}")
+    results.append(warm)
+    assert warm.get(timeout=GET) == "worked 0.0"
+    proxy.cut(BLIP)
+    sent: dict[tuple[str, str], Any] = {}
+    for n in range(per_task):
+        key = f"c{n}-{uuid.uuid4().hex}"
+        sent["shop.charge", key] = charge.apply_async((n, 100), idempotency_key=key)
+        key = f"w{n}-{uuid.uuid4().hex}"
+        sent["chaos.work", key] = work.apply_async((0.0,), idempotency_key=key)
+    results.extend(sent.values())
+    return sent
+
+
+def each_ran_once(app: Any, sent: dict[tuple[str, str], Any]) -> None:
+    """Every call of ``sent`` answered (none lost), and each body ran exactly once."""
+    missing, deadline = [], time.monotonic() + GET
+    for (task, key), handle in sent.items():
+        try:
+            handle.get(timeout=max(deadline - time.monotonic(), 0.1))
+        except Exception as exc:  # a lost message: the call never ran
+            missing.append(f"{task} {key}: {type(exc).__name__}")
+    assert not missing, f"lost: {missing}"
+    assert {key: runs(app, task, key) for task, key in sent} == {key: 1 for _, key in sent}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_store_blip_keeps_every_message_and_each_call_runs_once(layout: str, deployment) -> None:
+    # Given a worker of the layout, early-ack and acks_late tasks, and calls arriving while its store
+    # link is cut for a few seconds (each goes back to the broker with the outage's countdown)
+    app, _, proxy, results = deployment(layout)
+    sent = calls_through_a_blip(app, proxy, results)
+    # Then no message is lost (on quorum queues: neither refused by native delayed delivery nor
+    # dropped at the delivery limit): every call runs once the store answers, exactly once
+    each_ran_once(app, sent)
