@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import redis
 from addresses import REDIS_BROKER_URL
-from chaos_shop import make_chaos_app
+from chaos_shop import make_chaos_app, refused_sends_flag
 from conftest import RABBITMQ_URL, REDIS_URL, require_rabbitmq, require_server, wipe
 from kombu import Connection
 from proxy import Proxy
@@ -154,3 +154,38 @@ def test_a_store_blip_keeps_every_message_and_each_call_runs_once(layout: str, d
     # Then no message is lost (on quorum queues: neither refused by native delayed delivery nor
     # dropped at the delivery limit): every call runs once the store answers, exactly once
     each_ran_once(app, sent)
+
+
+def test_a_send_back_the_broker_refuses_waits_in_the_worker_and_keeps_every_message(deployment) -> None:
+    # Given a worker on quorum queues whose native delayed delivery refuses every countdown (fault
+    # injected in the worker: kombu's routing raises, as it did for the outage's old 0.5 s), and
+    # calls arriving while its store link is cut
+    app, worker, proxy, results = deployment("quorum", {"CHAOS_REFUSE_DELAYED": "1"})
+    sent = calls_through_a_blip(app, proxy, results)
+    # Then no message is lost: the worker waits each countdown itself and sends the message without
+    # one (early ack: it held the only copy; acks_late: a requeue would have looped into the
+    # delivery limit), and every call runs once the store answers, exactly once
+    each_ran_once(app, sent)
+    log = worker.output()
+    assert "the worker waits 1s and sends it without one" in log
+    assert "sent back to the broker without a countdown, after the worker waited for it" in log
+
+
+def test_a_broker_that_refuses_every_send_for_a_while_loses_no_message(deployment) -> None:
+    # Given a worker on quorum queues, and calls arriving while its store link is cut, and while its
+    # broker refuses every message the worker sends (fault injected in the worker, for 5 s: longer
+    # than the cut, so every trip back meets it)
+    app, worker, proxy, results = deployment("quorum", {"CHAOS_REFUSE_SENDS": "1"})
+    counter = redis.Redis.from_url(COUNTER_URL)
+    try:
+        counter.set(refused_sends_flag(Idempotency.of(app).settings.key_prefix), 1, px=5000)
+        sent = calls_through_a_blip(app, proxy, results)
+    finally:
+        counter.close()
+    # Then the worker keeps each message (early ack: its only copy; acks_late: no requeue loop into
+    # the delivery limit), tries again with a growing wait, and sends it once the broker takes it:
+    # every call runs once the store answers, exactly once
+    each_ran_once(app, sent)
+    log = worker.output()
+    assert "the worker keeps it and tries again in 2s" in log
+    assert "sent back to the broker without a countdown, after the worker waited for it" in log
