@@ -9,9 +9,10 @@ the worker has the message, the broker has forgotten it) and ``chaos.work`` (``a
 counted by the INCR each body makes on the counter Redis, never by the library's records.
 
 Layouts (``LAYOUTS``): RabbitMQ quorum queues behind a topic exchange (Celery's native delayed
-delivery carries countdowns through the ``celery_delayed_*`` queues, and the queue has a delivery
-limit, as RabbitMQ 4 sets by default), RabbitMQ classic queues (no native delayed delivery: the
-worker holds a countdown message), and a Redis broker. Each RabbitMQ queue and exchange is the
+delivery carries countdowns through the ``celery_delayed_*`` queues), the same behind a direct
+exchange (no native delayed delivery), each with a delivery limit as RabbitMQ 4 sets by default,
+RabbitMQ classic queues (no native delayed delivery: the worker holds a countdown message), and a
+Redis broker. Each RabbitMQ queue and exchange is the
 test's own and deleted after it.
 """
 
@@ -48,11 +49,16 @@ def _queues(layout: str, name: str) -> dict[str, Any]:
     """``task_queues`` of a layout, as JSON (Celery builds a Queue of each entry)."""
     if layout == "redis":
         return {name: {"exchange": name, "routing_key": name}}
-    arguments = {"x-queue-type": "quorum", "x-delivery-limit": DELIVERY_LIMIT} if layout == "quorum" else {}
-    return {name: {"exchange": name, "exchange_type": "topic", "routing_key": name, "queue_arguments": arguments}}
+    quorum = layout.startswith("quorum")
+    arguments = {"x-queue-type": "quorum", "x-delivery-limit": DELIVERY_LIMIT} if quorum else {}
+    kind = "direct" if layout == "quorum-direct" else "topic"
+    return {name: {"exchange": name, "exchange_type": kind, "routing_key": name, "queue_arguments": arguments}}
 
 
-LAYOUTS = {"quorum": RABBITMQ_URL, "classic": RABBITMQ_URL, "redis": REDIS_BROKER_URL}
+# quorum: the production guide's layout, native delayed delivery on; quorum-direct: native delayed
+# delivery off (Celery uses it for topic and fanout exchanges only: the worker holds a countdown
+# message); classic: off too (no quorum queue in the app); redis: a Redis broker.
+LAYOUTS = {"quorum": RABBITMQ_URL, "quorum-direct": RABBITMQ_URL, "classic": RABBITMQ_URL, "redis": REDIS_BROKER_URL}
 
 
 def _delete_rabbitmq_queue(name: str) -> None:
