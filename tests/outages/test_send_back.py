@@ -1,6 +1,8 @@
-"""A store blip on every broker and queue type the docs give: the messages a worker sends back while
-its store is unreachable are kept, and every call runs exactly once afterwards (DESIGN §3, "Nothing
-lost": fail closed never means fail lost).
+"""What a worker sends back to the broker (celery_idem/send_back.py), on every broker and queue type
+the docs give: a message sent back is kept, and every call runs exactly once (DESIGN §3, "Nothing
+lost": fail closed never means fail lost). Sent back are a store outage's trips (a store blip,
+alone, with native delayed delivery refusing every countdown, with the broker refusing every send
+for a while) and a BUSY duplicate's trips (the other countdown the library sends).
 
 Each layout runs a real ``celery -A chaos_shop worker`` whose store is the shared Redis behind a
 TCP proxy (tests/proxy.py) the test cuts for a few seconds while calls arrive; the callers reach the
@@ -12,8 +14,7 @@ Layouts (``LAYOUTS``): RabbitMQ quorum queues behind a topic exchange (Celery's 
 delivery carries countdowns through the ``celery_delayed_*`` queues), the same behind a direct
 exchange (no native delayed delivery), each with a delivery limit as RabbitMQ 4 sets by default,
 RabbitMQ classic queues (no native delayed delivery: the worker holds a countdown message), and a
-Redis broker. Each RabbitMQ queue and exchange is the
-test's own and deleted after it.
+Redis broker. Each RabbitMQ queue and exchange is the test's own and deleted after it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from conftest import RABBITMQ_URL, REDIS_URL, require_rabbitmq, require_server, 
 from kombu import Connection
 from proxy import Proxy
 from shop import COUNTER_URL, effects_key
-from workers import BACKEND, Worker
+from workers import BACKEND, Worker, wait_for
 
 from celery_idem import Idempotency
 
@@ -195,3 +196,24 @@ def test_a_broker_that_refuses_every_send_for_a_while_loses_no_message(deploymen
     log = worker.output()
     assert "the worker keeps it and tries again in 2s" in log
     assert "sent back to the broker without a countdown, after the worker waited for it" in log
+
+
+def test_a_busy_duplicate_goes_back_with_a_countdown_every_broker_takes(deployment) -> None:
+    # Given, on quorum queues, a call that replaced itself with another call 3 s later: its record is
+    # held for the replacement, which waits in native delayed delivery meanwhile
+    app, worker, _, results = deployment("quorum")
+    key, order = f"r-{uuid.uuid4().hex}", uuid.uuid4().int % 10**9
+    first = app.tasks["shop.replaced_later"].apply_async((order,), idempotency_key=key)
+    results.append(first)
+    wait_for(lambda: runs(app, "shop.replaced_later", key) == 1, "the first attempt")
+    # When a copy of the call under another task id arrives meanwhile (a send_task duplicate): it is
+    # BUSY with a replacement still in a queue, so it goes back to the broker at once, to look again
+    copy = app.send_task("shop.replaced_later", (order,), headers={"idempotency_key": key})
+    results.append(copy)
+    # Then the copy is not lost (its countdown, under a second before, was refused by native delayed
+    # delivery): it comes back until the replacement has settled the call, and gets its outcome
+    assert first.get(timeout=GET) == {"replaced": order}
+    assert copy.get(timeout=GET) == {"replaced": order}
+    assert "is BUSY with task" in worker.output() and "back to the broker for 1s" in worker.output()
+    assert runs(app, "shop.replaced_later", key) == 1
+    assert runs(app, "shop.replacement", str(order)) == 1
