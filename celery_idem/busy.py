@@ -35,6 +35,7 @@ from .errors import DuplicateTaskError, StoreUnavailableError
 from .owners import holder_process
 from .protocol import BUSY_TRIPS_HEADER
 from .records import IdempotencyRecord, Identity, State
+from .timing import broker_countdown
 
 if TYPE_CHECKING:
     from .config import IdempotencyPolicy
@@ -95,7 +96,7 @@ class BusyWait:
         else:
             self._last = time.monotonic() >= self._deadline
         policy = self.policy
-        gap = policy.lease_seconds + policy.pending_timeout_seconds if self._last else self._pause
+        gap = broker_countdown(policy.lease_seconds) + policy.pending_timeout_seconds if self._last else self._pause
         # Two store calls' worth of time (this look's reply, the next look's request) and some slack.
         return min(gap + 2 * self._store().timeout_seconds + _SLACK_SECONDS, _LONGEST_LOOK_SECONDS)
 
@@ -154,11 +155,12 @@ class BusyWait:
     def _go_back(self, record: IdempotencyRecord, args: Sequence[Any], kwargs: Mapping[str, Any]) -> NoReturn:
         countdown, headers = self.policy.lease_seconds, None
         if _queued(record):
-            # Back soon, then less often (0.5 s doubling, never past the lease): a queued replacement
+            # Back soon, then less often (1 s doubling, never past the lease): a queued replacement
             # usually runs within moments; the trips are counted on this message alone.
             trips = outage.trips(self.task.request, BUSY_TRIPS_HEADER)
             countdown = min(outage.countdown(trips), countdown)
             headers = {BUSY_TRIPS_HEADER: min(trips + 1, outage.MAX_TRIPS)}
+        countdown = broker_countdown(countdown)  # as it is sent (celery_idem.send_back)
         if self.copy_of_running:
             # Still held under this id: the attempt may be alive (it owns the outcome) or dead with
             # a lease nobody renews. The copy goes back to the broker, never dropped: it ends quietly

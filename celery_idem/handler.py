@@ -20,8 +20,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from celery import Task as CeleryTask
-from celery.exceptions import Reject, Retry, SoftTimeLimitExceeded
+from celery.exceptions import Retry, SoftTimeLimitExceeded
 
 from . import attempts, events, evidence, outage, publish, replacement, timing
 from .busy import BusyWait
@@ -33,6 +32,7 @@ from .owners import worker_token
 from .protocol import BYPASS_HEADER, KEY_HEADER, SCOPE_HEADER, request_header
 from .records import Decision, IdempotencyRecord
 from .releases import continues_its_chain, message_fingerprint, same_call
+from .send_back import send_back
 from .settle import Settler
 
 if TYPE_CHECKING:
@@ -157,20 +157,10 @@ class Handler(TaskCalls):
         countdown: float,
         headers: Mapping[str, Any] | None = None,
     ) -> None:
-        """Send this very message again (same id, options and retries count) ``countdown`` seconds
-        from now, through Celery's own apply_async: a re-publish is never claimed again.
-
-        Raises:
-            Reject: the broker refused the re-publish too; with ``acks_late`` the message is requeued.
-        """
-        task, request = self.task, self.task.request
-        options = task.signature_from_request(request, args, kwargs, countdown=countdown).options
-        options["headers"] = {**(options.get("headers") or {}), **(headers or {})}
-        try:
-            CeleryTask.apply_async(task, args, kwargs, **{**options, "retries": request.retries})
-        except Exception as exc:
-            logger.error("could not send task %s (%s) back to the broker: %s; rejecting it", task.name, request.id, exc)
-            raise Reject(exc, requeue=True) from exc
+        """Send this very message back to the broker, ``countdown`` seconds from now (whole seconds,
+        rounded up); kept even when the broker refuses it (:func:`celery_idem.send_back.send_back`)."""
+        patience = self.policy.pending_timeout_seconds  # as long as the call's claim waits for a message
+        send_back(self.task, args, kwargs, countdown=countdown, headers=headers, patience=patience)
 
     def _run_owned(self, record: IdempotencyRecord, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         identity, owner, policy, store = record.identity, record.owner, self.policy, self.idem.store

@@ -1,8 +1,10 @@
 """A worker facing a store outage keeps the message (DESIGN §3, "Nothing lost").
 
 When the store cannot be reached before a body runs (``on_store_error="raise"``), the message goes
-back to the broker under the same task id, with a countdown that doubles from
-:data:`FIRST_DELAY_SECONDS` up to :data:`MAX_DELAY_SECONDS`, until the store answers. Two headers
+back to the broker under the same task id (:mod:`celery_idem.send_back`, which keeps it even when the
+broker refuses it), with a countdown that doubles from :data:`FIRST_DELAY_SECONDS` up to
+:data:`MAX_DELAY_SECONDS`, until the store answers. Each is a whole number of seconds: RabbitMQ's
+native delayed delivery takes no other (``timing.broker_countdown``). Two headers
 count the trips (:data:`~celery_idem.protocol.OUTAGE_HEADER`, and of those, the trips for an error no
 outage mapping knows, :data:`~celery_idem.protocol.SURPRISES_HEADER`).
 
@@ -36,8 +38,8 @@ __all__ = [
     "trips",
 ]
 
-FIRST_DELAY_SECONDS, MAX_DELAY_SECONDS = 0.5, 30.0  # the outage backoff doubles up to this
-# Each delay of the backoff, by trip: 0.5, 1, 2, ... and MAX_DELAY_SECONDS from the first doubling
+FIRST_DELAY_SECONDS, MAX_DELAY_SECONDS = 1.0, 30.0  # the outage backoff doubles up to this
+# Each delay of the backoff, by trip: 1, 2, 4, ... and MAX_DELAY_SECONDS from the first doubling
 # that reaches it on. A table, so no trip count can make the arithmetic overflow.
 _DELAYS: tuple[float, ...] = tuple(min(FIRST_DELAY_SECONDS * 2**n, MAX_DELAY_SECONDS) for n in range(8))
 # A trip count is kept at most this (about a year of trips 30 s apart): it never grows without bound.

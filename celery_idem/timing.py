@@ -1,20 +1,35 @@
 """Message timing, read as Celery reads it: how far a countdown or ETA puts a message in the
-future, and how long a PENDING claim may wait for a message that has an expiry."""
+future, how long a PENDING claim may wait for a message that has an expiry, and which countdowns
+every broker takes."""
 
 from __future__ import annotations
 
 import datetime
+import math
 from collections.abc import Mapping
 from typing import Any
 
 from celery.utils.time import maybe_iso8601
 
-__all__ = ["EXPIRY_GRACE_SECONDS", "delay_seconds", "pending_seconds"]
+__all__ = ["EXPIRY_GRACE_SECONDS", "NATIVE_DELAY_MAX_SECONDS", "broker_countdown", "delay_seconds", "pending_seconds"]
 
 # How long a claim outlives the expiry of the message it waits for. A broker that drops an expired
 # message (RabbitMQ turns ``expires`` into the message TTL) sends no task_revoked, so nothing else
 # frees the key; the grace covers the publish after the claim and the worker's clock against ours.
 EXPIRY_GRACE_SECONDS = 5.0
+# RabbitMQ's native delayed delivery (Celery 5.5+, on as soon as a queue is a quorum queue, for every
+# topic or fanout exchange) routes a countdown message by the 28 bits of ``int(countdown)``: it
+# refuses a countdown under one second (``int(0.5) == 0``) and holds none longer than this.
+NATIVE_DELAY_MAX_SECONDS = 2**28 - 1
+
+
+def broker_countdown(seconds: float) -> int:
+    """The countdown to send for a wait of ``seconds``: whole seconds, rounded up (never sooner than
+    asked), at least 1 and at most :data:`NATIVE_DELAY_MAX_SECONDS` (a wait of "forever" included),
+    so that native delayed delivery takes it and delivers it no earlier than asked."""
+    if not seconds < NATIVE_DELAY_MAX_SECONDS:  # inf and NaN too
+        return NATIVE_DELAY_MAX_SECONDS
+    return max(1, math.ceil(seconds))
 
 
 def _seconds_until(when: datetime.datetime | str) -> float:

@@ -2,7 +2,9 @@
 
 ``make_chaos_app(conf=..., **make_app_arguments)`` builds it in the test process; a ``celery -A
 chaos_shop worker`` subprocess gets ``app`` from the SHOP_* variables and CHAOS_CONF (JSON: Celery
-settings such as broker_transport_options). Effects are counted outside the library: business rows
+settings such as broker_transport_options); CHAOS_REFUSE_DELAYED=1 refuses every delayed message
+(:func:`refuse_delayed_delivery`), CHAOS_REFUSE_SENDS=1 every message while the test says so
+(:func:`refuse_sends_while_flagged`). Effects are counted outside the library: business rows
 in the ledger's database, INCRs on the counter Redis.
 """
 
@@ -84,6 +86,40 @@ def _add_tasks(app: Celery, prefix: str) -> None:
         return f"worked {seconds}"
 
 
+def refuse_delayed_delivery() -> None:
+    """Fault: RabbitMQ's native delayed delivery refuses every countdown in this process (kombu's
+    routing of a delayed message raises, as it does for a countdown under one second), as a broker
+    that refuses a delayed message would. A message sent without a countdown is not touched."""
+    import celery.app.base
+
+    def refuse(countdown: int, routing_key: str) -> str:
+        raise ValueError(f"native delayed delivery refused a countdown of {countdown!r} (fault injected)")
+
+    celery.app.base.calculate_routing_key = refuse  # type: ignore[attr-defined]
+
+
+def refused_sends_flag(prefix: str) -> str:
+    """The counter Redis key that, while it exists, makes the worker's broker refuse every send."""
+    return f"effects:{prefix}:refuse-sends"
+
+
+def refuse_sends_while_flagged(app: Celery, prefix: str) -> None:
+    """Fault: while :func:`refused_sends_flag` exists (the test sets it with a TTL), every message
+    this process sends is refused as by a broker that is down (kombu's OperationalError)."""
+    from kombu.exceptions import OperationalError
+
+    counter, send_task = redis.Redis.from_url(COUNTER_URL), app.send_task
+
+    def refusing(*args: Any, **kwargs: Any) -> Any:
+        if counter.exists(refused_sends_flag(prefix)):
+            raise OperationalError("the broker refused the message (fault injected)")
+        return send_task(*args, **kwargs)
+
+    app.send_task = refusing  # type: ignore[method-assign]
+
+
+if os.environ.get("CHAOS_REFUSE_DELAYED"):
+    refuse_delayed_delivery()
 if os.environ.get("SHOP_BROKER"):
     app = make_chaos_app(
         conf=json.loads(os.environ.get("CHAOS_CONF") or "{}"),
@@ -95,3 +131,5 @@ if os.environ.get("SHOP_BROKER"):
         ledger_url=os.environ.get("SHOP_LEDGER") or None,
         **json.loads(os.environ.get("SHOP_SETTINGS") or "{}"),
     )
+    if os.environ.get("CHAOS_REFUSE_SENDS"):
+        refuse_sends_while_flagged(app, os.environ["SHOP_PREFIX"])

@@ -183,7 +183,7 @@ def test_the_stores_page_says_a_worker_sends_an_outage_message_back_and_it_does(
 
     page = _page()
     assert "the body does not run and the message goes back to the broker" in page
-    assert "re-published under the same task id with a countdown of 0.5 s doubling up to 30 s" in page
+    assert "re-published under the same task id with a countdown of 1 s doubling up to 30 s" in page
     assert "fails the message, after 8 trips back" in page
     for wrong in ("the message fails with `StoreUnavailableError` before the body runs", "does not retry it"):
         assert wrong not in page, f"the stores page says again what the code does not do: {wrong!r}"
@@ -207,9 +207,9 @@ def test_the_stores_page_says_a_worker_sends_an_outage_message_back_and_it_does(
     # When its message runs, first and after many trips back
     execute_as_worker(app, charge.name, "t-1", idempotency_key="k")
     execute_as_worker(app, charge.name, "t-1", idempotency_key="k", **{OUTAGE_HEADER: 20})
-    # Then the body did not run, and each time the message went back (0.5 s, then the 30 s cap)
+    # Then the body did not run, and each time the message went back (1 s, then the 30 s cap)
     assert runs == []
-    assert [countdown for countdown, _ in sent] == [0.5, 30.0]
+    assert [countdown for countdown, _ in sent] == [1.0, 30.0]
     assert [headers[OUTAGE_HEADER] for _, headers in sent] == [1, 21]
     assert app.AsyncResult("t-1").state != "FAILURE"
 

@@ -653,10 +653,10 @@ def test_a_real_outage_keeps_sending_the_message_back_however_long_it_lasts(monk
 _TRIP_HEADERS = {
     "million": (10**6, 30.0),
     "two_to_the_80": (2**80, 30.0),
-    "not_a_number": ("abc", 0.5),
-    "negative": (-3, 0.5),
-    "fractional": (1.5, 1.0),
-    "null": (None, 0.5),
+    "not_a_number": ("abc", 1.0),
+    "negative": (-3, 1.0),
+    "fractional": (1.5, 2.0),
+    "null": (None, 1.0),
 }
 
 
