@@ -26,14 +26,17 @@ def bind_arguments(
     kwargs: Mapping[str, Any] | None,
     *,
     skip_first: bool = False,
+    apply_defaults: bool = True,
 ) -> dict[str, Any]:
-    """Bind a call to ``func``'s signature with defaults applied, as ``{parameter: value}``.
+    """Bind a call to ``func``'s signature, as ``{parameter: value}``.
 
     Args:
         func: The task's run function.
         args: Positional arguments of the call.
         kwargs: Keyword arguments of the call.
         skip_first: Drop the first parameter (``self`` of a bound task given as a plain function).
+        apply_defaults: Give every parameter the call left out its default (and ``*args`` /
+            ``**kwargs`` their empty values); False binds only what the call gave.
 
     Raises:
         TypeError: the arguments do not fit the signature (as Celery's own argument check says).
@@ -47,7 +50,8 @@ def bind_arguments(
     except TypeError as exc:
         name = getattr(func, "__qualname__", repr(func))
         raise TypeError(f"{name}{signature}: {exc}") from None
-    bound.apply_defaults()
+    if apply_defaults:
+        bound.apply_defaults()
     return dict(bound.arguments)
 
 
@@ -94,9 +98,8 @@ def select_key_args(arguments: dict[str, Any], key_args: Iterable[str], func: Ca
     Raises:
         ValueError: a name is neither a parameter nor can travel in ``**kwargs``.
     """
-    var_kw = next(
-        (p.name for p in _signature(func).parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None
-    )
+    params = _signature(func).parameters
+    var_kw = next((p.name for p in params.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
     extra = arguments.get(var_kw, {}) if var_kw else {}
     selected: dict[str, Any] = {}
     for name in key_args:
@@ -107,6 +110,8 @@ def select_key_args(arguments: dict[str, Any], key_args: Iterable[str], func: Ca
             selected[name] = arguments[name]
         elif name in extra:
             selected[name] = extra[name]
+        elif name in params:
+            continue  # a parameter the call left out (bound without its default): absent, as at its default
         elif not var_kw:
             raise ValueError(
                 f"key_args names {name!r}, which is not a parameter of "

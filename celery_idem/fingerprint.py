@@ -191,16 +191,12 @@ def fingerprint(
             raise TypeError("key_args needs the call bound to the task's signature; got bind=False")
         arguments: dict[str, Any] = {"args": list(args or ()), "kwargs": dict(kwargs or {})}
     else:
-        arguments = bind_arguments(func, args, kwargs, skip_first=skip_first)
+        # A parameter the call leaves out is absent (a sentinel default no serializer encodes too);
+        # one it gives at its default's value is left out once compared as the worker receives it.
+        arguments = bind_arguments(func, args, kwargs, skip_first=skip_first, apply_defaults=keep_defaults)
         if key_args is not None:
             arguments = select_key_args(arguments, key_args, func)
-    defaults: Mapping[str, str] = {}
-    if bind and not keep_defaults:
-        # The very default object (a sentinel no serializer can encode too) is left out as it is;
-        # an equal value, once compared in the form the worker receives (below).
-        given = at_defaults(func, skip_first)
-        arguments = {name: value for name, value in arguments.items() if name not in given or value is not given[name]}
-        defaults = _default_forms(func, skip_first, serializer)
+    defaults = _default_forms(func, skip_first, serializer) if bind and not keep_defaults else {}
     if serializer == "json" and not sets and _plain(arguments):
         # What the worker receives is this very JSON: the round trip and the normalisation change
         # nothing (tests/api/test_fingerprint.py holds this against the long way for any plain value).
@@ -252,6 +248,8 @@ def _default_forms(func: Callable[..., Any], skip_first: bool, serializer: str) 
     serializer cannot encode), which no argument equals, is left out."""
     forms: dict[str, str] = {}
     for name, default in at_defaults(func, skip_first).items():
+        if isinstance(default, BaseModel) and serializer != "pickle":
+            default = default.model_dump(mode="json")  # as Celery sends a pydantic=True task's model
         try:
             forms[name] = canonical_json(_round_trip(default, serializer))
         except (SerializationError, TypeError, ValueError, RecursionError):

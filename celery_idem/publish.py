@@ -22,7 +22,7 @@ from . import attempts, timing
 from .calling import TaskCalls, log_decision
 from .errors import DuplicateTaskError, StoreUnavailableError
 from .protocol import BYPASS_HEADER, CLAIM_HEADER, HANDOVER_HEADER, KEY_HEADER, OPTION_HEADERS, SCOPE_HEADER
-from .records import Decision, Identity, State
+from .records import Decision, Identity, State, Transition
 from .releases import earlier_fingerprint
 from .result import bind_handle
 from .settle import Settler
@@ -106,15 +106,18 @@ def publish(
     # The message carries its claim's token: a worker of another release, binding its arguments to
     # another fingerprint, still knows it for the call its record was claimed for (celery_idem.releases).
     options["headers"][CLAIM_HEADER] = claim_token
-    claim = functools.partial(
-        idem.store.claim,
-        identity,
-        task_id=task_id,
-        pending_seconds=timing.pending_seconds(policy.pending_timeout_seconds, options, task.expires),
-        ttl_seconds=policy.ttl_seconds,
-        owner=claim_token,
-        call=calls.kept_call(args, kwargs, options),
-    )
+
+    def claim(fingerprint: str) -> Transition:
+        return idem.store.claim(
+            identity,
+            fingerprint,
+            task_id,
+            pending_seconds=timing.pending_seconds(policy.pending_timeout_seconds, options, task.expires),
+            ttl_seconds=policy.ttl_seconds,
+            owner=claim_token,
+            call=calls.kept_call(args, kwargs, options),
+        )
+
     try:
         claimed = claim(fp)
         if claimed.decision is Decision.MISMATCH and claimed.record is not None:
@@ -168,6 +171,7 @@ def publish(
     if _RESENDING.get() == task_id == record.task_id and not handed:
         # The outbox's relay again, for the call it claimed before (see resending).
         if record.state is State.PENDING and not record.attempt:
+            options["headers"][CLAIM_HEADER] = record.owner  # the token its record is held under
             return bind_handle(send(args, kwargs, options), identity, idem, deduplicated=False, record=record)
         return bind_handle(task.AsyncResult(task_id), identity, idem, deduplicated=False, record=record)
     idem.count("replays" if claimed.decision is Decision.REPLAY else "duplicates")

@@ -18,7 +18,8 @@ call anyway (:func:`same_call`):
 Then it acquires under the record's own fingerprint (the caller's call), and the store's compare
 holds as for any message. A message that cannot be bound at all (a parameter removed, renamed, a
 required one added) is failed by :func:`message_fingerprint` with an error that says so, and the
-claim made for it is given back: its key is never held for a message that is gone.
+claim made for it (proved by its token) is given back: its key is never held for a message that is
+gone, and a message under another call's task id frees nothing and ends quietly.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from celery.exceptions import Ignore
 
 from . import telemetry
 from .calling import TaskCalls
@@ -80,26 +83,49 @@ def message_fingerprint(calls: TaskCalls, settle: Settler, args: Sequence[Any], 
 
     Raises:
         TypeError: the message's arguments do not fit this release's signature (sent by a release
-            that had another one): its claim is given back, so the key is free for the next call.
+            that had another one); the claim made for this very message is given back.
+        Ignore: such a message under a task id its record names, which it cannot prove to be the
+            message the record was claimed for (a copy of a call that runs or ran elsewhere, a
+            forged copy): the id's answer is its record's, so it ends quietly.
+        SerializationError: the arguments, as received, have no canonical form.
     """
     try:
         return calls.fingerprint(args, kwargs)
+    except SerializationError:
+        raise
     except TypeError as exc:
-        task, request = calls.task, calls.task.request
-        error = TypeError(
-            f"task {task.name!r} ({request.id}) cannot take the arguments of its message, sent by another "
-            f"release of the task with another signature? {exc}; the body did not run and the call's "
-            "idempotency key is freed: call it again with arguments that fit"
-        )
-        key = request_header(request, KEY_HEADER)
-        if key is not None:
-            try:
-                identity = calls.identify(key, request_header(request, SCOPE_HEADER), "")
-            except IdempotencyError:
-                raise error from None
-            # Only the claim made for this very message: PENDING under its task id (a fence).
-            settle.give_back(identity, request.id, fence="task_id", settled_is_fine=True)
-            logger.error("%s: %s", telemetry.shown(identity), error)
-        else:
-            logger.error("%s", error)
-        raise error from None
+        raise _unbound(calls, settle, exc) from None
+
+
+def _unbound(calls: TaskCalls, settle: Settler, exc: TypeError) -> Exception:
+    """What a message this release cannot bind ends with: see :func:`message_fingerprint`."""
+    task, request = calls.task, calls.task.request
+    said = (
+        f"task {task.name!r} ({request.id}) cannot take the arguments of its message, sent by another "
+        f"release of the task with another signature? {exc}; the body did not run"
+    )
+    key = request_header(request, KEY_HEADER)
+    try:
+        identity = calls.identify(key, request_header(request, SCOPE_HEADER), "") if key is not None else None
+        record = settle.idem.store.get(identity) if identity is not None else None
+    except IdempotencyError as error:  # a key that is not one, or the store down: nothing to give back
+        logger.error("%s (its record could not be read: %s)", said, error)
+        return TypeError(said)
+    if identity is None or record is None or record.task_id != request.id:
+        logger.error("%s", said if identity is None else f"{telemetry.shown(identity)}: {said}")
+        return TypeError(said)
+    token = request_header(request, CLAIM_HEADER)
+    if isinstance(token, str) and record.state is State.PENDING and not record.attempt and record.held_by(token):
+        # The claim made for this very message, fenced by its token: the key is free for the next call.
+        settle.give_back(identity, token, settled_is_fine=True)
+        said += "; its idempotency key is freed: call it again with arguments that fit"
+        logger.error("%s: %s", telemetry.shown(identity), said)
+        return TypeError(said)
+    logger.error(
+        "%s: %s; its task id's record is %s and not this message's to settle: ending quietly",
+        telemetry.shown(identity),
+        said,
+        record.state.value,
+    )
+    quiet: Exception = Ignore(f"task {request.id} cannot be bound and is not its record's message: refused")
+    return quiet

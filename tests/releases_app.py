@@ -34,6 +34,10 @@ def _default_changed(self: Any, order_id: int, amount: int, currency: str = "USD
     return _charged(self, order_id, amount, currency)
 
 
+def _note_added(self: Any, order_id: int, amount: int, currency: str = "EUR", note: str = "") -> dict[str, Any]:
+    return _charged(self, order_id, amount, currency)
+
+
 def _renamed(self: Any, order_id: int, total: int) -> dict[str, Any]:
     return _charged(self, order_id, total)
 
@@ -51,6 +55,7 @@ RELEASES = {
     "v1": _v1,
     "optional_added": _optional_added,
     "default_changed": _default_changed,
+    "note_added": _note_added,
     "renamed": _renamed,
     "removed": _removed,
     "required_added": _required_added,

@@ -130,6 +130,27 @@ def test_a_record_written_before_defaults_were_left_out_still_answers_its_call(
         refund.apply_async((42, 100, "USD"), idempotency_key="k-upgrade")
 
 
+class ShipOptions(BaseModel):
+    """A model argument with a default (module level: Celery's pydantic support resolves it by name)."""
+
+    express: bool = False
+
+
+def test_one_call_spelled_with_or_without_its_model_default_runs_once(app: Celery, idem: Idempotency) -> None:
+    received: list[Any] = []
+
+    @app.task(base=IdempotentTask, bind=True, pydantic=True, shared=False)
+    def ship(self: Any, order_id: int, options: ShipOptions = ShipOptions()) -> int:  # noqa: B008 - the case under test
+        received.append((order_id, options))
+        return order_id
+
+    calls = [ship.delay(7), ship.delay(7, options={"express": False}), ship.delay(7, options=ShipOptions())]
+
+    assert len(received) == 1, f"{len(received)} runs of one call"
+    assert [c.deduplicated for c in calls] == [False, True, True]
+    assert ship.delay(7, options={"express": True}).deduplicated is False
+
+
 def test_same_key_in_keyword_form_is_not_a_mismatch(charge: Task, calls: list[Any]) -> None:
     charge.apply_async((42, 100), idempotency_key="order-42-charge")
 

@@ -149,6 +149,35 @@ def test_a_call_in_flight_across_the_upgrade_of_celery_idem_itself_runs_once(dep
     assert effects(counter, prefix, key) == 1
 
 
+def test_a_call_the_outbox_relay_sends_again_runs_on_a_worker_of_the_next_release(
+    deploy, prefix, counter, tmp_path
+) -> None:
+    # Given a staged call whose relay made its claim and died before publishing (the record PENDING
+    # under that relay's token), and a deploy that renamed `amount` under way
+    import sqlalchemy as sa
+    from sqlalchemy import orm
+
+    from celery_idem.outbox import SQLOutbox
+    from celery_idem.records import Identity
+
+    app = producer("v1", prefix)
+    task, idem = app.tasks[NAME], Idempotency.of(app)
+    outbox = SQLOutbox(sa.create_engine(f"sqlite:///{tmp_path}/orders.db", poolclass=sa.pool.NullPool))
+    outbox.create_schema()
+    outbox.publish_on_commit = False
+    key = f"k-{uuid.uuid4().hex}"
+    with orm.Session(outbox.engine) as session, session.begin():
+        handle = outbox.apply_async(session, task, (42, 100), idempotency_key=key)
+    fp = task.idempotency_handler.fingerprint((42, 100), {})
+    idem.store.claim(Identity("", NAME, key), fp, handle.id, pending_seconds=300, ttl_seconds=3600, owner="dead-relay")
+    # When the next relay sends the call again and a worker of the new release takes it
+    assert len(outbox.relay(app).published) == 1
+    deploy("renamed")
+    # Then the message carries the token its record is held under: it runs, once
+    assert app.AsyncResult(handle.id).get(timeout=GET)["charged"] == 100
+    assert effects(counter, prefix, key) == 1
+
+
 # ---- incompatible changes: the call that cannot be bound fails, says why, and frees its key ------
 
 

@@ -22,7 +22,7 @@ import shop_worker
 from celery import Celery, chain, signals
 from conftest import REDIS_URL
 from shop import Order, effects_key, make_app
-from shop_worker import BACKEND, BROKERS, GET, Shop
+from shop_worker import BACKEND, BROKERS, GET, Shop, until
 
 from celery_idem import InvalidKeyError, PayloadMismatchError, SerializationError, State
 from celery_idem.signals import options_to_headers
@@ -180,6 +180,38 @@ def test_a_message_under_a_calls_task_id_with_other_arguments_never_runs_nor_ans
     assert shop.app.backend.get_task_meta(first.id)["status"] == "PENDING"
     assert first.get(timeout=GET)["charged"] == 90
     assert shop.effects("charge", key) == 1
+
+
+def test_a_message_under_a_calls_task_id_that_cannot_be_bound_neither_frees_its_key_nor_answers_for_it(
+    shop: Shop, key: str
+) -> None:
+    # Given a call waiting in the queue (a 3 s countdown)
+    charge = shop.task("charge")
+    first = charge.apply_async((9, 90), idempotency_key=key, countdown=3)
+    # When a message under its task id and key that the signature cannot bind (as a worker of a
+    # release that removed a parameter binds it) comes first, without the call's claim token
+    shop.app.send_task("shop.charge", (9, 999, "EUR", "", "extra"), task_id=first.id, headers={"idempotency_key": key})
+    time.sleep(1.0)
+    # Then the queued call keeps its claim and its task id's state: the message ends quietly
+    record = shop.idem.get("shop.charge", key)
+    assert record is not None and record.state is State.PENDING
+    assert shop.app.backend.get_task_meta(first.id)["status"] == "PENDING"
+    with pytest.raises(PayloadMismatchError):
+        charge.apply_async((9, 555), idempotency_key=key)  # the key still answers the queued call
+    assert first.get(timeout=GET)["charged"] == 90
+    assert shop.effects("charge", key) == 1
+
+
+def test_a_copy_of_a_running_call_that_cannot_be_bound_does_not_answer_for_it(shop: Shop, key: str) -> None:
+    # Given a call running
+    slow = shop.task("slow")
+    first = slow.apply_async((2.0,), {"tag": key}, idempotency_key=key)
+    until(lambda: (r := shop.idem.get("shop.slow", key)) is not None and r.state is State.IN_PROGRESS)
+    # When a copy of its message comes as a release whose signature lost `tag` binds it
+    shop.app.send_task("shop.slow", (2.0, key, "gone"), task_id=first.id, headers={"idempotency_key": key})
+    # Then the copy ends quietly: the call's handle gets the call's own answer, and it ran once
+    assert first.get(timeout=GET) == "slept 2.0"
+    assert shop.effects("slow", key) == 1
 
 
 def test_key_given_as_a_send_task_option_keys_the_call(shop: Shop, key: str) -> None:
