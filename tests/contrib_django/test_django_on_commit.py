@@ -287,3 +287,25 @@ def test_prior_call_answers_now_what_the_claim_after_the_commit_will(shop: Any) 
     idem.store.advance_clock_for_tests(11)
     assert charge.prior_call((44,), idempotency_key="order-44") is None
     assert charge.prior_call((44,), idempotency_key="order-44", idempotency=False) is None
+
+
+def test_prior_call_with_the_store_down_knows_nothing_and_the_claim_at_commit_still_decides(committed: Any) -> None:
+    # Given a key used for other arguments, and the store cut for the read at request time
+    app, injector, runs = committed
+    charge = app.tasks["djcommit.charge"]
+    order = uuid.uuid4().int % 1_000_000_000
+    key = f"down-{order}"
+    charge.apply_async((order + 100,), idempotency_key=key).get(timeout=15)
+    cut = Plan("get", Fault.REFUSED, key=key)
+    injector.arm(cut)
+    try:
+        # When: the read fails, it answers None (nothing known), not an error
+        with transaction.atomic():
+            assert charge.prior_call((order,), idempotency_key=key) is None
+            handle = charge.apply_async_on_commit((order,), idempotency_key=key)
+    finally:
+        injector.clear()
+    assert cut.fired == 1
+    # Then the claim at commit refuses the call: fail closed there, and the body never ran for it
+    assert isinstance(handle.error, PayloadMismatchError)
+    assert runs("charge", order) == 0 and runs("charge", order + 100) == 1
