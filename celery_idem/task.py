@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 from celery import Task
 
-from . import attempts, on_commit, replacement
+from . import attempts, lookahead, on_commit, replacement
 from .config import IdempotencyPolicy
 from .errors import ConfigurationError
 from .extension import Idempotency
@@ -165,6 +165,20 @@ class IdempotentTask(Task, HandledTask):  # type: ignore[misc]
             identity = self.idempotency_handler.identify(found.get(KEY_HEADER), found.get(SCOPE_HEADER), "")
         send = functools.partial(self.apply_async, args, kwargs, **options)
         return on_commit.defer(send, self.name, identity, using)
+
+    def prior_call(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+        """The handle of the call that ``apply_async(args, kwargs, **options)`` would repeat (its
+        task id, its outcome), or None when the store knows of none: one read, nothing written.
+        For a call that is claimed later (``outbox.apply_async``, ``apply_async_on_commit``), so an
+        API answers its client now (:mod:`celery_idem.lookahead` says what a read cannot see).
+
+        Raises:
+            PayloadMismatchError: the key was used for other arguments.
+            DuplicateTaskError: the call repeats another, and the policy says ``on_duplicate="raise"``.
+            InvalidKeyError: the key or scope breaks the rule.
+        """
+        handler = self.idempotency_handler
+        return lookahead.prior_call(handler, handler.idem, args, kwargs, options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request

@@ -259,3 +259,53 @@ def test_a_handle_of_a_rolled_back_transaction_says_it_was_never_published(shop:
     with pytest.raises(IdempotencyError, match="not published"):
         handle.get()
     assert handle.id is None and handle.error is None and charged == []
+
+
+# ---- what a deferred call will be answered, known before the commit -------------------------------
+
+
+def test_prior_call_answers_now_what_the_claim_after_the_commit_will(shop: Any) -> None:
+    charge, idem, charged = shop
+    # Nothing known of a key: None, and nothing written (a transaction that rolls back leaves it free)
+    with pytest.raises(RuntimeError), transaction.atomic():
+        assert charge.prior_call((42,), idempotency_key="order-42") is None
+        raise RuntimeError("the view failed")
+    assert not claimed(idem, "order-42")
+    with transaction.atomic():
+        first = charge.apply_async_on_commit((42,), idempotency_key="order-42")
+    # A repeat: the original call's handle (a settled one: its outcome); other arguments: refused now
+    again = charge.prior_call(args=(42,), idempotency_key="order-42")
+    assert again.id == first.id and again.deduplicated and again.get() == 42
+    with pytest.raises(PayloadMismatchError):
+        charge.prior_call((43,), idempotency_key="order-42")
+    assert charged == [42]
+    # A claim not settled yet: its task id while its lease lives; past it, None (a claim takes it over)
+    identity = Identity("", "djshop.charge", "order-44")
+    fp = charge.idempotency_handler.fingerprint((44,), {})
+    idem.store.claim(identity, fp, "pending-44", pending_seconds=10, ttl_seconds=60)
+    assert charge.prior_call((44,), idempotency_key="order-44").id == "pending-44"
+    idem.store.advance_clock_for_tests(11)
+    assert charge.prior_call((44,), idempotency_key="order-44") is None
+    assert charge.prior_call((44,), idempotency_key="order-44", idempotency=False) is None
+
+
+def test_prior_call_with_the_store_down_knows_nothing_and_the_claim_at_commit_still_decides(committed: Any) -> None:
+    # Given a key used for other arguments, and the store cut for the read at request time
+    app, injector, runs = committed
+    charge = app.tasks["djcommit.charge"]
+    order = uuid.uuid4().int % 1_000_000_000
+    key = f"down-{order}"
+    charge.apply_async((order + 100,), idempotency_key=key).get(timeout=15)
+    cut = Plan("get", Fault.REFUSED, key=key)
+    injector.arm(cut)
+    try:
+        # When: the read fails, it answers None (nothing known), not an error
+        with transaction.atomic():
+            assert charge.prior_call((order,), idempotency_key=key) is None
+            handle = charge.apply_async_on_commit((order,), idempotency_key=key)
+    finally:
+        injector.clear()
+    assert cut.fired == 1
+    # Then the claim at commit refuses the call: fail closed there, and the body never ran for it
+    assert isinstance(handle.error, PayloadMismatchError)
+    assert runs("charge", order) == 0 and runs("charge", order + 100) == 1

@@ -305,3 +305,61 @@ def test_a_row_refused_as_ambiguous_then_given_back_is_sent_on_the_next_pass_and
     assert handle.get(timeout=GET) == {"paid": 700, "order": order}
     assert bodies(prefix, order) == 1 and payments(alias, order) == 1
     assert not OutboxEntry.objects.using(alias).exists()
+
+
+# ---- on django://, the claim is written in the caller's transaction -------------------------------
+
+
+@pytest.mark.parametrize("alias", ["sqlite", "postgresql"], indirect=True)
+def test_on_a_django_store_the_claim_commits_and_rolls_back_with_the_staged_call(
+    tmp_path: Path, prefix: str, alias: str
+) -> None:
+    import threading
+
+    from contrib_django.django_worker import make_app
+
+    from celery_idem import PayloadMismatchError
+
+    producer = make_app(prefix, BROKER, BACKEND, f"django://{alias}", DjangoLedger(alias, namespace=prefix))
+    pay, idem, outbox = producer.tasks[TASK], Idempotency.of(producer), DjangoOutbox(alias)
+    env = child_env(alias, prefix, SHOP_STORE="django://")
+    worker = Worker(tmp_path, BROKER, "django://", prefix, app="contrib_django.django_worker", env=env)
+    try:
+        # A transaction that rolls back takes its claim with it: the key is free
+        order = new_order()
+        key = f"o-{order}"  # the body counts its runs under its key
+        with pytest.raises(Boom), transaction.atomic(using=alias):
+            outbox.apply_async(pay, (order, 100), idempotency_key=key)
+            raise Boom
+        assert idem.get(TASK, key) is None
+        # One that commits: its claim is the staged call's, seen by no one before the commit
+        staged, waiting, done = threading.Event(), threading.Event(), threading.Event()
+        first: list[Any] = []
+
+        def checkout() -> None:
+            with transaction.atomic(using=alias):
+                transaction.on_commit(done.set, using=alias)  # first of its on-commit work: at its commit
+                first.append(outbox.apply_async(pay, (order, 500), idempotency_key=key))
+                staged.set()
+                waiting.wait(10)
+
+        thread = threading.Thread(target=checkout)
+        thread.start()
+        assert staged.wait(10)
+        assert idem.get(TASK, key) is None  # not committed yet
+        # A second request with the key, while the first's transaction is open, waits for it, then
+        # is answered: other arguments refused, the same ones handed the first call's task id
+        threading.Timer(0.5, waiting.set).start()
+        with pytest.raises(PayloadMismatchError), transaction.atomic(using=alias):
+            outbox.apply_async(pay, (order, 700), idempotency_key=key)
+        assert done.is_set()  # it waited for the first to commit
+        with transaction.atomic(using=alias):
+            again = outbox.apply_async(pay, (order, 500), idempotency_key=key)
+        thread.join(10)
+        record = idem.get(TASK, key)
+        assert record is not None and record.task_id == first[0].id == again.id and again.deduplicated
+        assert first[0].get(timeout=GET) == {"paid": 500, "order": order}
+        assert payments(alias, order) == 1 and bodies(prefix, order) == 1
+        assert not OutboxEntry.objects.using(alias).exists()  # one row staged, published, deleted
+    finally:
+        worker.stop()

@@ -9,9 +9,11 @@ the default database.
 
 The call is a row of ``celery_idem_outbox`` (model :class:`~celery_idem.contrib.django.models.OutboxEntry`,
 migration ``0003_outbox``) written in the caller's transaction: if it rolls back, nothing was ever
-claimed or published. When it commits, the row is published at once (``transaction.on_commit``);
-whatever that misses (the process died, the broker was down) the relay publishes:
-``manage.py celery_idem_relay`` (a loop) or ``outbox.relay()`` from a beat task. Rows are taken
+claimed or published. (On a ``django://`` store of the same database the claim is written in that
+transaction too, and rolls back with it: :meth:`DjangoOutbox.apply_async`.) When it commits, the
+row is published at once (``transaction.on_commit``); whatever that misses (the process died, the
+broker was down) the relay publishes: ``manage.py celery_idem_relay`` (a loop) or ``outbox.relay()``
+from a beat task. Rows are taken
 ``SELECT ... FOR UPDATE SKIP LOCKED`` (PostgreSQL, MariaDB 10.6+, MySQL 8) and leased, so relays
 share the work.
 
@@ -29,6 +31,7 @@ from typing import Any
 from django.db import models, transaction
 from django.db.models.functions import Coalesce, Now
 
+from ...lookahead import claim_staged
 from ...outbox.staging import Outbox, RelayReport, Taken, backoff_seconds, given_back, killed, put_off, stage_call
 from .models import OutboxEntry
 
@@ -67,15 +70,31 @@ class DjangoOutbox(Outbox):
         self, task: Any, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None, **options: Any
     ) -> Any:
         """Stage ``task.apply_async(args, kwargs, **options)`` in the current transaction of the
-        outbox's database and return the handle of its task id. Nothing is claimed or published
-        before the commit (outside a transaction the row commits, and is published, at once).
+        outbox's database and return the handle of its task id. Nothing is published before the
+        commit (outside a transaction the row commits, and is published, at once). The claim is
+        made by the relay after the commit; on a ``django://`` store of this database (PostgreSQL,
+        SQLite) it is written now, in the transaction, and commits or rolls back with the row, so
+        the call is answered here as ``apply_async`` answers it.
+
+        Returns:
+            The staged task id's handle; on a ``django://`` store of this database, for a call
+            that repeats one already claimed, that call's handle instead (nothing is staged).
 
         Raises:
             InvalidKeyError: the key or scope breaks the rule, before anything is written.
             SerializationError: the call is not JSON, or is over 64 KiB.
+            PayloadMismatchError: on a ``django://`` store of this database, the key was used for
+                other arguments (the row is not written).
+            DuplicateTaskError: the same, for a repeat of a task whose policy says ``on_duplicate="raise"``.
         """
         staged, handle = stage_call(task, args, kwargs, options)
         alias = self._alias()
+        handler = getattr(task, "idempotency_handler", None)
+        if handler is not None:
+            # On a django:// store of this database the claim is written now, in this transaction.
+            earlier = claim_staged(handler, handler.idem, args, kwargs, options, staged.task_id, alias)
+            if earlier is not None:
+                return earlier  # a repeat of a call already claimed: nothing to stage
         entry = OutboxEntry.objects.using(alias).create(
             task_id=staged.task_id,
             task_name=staged.task_name,

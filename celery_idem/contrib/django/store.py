@@ -6,8 +6,12 @@ It is the SQL store (:class:`~celery_idem.stores.sql.SQLStore`: every transition
 statement, the same statements the store semantics suite and the model checker hold every SQL
 store to) on the database ``settings.DATABASES[alias]`` names, through its own connections in
 autocommit mode: a record's transitions never join a business transaction (the ledger is what
-does). Its tables come from the app's migration (``manage.py migrate celery_idem``), which creates
-them through the store's own schema code; the store creates them too if they are missing.
+does), but for one: the outbox's claim at staging (:meth:`DjangoStore.claim_in_transaction`), on
+PostgreSQL and SQLite, is written on the caller's connection in the caller's transaction, so it
+commits or rolls back with the staged call, and a second request with the key waits for the first
+one's transaction, then finds its claim. Its tables come from the app's migration (``manage.py
+migrate celery_idem``), which creates them through the store's own schema code; the store creates
+them too if they are missing.
 
 Needs the ``sql`` and ``django`` extras (SQLAlchemy beside Django, psycopg for PostgreSQL), and the
 ``mysql`` extra on MySQL/MariaDB: the store talks to the database through PyMySQL, whichever driver
@@ -16,13 +20,17 @@ Django itself uses (mysqlclient, or PyMySQL as MySQLdb).
 
 from __future__ import annotations
 
+import collections
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import sqlalchemy as sa
 
 from ...errors import ConfigurationError
+from ...records import Identity, Transition
 from ...stores.sql import SQLStore
+from ...stores.sql.base import JOINED
 from ...stores.sql.engine import engine_from_url
 
 __all__ = ["DjangoStore", "engine_url"]
@@ -115,3 +123,78 @@ class DjangoStore(SQLStore):
 
     def __repr__(self) -> str:
         return f"DjangoStore(django://{self.alias}, key_prefix={self.key_prefix!r})"
+
+    def claim_in_transaction(
+        self, using: str, identity: Identity, fingerprint: str, task_id: str, **options: Any
+    ) -> Transition | None:
+        """:meth:`claim`, written in the transaction open on the database ``using`` on the caller's
+        own connection: it commits or rolls back with that transaction, and a concurrent claim of
+        the identity waits for it (its row lock) until then. None, claiming nothing, when it cannot:
+        ``using`` is not this store's database, no transaction is open there (Django's autocommit
+        would commit the claim alone), or the database is MySQL/MariaDB (whose claim is a
+        transaction of its own).
+        """
+        from django.db import connections
+
+        connection = connections[using]
+        if using != self.alias or not connection.in_atomic_block or self.engine.dialect.name not in _JOINABLE:
+            return None
+        connection.ensure_connection()
+        dialect = self.engine.dialect
+
+        def execute(statement: sa.Executable, params: dict[str, Any]) -> _Answer:
+            compiled = statement.compile(dialect=dialect)  # type: ignore[attr-defined]
+            values = compiled.construct_params(params)
+            processors = compiled._bind_processors
+            values = {name: processors[name](v) if name in processors else v for name, v in values.items()}
+            bound: Any = [values[name] for name in compiled.positiontup or ()] if compiled.positional else values
+            # The driver's own cursor on Django's connection (its transaction), in the dialect's
+            # own parameter style: Django's cursor would rewrite the statement for its own style.
+            cursor = connection.connection.cursor()
+            try:
+                cursor.execute(compiled.string, bound)
+                names = [column[0] for column in cursor.description or ()]
+                found = cursor.fetchall() if names else []
+                row = _row(names)
+                # psycopg2 (a Django project's older driver) reads bytea as a memoryview
+                return _Answer([row(*(_bytes(v) for v in values)) for values in found], cursor.rowcount)
+            finally:
+                cursor.close()
+
+        token = JOINED.set(execute)
+        try:
+            return self.claim(identity, fingerprint, task_id, **options)
+        finally:
+            JOINED.reset(token)
+
+
+_JOINABLE = ("postgresql", "sqlite")
+
+
+def _row(names: Sequence[str]) -> Any:
+    """A row class with the statement's column names as attributes (what the store reads)."""
+    return collections.namedtuple("Row", names)
+
+
+def _bytes(value: Any) -> Any:
+    return bytes(value) if isinstance(value, memoryview) else value
+
+
+class _Answer:
+    """A statement's answer on the caller's connection, read as the store reads a cursor's."""
+
+    def __init__(self, found: list[Any], rowcount: int) -> None:
+        self._rows = found
+        self.rowcount = rowcount
+        self.step = "joined"
+
+    def one(self) -> Any:
+        if len(self._rows) != 1:
+            raise sa.exc.NoResultFound(f"expected one row, got {len(self._rows)}")
+        return self._rows[0]
+
+    def one_or_none(self) -> Any:
+        return self._rows[0] if self._rows else None
+
+    def all(self) -> list[Any]:
+        return self._rows

@@ -20,6 +20,7 @@ import re
 import threading
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
@@ -37,7 +38,7 @@ from .migrate import upgrade_layout
 from .schema import add_columns, create_all, liveness_table, records_table
 from .statements import INSERTS, Statements
 
-__all__ = ["SQLBase", "one", "one_or_none", "rowcount", "rows"]
+__all__ = ["JOINED", "SQLBase", "one", "one_or_none", "rowcount", "rows"]
 
 T = TypeVar("T")
 
@@ -47,6 +48,14 @@ _TRIES = 5  # runs of one statement or Locked transaction that InnoDB may roll b
 # MySQL/MariaDB error codes
 _DEADLOCK, _DUPLICATE_KEY, _UNKNOWN_DATABASE, _ACCESS_DENIED = 1213, 1062, 1049, 1045
 _MYSQL_READ_ONLY = (1290, 1792)  # --read-only server; a READ ONLY transaction
+
+
+JOINED: ContextVar[Callable[[sa.Executable, dict[str, Any]], Answer] | None] = ContextVar(
+    "celery_idem_sql_joined", default=None
+)
+"""Set around one store call that runs in a transaction the caller holds, on the caller's own
+connection (the ``django://`` store's claim at staging, :mod:`celery_idem.contrib.django.store`):
+how that connection runs a statement. Its statements then commit or roll back with the caller's."""
 
 
 # How a statement's answer is read (the ``fetch`` of :meth:`SQLBase._run`).
@@ -182,6 +191,9 @@ class SQLBase(Statements, Store):
                     self.create_schema()
             finally:
                 self._schema_lock.release()
+        joined = JOINED.get()
+        if joined is not None and not isinstance(statement, Locked):
+            return fetch(joined(statement, params))
         for tries_left in range(_TRIES - 1, -1, -1):
             try:
                 with self.engine.connect() as connection, _WATCHDOG.guard(socket_of(connection), self._deadline):

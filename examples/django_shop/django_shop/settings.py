@@ -101,6 +101,7 @@ DATABASES = {"default": database(os.environ.get("DJANGO_SHOP_DB", f"sqlite:///{B
 
 # Celery, the Django way: app.config_from_object("django.conf:settings", namespace="CELERY")
 CELERY_BROKER_URL = os.environ.get("DJANGO_SHOP_BROKER", "redis://127.0.0.1:6379/0")
+CELERY_TASK_DEFAULT_QUEUE = os.environ.get("DJANGO_SHOP_QUEUE", "celery")
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 # celery-idem: the store (the fast lock and outcome cache) and its settings
