@@ -363,3 +363,55 @@ def test_on_a_django_store_the_claim_commits_and_rolls_back_with_the_staged_call
         assert not OutboxEntry.objects.using(alias).exists()  # one row staged, published, deleted
     finally:
         worker.stop()
+
+
+@pytest.mark.parametrize("alias", ["postgresql"], indirect=True)
+def test_a_claim_in_the_callers_transaction_is_bounded_and_leaves_its_timeouts_as_they_were(
+    prefix: str, alias: str
+) -> None:
+    import threading
+    import time
+
+    from contrib_django.django_worker import make_app
+    from django.db import connections
+
+    from celery_idem import StoreUnavailableError
+
+    producer = make_app(prefix, BROKER, BACKEND, f"django://{alias}", DjangoLedger(alias, namespace=prefix))
+    pay, outbox = producer.tasks[TASK], DjangoOutbox(alias)
+    order = new_order()
+    key = f"o-{order}"
+
+    def timeouts() -> tuple[str, str]:
+        with connections[alias].cursor() as cursor:
+            cursor.execute("SELECT current_setting('lock_timeout'), current_setting('statement_timeout')")
+            return tuple(cursor.fetchone())
+
+    # The claim runs on the caller's connection, in its transaction: the caller's timeouts after it are its own
+    with transaction.atomic(using=alias):
+        before = timeouts()
+        outbox.apply_async(pay, (order, 100), idempotency_key=key)
+        assert timeouts() == before
+        transaction.set_rollback(True, using=alias)
+    # A claim that waits on another open transaction's row lock ends within the store's deadline
+    holding, release = threading.Event(), threading.Event()
+
+    def first_request() -> None:
+        with transaction.atomic(using=alias):
+            outbox.apply_async(pay, (order, 100), idempotency_key=key)
+            holding.set()
+            release.wait(30)
+            transaction.set_rollback(True, using=alias)
+        connections[alias].close()
+
+    thread = threading.Thread(target=first_request)
+    thread.start()
+    try:
+        assert holding.wait(10)
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailableError), transaction.atomic(using=alias):
+            outbox.apply_async(pay, (order, 100), idempotency_key=key)
+        assert time.monotonic() - started < 10  # the store's deadline (2 s), never the other's transaction
+    finally:
+        release.set()
+        thread.join(10)

@@ -21,8 +21,9 @@ Django itself uses (mysqlclient, or PyMySQL as MySQLdb).
 from __future__ import annotations
 
 import collections
+import contextlib
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -152,12 +153,13 @@ class DjangoStore(SQLStore):
             # own parameter style: Django's cursor would rewrite the statement for its own style.
             cursor = connection.connection.cursor()
             try:
-                cursor.execute(compiled.string, bound)
-                names = [column[0] for column in cursor.description or ()]
-                found = cursor.fetchall() if names else []
+                with _bounded(cursor, dialect.name, self.timeout_seconds):
+                    cursor.execute(compiled.string, bound)
+                    names = [column[0] for column in cursor.description or ()]
+                    found, rowcount = (cursor.fetchall() if names else []), cursor.rowcount
                 row = _row(names)
                 # psycopg2 (a Django project's older driver) reads bytea as a memoryview
-                return _Answer([row(*(_bytes(v) for v in values)) for values in found], cursor.rowcount)
+                return _Answer([row(*(_bytes(v) for v in values)) for values in found], rowcount)
             finally:
                 cursor.close()
 
@@ -169,6 +171,25 @@ class DjangoStore(SQLStore):
 
 
 _JOINABLE = ("postgresql", "sqlite")
+
+
+@contextlib.contextmanager
+def _bounded(cursor: Any, dialect: str, seconds: float) -> Iterator[None]:
+    """The store's deadline on one statement in the caller's transaction, and nothing of it after:
+    on PostgreSQL its lock and statement timeouts, set for the transaction (``set_config(...,
+    true)``) and put back as they were (the caller's later statements keep theirs). A claim that
+    waits past it on another request's row lock raises, and the caller's transaction with it: never a
+    hang. SQLite's wait for the write lock is the connection's own ``timeout`` (5 s by default)."""
+    if dialect != "postgresql":
+        yield
+        return
+    cursor.execute("SELECT current_setting('lock_timeout'), current_setting('statement_timeout')")
+    saved = cursor.fetchone()
+    limit = f"{max(1, round(seconds * 1000))}ms"
+    set_both = "SELECT set_config('lock_timeout', %s, true), set_config('statement_timeout', %s, true)"
+    cursor.execute(set_both, (limit, limit))
+    yield
+    cursor.execute(set_both, tuple(saved))  # not in a finally: after an error the transaction is over
 
 
 def _row(names: Sequence[str]) -> Any:
