@@ -17,6 +17,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from celery.exceptions import SoftTimeLimitExceeded
+
 from . import telemetry
 from .errors import ConfigurationError, IdempotencyError
 from .records import Identity
@@ -71,6 +73,8 @@ class OnCommitResult:
     def _publish(self, send: Callable[[], Any], *, contained: bool) -> None:
         try:
             self.result = send()
+        except SoftTimeLimitExceeded:
+            raise  # the running task's own time limit, struck during the publish: never a refusal
         except Exception as exc:
             if not contained:
                 raise  # published at once, outside a transaction: the caller's own call raises

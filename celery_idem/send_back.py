@@ -14,7 +14,9 @@ DESIGN §3, "Nothing lost": fail closed never means fail lost, on every broker a
   no backoff, into a quorum queue's delivery limit (20 on RabbitMQ 4.0+), which drops it. While the
   broker refuses even that, the worker keeps trying (the wait doubling up to 30 s) for ``patience``
   seconds (the task's ``pending_timeout_seconds``: as long as the call's claim waits for a
-  message); then, under ``acks_late``, it rejects the message with requeue (the broker still holds
+  message), never more than :data:`LONGEST_HOLD_SECONDS`: a warm shutdown waits for the pool
+  slot that holds it, and an orchestrator's grace (Kubernetes' 30 s) must outlast that; then,
+  under ``acks_late``, it rejects the message with requeue (the broker still holds
   it), and under early ack it logs the message as lost and raises the broker's error.
 """
 
@@ -30,11 +32,13 @@ from celery.exceptions import Reject
 
 from .timing import broker_countdown
 
-__all__ = ["send_back"]
+__all__ = ["LONGEST_HOLD_SECONDS", "send_back"]
 
 logger = logging.getLogger("celery_idem.send_back")
 
 _LONGEST_PAUSE = 30.0  # seconds between two tries of a send the broker refuses
+#: The longest a worker holds a message the broker refuses (a warm shutdown waits for it).
+LONGEST_HOLD_SECONDS = 25.0
 
 
 def send_back(
@@ -77,6 +81,8 @@ def send_back(
         )
     options.pop("countdown", None)
     options.pop("eta", None)
+    patience = min(patience, LONGEST_HOLD_SECONDS)
+    pause = min(pause, patience)
     deadline = time.monotonic() + patience
     while True:
         time.sleep(pause)

@@ -144,15 +144,20 @@ class DjangoStore(SQLStore):
         dialect = self.engine.dialect
 
         def execute(statement: sa.Executable, params: dict[str, Any]) -> _Answer:
-            compiled = statement.compile(dialect=dialect)  # type: ignore[attr-defined]
-            values = compiled.construct_params(params)
-            processors = compiled._bind_processors
-            values = {name: processors[name](v) if name in processors else v for name, v in values.items()}
-            bound: Any = [values[name] for name in compiled.positiontup or ()] if compiled.positional else values
             # The driver's own cursor on Django's connection (its transaction), in the dialect's
             # own parameter style: Django's cursor would rewrite the statement for its own style.
             cursor = connection.connection.cursor()
             try:
+                if dialect.name == "postgresql" and params.get("p_now") is None:
+                    # now() is the caller's transaction's start, which may be long past: the
+                    # claim reads the server's clock as it is (a lease that ran out meanwhile has).
+                    cursor.execute("SELECT extract(epoch FROM clock_timestamp())::float8")
+                    params = {**params, "p_now": float(cursor.fetchone()[0]) + float(params.get("p_shift") or 0.0)}
+                compiled = statement.compile(dialect=dialect)  # type: ignore[attr-defined]
+                values = compiled.construct_params(params)
+                processors = compiled._bind_processors
+                values = {name: processors[name](v) if name in processors else v for name, v in values.items()}
+                bound: Any = [values[name] for name in compiled.positiontup or ()] if compiled.positional else values
                 with _bounded(cursor, dialect.name, self.timeout_seconds):
                     cursor.execute(compiled.string, bound)
                     names = [column[0] for column in cursor.description or ()]
