@@ -108,6 +108,8 @@ class Handle:
     ignore_result: bool = False
     tag: str | None = None  # the continuation's tag, for a call that carries one
     head_id: str | None = None  # a chain's handle names its last step: its head's task id runs the body
+    # What its caller saw once the world was quiet: "value", an error's class name, or None (nothing)
+    seen: str | None = None
 
     @property
     def own_ids(self) -> tuple[str, ...]:
@@ -205,6 +207,28 @@ def answer_problem(handle: Handle, value: Any, executions: list[Execution]) -> s
         f"{handle} published at {handle.at:.2f}: answered run {value['run']} of task {value['task_id'][:8]} "
         f"(ended {made[0].end:.2f}), another call's; its own answer is one of: {shown}"
     )
+
+
+# What a caller sees when its call's outcome is no longer kept (the TTL passed, the result backend
+# never had it): not a verdict on the call, so the call must have run, or been another's duplicate.
+GONE = "RecordGoneError"
+
+
+def lost_calls(handles: list[Handle], executions: list[Execution]) -> list[str]:
+    """No message is lost: every call ends in one of ran, answered as a duplicate, or refused with an
+    error its caller sees. Judged once the world is quiet, from what each caller saw (``seen``) and
+    the execution log: a value (judged by :func:`answer_problem`) or an error is a verdict, except
+    that the outcome is gone, which counts only if a body ran for the call (its own task id's, or the
+    run of its key its answer may be); no answer at all never is."""
+    found = []
+    for handle in handles:
+        if handle.seen is None:
+            found.append(f"{handle}: lost, its caller saw neither a value nor an error")
+        elif handle.seen == GONE:
+            own = any(e.task_id in handle.own_ids for e in executions)
+            if not own and not allowed_answers(handle, executions):
+                found.append(f"{handle}: lost, its outcome is gone ({GONE}) and no body ran for it")
+    return found
 
 
 def continuation_problems(counts: dict[str, int], heads_succeeded: set[str], quiet: bool) -> list[str]:

@@ -51,6 +51,7 @@ from task_model import (
     answer_problem,
     continuation_problems,
     ledger_problems,
+    lost_calls,
     parse_executions,
     problems_of_executions,
 )
@@ -297,12 +298,13 @@ class TaskLevel(RuleBasedStateMachine):
                     raise
                 value = handle.result.get(timeout=timeout)  # the broken pooled connection is gone now
         except CeleryTimeoutError:
+            handle.seen = None
             self.note(f"get {handle.label}: no answer in {timeout}s")
             if quiet:
                 self.problems.append(f"{handle}: no answer within {timeout}s once the world was quiet")
             return False
         except Exception as exc:  # noqa: BLE001 - judged by class
-            name = type(exc).__name__
+            name = handle.seen = type(exc).__name__
             self.note(f"get {handle.label}: {name}: {str(exc)[:160]}")
             allowed = QUIET_ERRORS.get(handle.how, set()) | ({"StoreUnavailableError"} if not quiet else set())
             if self.other_arguments_used(handle):
@@ -313,6 +315,7 @@ class TaskLevel(RuleBasedStateMachine):
                 self.problems.append(f"{handle}: get() raised {name}: {exc}")
             return False
         took = time.monotonic() - started
+        handle.seen = "value"
         self.note(f"get {handle.label}: {value} ({took:.1f}s)")
         if handle.key is None and isinstance(value, dict):
             handle.key = value.get("key")
@@ -381,6 +384,7 @@ class TaskLevel(RuleBasedStateMachine):
                 )
         found += problems_of_executions(world.executions(), world.kills)
         found += ledger_problems(world.payments())
+        found += lost_calls(self.handles, world.executions())
         if VERBOSE:
             print(f"\n{world.kind} history {world.history}:\n  " + "\n  ".join(self.steps))
         self.fail_with([*self.problems, *found])
@@ -457,6 +461,26 @@ def test_an_answer_from_a_later_call_under_the_key_is_a_problem() -> None:
     assert answer_problem(r1, {**later, "run": 9}, runs) is not None
     assert answer_problem(r1, {"key": "k", "amount": 5, "task_id": "r1", "run": 1}, runs) is not None
     assert answer_problem(r1, {"key": "x", "amount": 100, "task_id": "r1", "run": 1}, runs) is not None
+
+
+def test_a_call_that_neither_ran_nor_was_answered_nor_refused_is_lost() -> None:
+    runs = [_run("r1", 0.1, 0.5, 1)]
+
+    def seen(task_id: str, at: float, what: str | None) -> Handle:
+        handle = Handle("h", "ignore_result", "tm.pay", "k", 100, task_id, at, False, None)
+        handle.seen = what
+        return handle
+
+    # nothing seen: lost, whatever ran
+    assert lost_calls([seen("r1", 0.0, None)], runs)
+    # a value (judged by answer_problem) or an error that is a verdict: not lost
+    assert not lost_calls([seen("r1", 0.0, "value"), seen("x", 0.0, "PayloadMismatchError")], runs)
+    # its outcome gone: not lost if its own task id ran, or a run of its key may be its answer ...
+    assert not lost_calls([seen("r1", 0.0, "RecordGoneError")], runs)
+    assert not lost_calls([seen("s1", 0.2, "RecordGoneError")], runs)  # a duplicate of r1
+    # ... lost if no body ran for it (a message gone, its record expired)
+    assert lost_calls([seen("s1", 0.2, "RecordGoneError")], [])
+    assert lost_calls([seen("s1", 100.0, "RecordGoneError")], runs)  # r1 was long over
 
 
 def test_a_continuation_twice_or_never_is_a_problem() -> None:
