@@ -42,6 +42,7 @@ from task_model_app import (
     LEDGER_URL,
     LIVENESS,
     PENDING,
+    RELEASES,
     STORE_TIMEOUT,
     TTL,
     VISIBILITY,
@@ -285,12 +286,15 @@ class WorkerProcess:
             self.process = subprocess.Popen(
                 command, cwd=TESTS, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
+
+    def ready(self) -> WorkerProcess:
         deadline = time.monotonic() + 60
         while "ready." not in self.output() and self.process.poll() is None:
             if time.monotonic() > deadline:
                 raise AssertionError(f"worker {self.name} did not start:\n{self.output()[-3000:]}")
             time.sleep(0.05)
         assert self.process.poll() is None, f"worker exited:\n{self.output()[-3000:]}"
+        return self
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
@@ -312,13 +316,23 @@ class WorkerProcess:
         self.process.wait(timeout=10)
         return pids
 
-    def stop(self) -> None:
+    def stop(self, *, wait: bool = True) -> bool:
+        """A warm shutdown (running bodies finish, reserved messages go back to the broker); False
+        if it had to be SIGKILLed after 20 s. ``wait=False`` only starts it (see :meth:`stopped`)."""
         if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
+            # To the main process alone, as `docker stop` or an orchestrator sends it: a SIGTERM to a
+            # pool child ends the body it runs (what revoke's terminate=True does).
+            os.kill(self.process.pid, signal.SIGTERM)
+        return self.stopped() if wait else True
+
+    def stopped(self) -> bool:
+        if self.process.poll() is None:
             try:
                 self.process.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 self.kill()
+                return False
+        return True
 
 
 class Producer:
@@ -376,10 +390,16 @@ class World:
             "TM_QUEUE": self.queue,
             "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")]),
         }
-        self.app = make_app(store=self.store_url, prefix=self.prefix, queue=self.queue)
+        # The test process is a producer of every release (the first one's app runs the rest)
+        self.apps = {
+            release: make_app(store=self.store_url, prefix=self.prefix, queue=self.queue, release=release)
+            for release in RELEASES
+        }
+        self.app = self.apps[RELEASES[0]]
         self.counter = redis.Redis.from_url(COUNTER_URL)
         self.engine = sa.create_engine(LEDGER_URL, poolclass=sa.pool.NullPool)
         self.workers: list[WorkerProcess] = []
+        self.releases: list[str] = []  # each worker's release
         self.producer = Producer(self.env)
         self.kills: list[Kill] = []
         self.history = 0
@@ -391,14 +411,19 @@ class World:
 
     # ---- workers
 
-    def _worker(self, recycling: bool) -> WorkerProcess:
+    def _worker(self, index: int, release: str, *, ready: bool = True) -> WorkerProcess:
+        recycling = index == 1
         queues = [self.queue] + ([] if recycling else [self.heavy])
         extra = ("--max-tasks-per-child=2",) if recycling else ()
-        return WorkerProcess(self.tmp, self.env, queues, extra=extra)
+        worker = WorkerProcess(self.tmp, {**self.env, "TM_RELEASE": release}, queues, extra=extra)
+        return worker.ready() if ready else worker
 
     def start_workers(self) -> None:
-        while len(self.workers) < 2:
-            self.workers.append(self._worker(recycling=len(self.workers) == 1))
+        while len(self.workers) < 2:  # booting side by side
+            self.releases.append(RELEASES[0])
+            self.workers.append(self._worker(len(self.workers), RELEASES[0], ready=False))
+        for worker in self.workers:
+            worker.ready()
 
     def replace_worker(self, index: int) -> str:
         """SIGKILL a whole worker (a node that never comes back under its name) and start another."""
@@ -406,8 +431,23 @@ class World:
         doomed = self.workers[index]
         pids = doomed.kill()
         self.kills.append(Kill(time.time(), pids, f"worker {doomed.name}"))
-        self.workers[index] = self._worker(recycling=index == 1)
+        self.workers[index] = self._worker(index, self.releases[index])
         return f"killed {doomed.name} ({len(pids)} processes), started {self.workers[index].name}"
+
+    def deploy(self, index: int, release: str) -> str:
+        """A worker restarted onto ``release``: a warm shutdown (its running bodies finish, what it
+        had reserved goes back to the queue, where messages of the old release wait), then a worker
+        of the new code under a new name, beside the other worker, which may run the other release."""
+        index %= len(self.workers)
+        old = self.workers[index]
+        pids = old.pids()
+        old.stop(wait=False)  # the new code boots meanwhile, as a rolling deploy overlaps them
+        self.releases[index] = release
+        self.workers[index] = self._worker(index, release, ready=False)
+        if not old.stopped():
+            self.kills.append(Kill(time.time(), pids, f"worker {old.name}, its warm shutdown past 20 s"))
+        self.workers[index].ready()
+        return f"deployed {release} on {old.name}: now {self.workers[index].name}; releases {self.releases}"
 
     def kill_child(self, index: int) -> str:
         """SIGKILL one pool child of a worker, preferring one that is running a body now."""

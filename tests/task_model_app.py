@@ -6,6 +6,11 @@ effect: ``tm:<prefix>:exec`` gets one JSON line at the start (``key``, ``task_id
 and one at the end (``end``), and the body returns ``{"key", "amount", "task_id", "run"}`` where
 ``run`` is the INCR of its key: the invariants read these, never the library's records.
 
+Two releases of the app (``RELEASES``) run side by side across a deploy: ``release="v2"`` is the
+next release of ``tm.pay``, a backward-compatible change (DESIGN §2, "Across releases"): a parameter
+with a default added (and named in ``key_args``), other policy fields and time limits. A worker
+subprocess builds the release its ``TM_RELEASE`` names.
+
 ``python task_model_app.py produce`` is the second producer: it reads one JSON command a line on
 stdin and answers one JSON line (run under another ``PYTHONHASHSEED``: a fingerprint is a function of
 the call, never of the process that made it).
@@ -41,6 +46,7 @@ BUSY_WAIT = 3.0
 LIVENESS = 2.0
 STORE_TIMEOUT = 1.0
 VISIBILITY = 8.0  # a message unacked this long goes back to the queue (a redelivered copy)
+RELEASES = ("v1", "v2")
 
 
 class Basket(BaseModel):
@@ -69,7 +75,7 @@ def payments(prefix: str) -> sa.Table:
     )
 
 
-def make_app(*, store: Any, prefix: str, queue: str) -> Celery:
+def make_app(*, store: Any, prefix: str, queue: str, release: str = "v1") -> Celery:
     app = Celery("tm", broker=BROKER, backend=BACKEND, set_as_current=False)
     app.conf.update(
         task_default_queue=queue,
@@ -107,6 +113,7 @@ def make_app(*, store: Any, prefix: str, queue: str) -> Celery:
         key = str(task.request.idempotency_key)
         at = time.time()
         line = {"key": key, "task_id": task.request.id, "pid": os.getpid(), "start": at, "task": task.name}
+        line["release"] = release
         counter.rpush(exec_log(prefix), json.dumps(line))
         return key, at
 
@@ -120,11 +127,24 @@ def make_app(*, store: Any, prefix: str, queue: str) -> Celery:
     task = app.task
     options: dict[str, Any] = {"shared": False, "base": IdempotentTask, "bind": True}
 
-    @task(name="tm.pay", idempotency={"key_args": ["order", "amount"]}, **options)
-    def pay(self: Any, order: int, amount: int, hold: float = 0.0) -> dict[str, Any]:
-        key, _ = started(self)
-        time.sleep(hold)
-        return ended(self, key, amount)
+    if release == "v1":
+
+        @task(name="tm.pay", idempotency={"key_args": ["order", "amount"]}, **options)
+        def pay(self: Any, order: int, amount: int, hold: float = 0.0) -> dict[str, Any]:
+            key, _ = started(self)
+            time.sleep(hold)
+            return ended(self, key, amount)
+
+    else:
+        # The next release: `currency` added with a default (in the fingerprint's key_args too),
+        # a longer busy wait, time limits (longer than any body).
+        policy = {"key_args": ["order", "amount", "currency"], "busy_wait_seconds": BUSY_WAIT + 1}
+
+        @task(name="tm.pay", idempotency=policy, soft_time_limit=20, time_limit=30, **options)
+        def pay(self: Any, order: int, amount: int, hold: float = 0.0, currency: str = "EUR") -> dict[str, Any]:
+            key, _ = started(self)
+            time.sleep(hold)
+            return ended(self, key, amount)
 
     @task(name="tm.moving", idempotency={"key_args": ["order", "amount"]}, **options)
     def moving(self: Any, order: int, amount: int, heavy: str = "") -> Any:
@@ -200,7 +220,12 @@ def _produce(app: Celery) -> None:
 
 
 if os.environ.get("TM_PREFIX"):
-    app = make_app(store=os.environ["TM_STORE"], prefix=os.environ["TM_PREFIX"], queue=os.environ["TM_QUEUE"])
+    app = make_app(
+        store=os.environ["TM_STORE"],
+        prefix=os.environ["TM_PREFIX"],
+        queue=os.environ["TM_QUEUE"],
+        release=os.environ.get("TM_RELEASE", "v1"),
+    )
 
 if __name__ == "__main__" and sys.argv[1:] == ["produce"]:
     _produce(app)

@@ -55,7 +55,7 @@ from task_model import (
     parse_executions,
     problems_of_executions,
 )
-from task_model_app import BROKER, LEASE, LIVENESS, PENDING, TTL, Basket
+from task_model_app import BROKER, LEASE, LIVENESS, PENDING, RELEASES, TTL, Basket
 
 from celery_idem import Idempotency, StoreUnavailableError
 from celery_idem.records import Identity, State
@@ -125,30 +125,31 @@ class TaskLevel(RuleBasedStateMachine):
     # ---- calls
 
     # Calls are what a history is made of: three rules draw one (hypothesis picks rules evenly).
-    @rule(n=KEYS, how=st.sampled_from(HOWS), hold=HOLDS)
-    def call(self, n: int, how: str, hold: float) -> None:
-        self.make_call(n, how, hold)
+    @rule(n=KEYS, how=st.sampled_from(HOWS), hold=HOLDS, release=st.sampled_from(RELEASES))
+    def call(self, n: int, how: str, hold: float, release: str = RELEASES[0]) -> None:
+        self.make_call(n, how, hold, release)
 
-    @rule(n=KEYS, how=st.sampled_from(HOWS), hold=HOLDS)
-    def another_call(self, n: int, how: str, hold: float) -> None:
-        self.make_call(n, how, hold)
+    @rule(n=KEYS, how=st.sampled_from(HOWS), hold=HOLDS, release=st.sampled_from(RELEASES))
+    def another_call(self, n: int, how: str, hold: float, release: str = RELEASES[0]) -> None:
+        self.make_call(n, how, hold, release)
 
-    @rule(n=KEYS, how=st.sampled_from(HOWS), hold=HOLDS)
-    def a_third_call(self, n: int, how: str, hold: float) -> None:
-        self.make_call(n, how, hold)
+    @rule(n=KEYS, how=st.sampled_from(HOWS), hold=HOLDS, release=st.sampled_from(RELEASES))
+    def a_third_call(self, n: int, how: str, hold: float, release: str = RELEASES[0]) -> None:
+        self.make_call(n, how, hold, release)
 
-    def make_call(self, n: int, how: str, hold: float) -> None:
+    def make_call(self, n: int, how: str, hold: float, release: str = RELEASES[0]) -> None:
+        """A call from a producer of ``release`` (the other producer process runs the first)."""
         world, key = self.world, self.world.key(n)
-        task = self.app.tasks[TASK_OF.get(how, "tm.pay")]
+        task = world.apps[release].tasks[TASK_OF.get(how, "tm.pay")]
         amount = 999 if how == "mismatch" else 100 + n
         args, kwargs = (n, amount), ({"hold": hold} if task.name != "tm.moving" else {"heavy": world.heavy})
         options: dict[str, Any] = {"idempotency_key": key}
         extra: dict[str, Any] = {}
-        self.note(f"call {how} key={key} amount={amount} hold={hold}")
+        self.note(f"call {how} key={key} amount={amount} hold={hold} ({release})")
         at = time.time()
         try:
             if how == "send_task":
-                result = self.app.send_task(
+                result = task.app.send_task(
                     task.name, args, kwargs, headers={"idempotency_key": key}, queue=world.queue
                 )
             elif how == "group":
@@ -158,7 +159,7 @@ class TaskLevel(RuleBasedStateMachine):
                 return
             elif how in ("chain", "link"):
                 tag = extra["tag"] = uuid.uuid4().hex[:10]
-                then = self.app.tasks["tm.then"].s(tag)
+                then = task.app.tasks["tm.then"].s(tag)
                 if how == "chain":
                     result = (task.s(*args, **kwargs).set(**options) | then).apply_async()
                     extra["head_id"] = result.parent.id
@@ -258,6 +259,11 @@ class TaskLevel(RuleBasedStateMachine):
     def replace_worker(self, w: int) -> None:
         self.note(self.world.replace_worker(w))
 
+    @rule(w=st.integers(0, 1), release=st.sampled_from(RELEASES))
+    def deploy(self, w: int, release: str) -> None:
+        """A worker restarted onto a release (the next one, or back: a rollback) while messages wait."""
+        self.note(self.world.deploy(w, release))
+
     @rule(seconds=st.sampled_from([0.5, 1.5, 3.0]))
     def outage(self, seconds: float) -> None:
         self.note(f"store link cut for {seconds}s")
@@ -344,7 +350,12 @@ class TaskLevel(RuleBasedStateMachine):
             raise AssertionError(
                 f"{self.world.kind}: {len(found)} problem(s):\n- "
                 + "\n- ".join(dict.fromkeys(found))
-                + f"\nsteps (time, step):\n  {steps}\nsettings: {SETTINGS_SUMMARY}"
+                + f"\nsteps (time, step):\n  {steps}\nexecutions (task, key, task id, pid, start, end, run):\n  "
+                + "\n  ".join(
+                    f"{e.task} {e.key} {e.task_id[:8]} {e.pid} {e.start:.2f} {e.end} {e.run}"
+                    for e in self.world.executions()
+                )
+                + f"\nsettings: {SETTINGS_SUMMARY}"
             )
 
     def teardown(self) -> None:
@@ -509,6 +520,23 @@ REGRESSIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("wait", {"seconds": TTL + 1.0}),
         ("call", {"n": 1, "how": "mismatch", "hold": 0.3}),
         ("kill_child", {"w": 0}),
+    ],
+    # Issue 27, hole 1, as a history: calls of v1 wait (in a queue nobody consumes yet, behind a
+    # countdown) while both workers are restarted onto v2, whose tm.pay gained `currency="EUR"` (in
+    # its key_args) and other policy fields and time limits; producers of both releases call the
+    # same keys, and one worker is rolled back. Before the fix the v1 messages ended quietly on v2
+    # workers (their fingerprint had the default in) and their callers waited forever.
+    "calls-of-the-old-release-wait-across-a-deploy": [
+        ("call", {"n": 0, "how": "idle_queue", "hold": 0.3, "release": "v1"}),
+        ("call", {"n": 1, "how": "countdown", "hold": 0.3, "release": "v1"}),
+        ("call", {"n": 2, "how": "producer", "hold": 0.0, "release": "v1"}),
+        ("deploy", {"w": 0, "release": "v2"}),
+        ("deploy", {"w": 1, "release": "v2"}),
+        ("call", {"n": 0, "how": "apply_async", "hold": 0.0, "release": "v2"}),
+        ("call", {"n": 1, "how": "send_task", "hold": 0.0, "release": "v2"}),
+        ("call", {"n": 2, "how": "chain", "hold": 0.3, "release": "v2"}),
+        ("deploy", {"w": 1, "release": "v1"}),
+        ("call", {"n": 2, "how": "apply_async", "hold": 0.0, "release": "v1"}),
     ],
 }
 
