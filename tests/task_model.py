@@ -84,6 +84,18 @@ class Execution:
     start: float
     end: float | None = None
     run: int | None = None
+    error: str | None = None  # the class it failed with (then ``end`` is None)
+    failed: float | None = None  # when
+    final: bool = False  # its failure is the stored outcome of its key (a permanent one)
+
+    @property
+    def running(self) -> bool:
+        return self.end is None and self.failed is None
+
+    @property
+    def settled(self) -> float | None:
+        """When its outcome was made: it returned, or failed for good; None otherwise."""
+        return self.end if self.end is not None else (self.failed if self.final else None)
 
 
 @dataclass
@@ -134,7 +146,11 @@ def parse_executions(lines: list[bytes]) -> list[Execution]:
             open_[(line["task_id"], line["pid"])] = execution
         else:
             found = open_.pop((line["task_id"], line["pid"]), None)
-            if found is not None:
+            if found is None:
+                continue
+            if "failed" in line:
+                found.failed, found.error, found.final = line["failed"], line["error"], line["final"]
+            else:
                 found.end, found.run = line["end"], line["run"]
     return executions
 
@@ -144,13 +160,14 @@ def parse_executions(lines: list[bytes]) -> list[Execution]:
 
 def _killed(execution: Execution, kills: list[Kill]) -> bool:
     """Whether a kill may have taken this execution before its outcome was stored."""
-    last = (execution.end if execution.end is not None else float("inf")) + KILL_REACH_SECONDS
+    last = (execution.settled if execution.settled is not None else float("inf")) + KILL_REACH_SECONDS
     return any(execution.pid in kill.pids and execution.start <= kill.at <= last for kill in kills)
 
 
 def problems_of_executions(executions: list[Execution], kills: list[Kill], ttl: float = TTL) -> list[str]:
-    """A key's body runs at most once per TTL window: after an execution that returned (and whose
-    process no kill took before its outcome was stored), the next starts only once the TTL passed."""
+    """A key's body runs at most once per TTL window: after an execution that returned or failed for
+    good (and whose process no kill took before its outcome was stored), the next starts only once
+    the TTL passed. An attempt that failed retryably frees its key (or hands it to its retry)."""
     found = []
     by_key: dict[tuple[str, str], list[Execution]] = defaultdict(list)
     for execution in executions:
@@ -158,13 +175,14 @@ def problems_of_executions(executions: list[Execution], kills: list[Kill], ttl: 
     for (task, key), runs in by_key.items():
         runs.sort(key=lambda e: e.start)
         for i, first in enumerate(runs):
-            if first.end is None or _killed(first, kills):
+            end = first.settled
+            if end is None or _killed(first, kills):
                 continue
             for later in runs[i + 1 :]:
-                if later.start < first.end + ttl - BOUNDARY_SLACK_SECONDS:
+                if later.start < end + ttl - BOUNDARY_SLACK_SECONDS:
                     found.append(
-                        f"{task} key {key}: ran again {later.start - first.end:+.2f}s after a run ended "
-                        f"(task {first.task_id} ended at {first.end:.2f}; task {later.task_id} started at "
+                        f"{task} key {key}: ran again {later.start - end:+.2f}s after a run ended "
+                        f"(task {first.task_id} ended at {end:.2f}; task {later.task_id} started at "
                         f"{later.start:.2f}; TTL {ttl}s)"
                     )
     return found
@@ -176,14 +194,14 @@ def allowed_answers(handle: Handle, executions: list[Execution]) -> list[Executi
     replay), and the first run that completed after it (the run it waited for, or a takeover of
     it)."""
     runs = sorted(
-        (e for e in executions if e.task == handle.task and e.key == handle.key and e.end is not None),
-        key=lambda e: e.end or 0.0,
+        (e for e in executions if e.task == handle.task and e.key == handle.key and e.settled is not None),
+        key=lambda e: e.settled or 0.0,
     )
     allowed = [e for e in runs if e.task_id in handle.own_ids]
-    before = [e for e in runs if e.end is not None and e.end <= handle.at + BOUNDARY_SLACK_SECONDS]
-    if before and handle.at - (before[-1].end or 0.0) <= TTL + LINGER_SECONDS:
+    before = [e for e in runs if (e.settled or 0.0) <= handle.at + BOUNDARY_SLACK_SECONDS]
+    if before and handle.at - (before[-1].settled or 0.0) <= TTL + LINGER_SECONDS:
         allowed.append(before[-1])
-    after = [e for e in runs if e.end is not None and e.end >= handle.at - BOUNDARY_SLACK_SECONDS]
+    after = [e for e in runs if (e.settled or 0.0) >= handle.at - BOUNDARY_SLACK_SECONDS]
     if after:
         allowed.append(after[0])
     return allowed
@@ -203,7 +221,7 @@ def answer_problem(handle: Handle, value: Any, executions: list[Execution]) -> s
     allowed = allowed_answers(handle, executions)
     if value["task_id"] in handle.own_ids or made[0] in allowed:
         return None
-    shown = ", ".join(f"run {e.run} of task {e.task_id[:8]} ended {e.end:.2f}" for e in allowed) or "none"
+    shown = ", ".join(_shown(e) for e in allowed) or "none"
     return (
         f"{handle} published at {handle.at:.2f}: answered run {value['run']} of task {value['task_id'][:8]} "
         f"(ended {made[0].end:.2f}), another call's; its own answer is one of: {shown}"
@@ -230,6 +248,26 @@ def lost_calls(handles: list[Handle], executions: list[Execution]) -> list[str]:
             if not own and not allowed_answers(handle, executions):
                 found.append(f"{handle}: lost, its outcome is gone ({GONE}) and no body ran for it")
     return found
+
+
+def _shown(execution: Execution) -> str:
+    if execution.end is not None:
+        return f"run {execution.run} of task {execution.task_id[:8]} ended {execution.end:.2f}"
+    return f"{execution.error} of task {execution.task_id[:8]} at {execution.failed}"
+
+
+def error_problem(handle: Handle, error: str, executions: list[Execution]) -> str | None:
+    """Why a body's failure ``error`` (a class name) cannot be ``handle``'s answer; None when it can:
+    an attempt of its own task id failed with it (a retryable failure frees the key, and the caller
+    of that attempt sees it; never Celery's ``Retry``, whose retry answers), or it is a permanent
+    failure whose stored outcome may answer the call (:func:`allowed_answers`)."""
+    own = [e for e in executions if e.task_id in handle.own_ids and e.error == error and error != "Retry"]
+    if own or any(e.error == error for e in allowed_answers(handle, executions)):
+        return None
+    shown = ", ".join(_shown(e) for e in allowed_answers(handle, executions)) or "none"
+    return (
+        f"{handle} published at {handle.at:.2f}: raised {error}, which answers none of its attempts; allowed: {shown}"
+    )
 
 
 def continuation_problems(counts: dict[str, int], heads_succeeded: set[str], quiet: bool) -> list[str]:
@@ -451,7 +489,7 @@ class World:
 
     def kill_child(self, index: int) -> str:
         """SIGKILL one pool child of a worker, preferring one that is running a body now."""
-        running = {e.pid for e in self.executions() if e.end is None}
+        running = {e.pid for e in self.executions() if e.running}
         worker = self.workers[index % len(self.workers)]
         children = sorted(worker.pids() - {worker.process.pid})
         if not children:
@@ -524,7 +562,7 @@ class World:
         killed = {pid for kill in self.kills for pid in kill.pids}
         deadline = time.monotonic() + bound
         while time.monotonic() < deadline:
-            running = [e for e in self.executions() if e.end is None and e.pid not in killed]
+            running = [e for e in self.executions() if e.running and e.pid not in killed]
             if time.time() >= redelivered and not running:
                 return
             time.sleep(0.2)

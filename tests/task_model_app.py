@@ -30,7 +30,7 @@ from addresses import REDIS_BACKEND_URL, REDIS_BROKER_URL, REDIS_COUNTER_URL
 from celery import Celery
 from pydantic import BaseModel
 
-from celery_idem import Idempotency, IdempotentTask
+from celery_idem import Idempotency, IdempotentTask, PermanentError, RetryableError
 from celery_idem.ledger import Ledger
 
 COUNTER_URL = REDIS_COUNTER_URL
@@ -47,6 +47,18 @@ LIVENESS = 2.0
 STORE_TIMEOUT = 1.0
 VISIBILITY = 8.0  # a message unacked this long goes back to the queue (a redelivered copy)
 RELEASES = ("v1", "v2")
+
+
+# How tm.flaky's body fails, by the call's order number (so a key always fails the same way)
+FAIL_MODES = ("permanent", "retryable", "retry")
+
+
+class Declined(PermanentError):
+    """A permanent failure of tm.flaky: stored, and every duplicate within the TTL gets it."""
+
+
+class Flaky(RetryableError):
+    """A retryable failure of tm.flaky, never retried: the key is freed, its caller gets it."""
 
 
 class Basket(BaseModel):
@@ -124,6 +136,12 @@ def make_app(*, store: Any, prefix: str, queue: str, release: str = "v1") -> Cel
         counter.rpush(exec_log(prefix), json.dumps(line))
         return {"key": key, "amount": amount, "task_id": task.request.id, "run": run}
 
+    def failed(task: Any, key: str, error: BaseException, *, final: bool) -> BaseException:
+        """The attempt's end, failed with ``error`` (``final``: the outcome stored for the key)."""
+        line = {"key": key, "task_id": task.request.id, "pid": os.getpid(), "failed": time.time(), "task": task.name}
+        counter.rpush(exec_log(prefix), json.dumps({**line, "error": type(error).__name__, "final": final}))
+        return error
+
     task = app.task
     options: dict[str, Any] = {"shared": False, "base": IdempotentTask, "bind": True}
 
@@ -165,6 +183,24 @@ def make_app(*, store: Any, prefix: str, queue: str, release: str = "v1") -> Cel
             return ended(self, key, amount)
 
         return dict(ledger.run_once(self, charge))
+
+    @task(name="tm.flaky", idempotency={"key_args": ["order", "amount", "mode"]}, **options)
+    def flaky(self: Any, order: int, amount: int, mode: str, hold: float = 0.0) -> dict[str, Any]:
+        """Fails by ``mode``: ``permanent`` (Declined), ``retryable`` (Flaky, no retry), ``retry``
+        (``self.retry`` with other arguments, a key argument among them, and a countdown; the retry
+        returns)."""
+        key, _ = started(self)
+        time.sleep(hold)
+        if mode == "permanent":
+            raise failed(self, key, Declined(f"order {order} declined"), final=True)
+        if mode == "retryable":
+            raise failed(self, key, Flaky(f"order {order}: try again"), final=False)
+        if mode == "retry":
+            retry = self.retry(
+                args=(order, amount), kwargs={"mode": "retried", "hold": 0.0}, countdown=0.5, throw=False
+            )
+            raise failed(self, key, retry, final=False)
+        return ended(self, key, amount)
 
     @task(name="tm.tagged", pydantic=True, **options)
     def tagged(self: Any, basket: Basket) -> dict[str, Any]:

@@ -50,12 +50,13 @@ from task_model import (
     allowed_answers,
     answer_problem,
     continuation_problems,
+    error_problem,
     ledger_problems,
     lost_calls,
     parse_executions,
     problems_of_executions,
 )
-from task_model_app import BROKER, LEASE, LIVENESS, PENDING, RELEASES, TTL, Basket
+from task_model_app import BROKER, FAIL_MODES, LEASE, LIVENESS, PENDING, RELEASES, TTL, Basket
 
 from celery_idem import Idempotency, StoreUnavailableError
 from celery_idem.records import Identity, State
@@ -80,12 +81,15 @@ HOWS = (
     "moving",
     "ledger",
     "eager",
+    "fails",
 )
 KEYS, HOLDS = st.integers(0, 2), st.sampled_from([0.0, 0.3, 1.5])
-TASK_OF = {"moving": "tm.moving", "ledger": "tm.ledger_pay", "tagged": "tm.tagged"}
+TASK_OF = {"moving": "tm.moving", "ledger": "tm.ledger_pay", "tagged": "tm.tagged", "fails": "tm.flaky"}
 TAGS = ["gift", "fragile", "express", "oversize", "priority", "wrap", "insured"]
 # Errors a call may answer with, by how it was made (anything else is a problem).
 CALL_ERRORS = {"StoreUnavailableError"}
+# Errors a body raises, by task: judged against the attempts that raised them (error_problem).
+BODY_ERRORS = {"tm.flaky": ("Declined", "Flaky", "Retry")}
 # Errors a handle may answer with once the world is quiet, by how the call was made.
 QUIET_ERRORS = {"ignore_result": {"RecordGoneError"}, "eager": {"DuplicateTaskError", "StoreUnavailableError"}}
 
@@ -143,6 +147,8 @@ class TaskLevel(RuleBasedStateMachine):
         task = world.apps[release].tasks[TASK_OF.get(how, "tm.pay")]
         amount = 999 if how == "mismatch" else 100 + n
         args, kwargs = (n, amount), ({"hold": hold} if task.name != "tm.moving" else {"heavy": world.heavy})
+        if task.name == "tm.flaky":
+            kwargs["mode"] = FAIL_MODES[n]  # a key fails one way, whoever calls it
         options: dict[str, Any] = {"idempotency_key": key}
         extra: dict[str, Any] = {}
         self.note(f"call {how} key={key} amount={amount} hold={hold} ({release})")
@@ -312,6 +318,12 @@ class TaskLevel(RuleBasedStateMachine):
         except Exception as exc:  # noqa: BLE001 - judged by class
             name = handle.seen = type(exc).__name__
             self.note(f"get {handle.label}: {name}: {str(exc)[:160]}")
+            if name in BODY_ERRORS.get(handle.task, ()):
+                # a failure of the body: its caller's answer if an attempt of its call failed with it
+                problem = error_problem(handle, name, self.world.executions())
+                if problem:
+                    self.problems.append(problem)
+                return False
             allowed = QUIET_ERRORS.get(handle.how, set()) | ({"StoreUnavailableError"} if not quiet else set())
             if self.other_arguments_used(handle):
                 # A copy delivered after its call's TTL (the broker's visibility timeout here is longer)
@@ -494,6 +506,34 @@ def test_a_call_that_neither_ran_nor_was_answered_nor_refused_is_lost() -> None:
     assert lost_calls([seen("s1", 100.0, "RecordGoneError")], runs)  # r1 was long over
 
 
+def _failure(task_id: str, start: float, at: float, error: str, final: bool, pid: int = 1) -> Execution:
+    return Execution("tm.flaky", "k", task_id, pid, start, error=error, failed=at, final=final)
+
+
+def test_a_body_that_failed_for_good_is_an_outcome_and_answers_only_its_calls() -> None:
+    declined, flaky = _failure("a", 0.0, 1.0, "Declined", True), _failure("a", 0.0, 1.0, "Flaky", False)
+    again = Execution("tm.flaky", "k", "b", 2, 2.0, 2.5, 1)
+    # a permanent failure is stored: running the key again within its TTL is a problem ...
+    assert problems_of_executions([declined, again], [])
+    # ... a retryable one frees the key (or hands it to Celery's retry): the next run is due
+    assert not problems_of_executions([flaky, again], [])
+
+    def call(task_id: str, at: float) -> Handle:
+        return Handle("h", "fails", "tm.flaky", "k", 100, task_id, at, False, None)
+
+    # the caller of the failed attempt sees its error, and a duplicate within the TTL the stored one
+    assert error_problem(call("a", 0.0), "Flaky", [flaky]) is None
+    assert error_problem(call("a", 0.0), "Declined", [declined]) is None
+    assert error_problem(call("c", 1.5), "Declined", [declined]) is None
+    # never another call's retryable failure, a permanent one long over, or Celery's Retry
+    assert error_problem(call("c", 1.5), "Flaky", [flaky]) is not None
+    assert error_problem(call("c", 100.0), "Declined", [declined]) is not None
+    assert error_problem(call("a", 0.0), "Retry", [_failure("a", 0.0, 1.0, "Retry", False)]) is not None
+    # a value after a failure is judged as before: the retried run's, under its own task id
+    retried = [_failure("a", 0.0, 1.0, "Retry", False), Execution("tm.flaky", "k", "a", 1, 1.5, 1.6, 1)]
+    assert answer_problem(call("a", 0.0), {"key": "k", "amount": 100, "task_id": "a", "run": 1}, retried) is None
+
+
 def test_a_continuation_twice_or_never_is_a_problem() -> None:
     assert continuation_problems({"t": 2}, set(), quiet=False)
     assert continuation_problems({}, {"t"}, quiet=True)
@@ -537,6 +577,21 @@ REGRESSIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("call", {"n": 2, "how": "chain", "hold": 0.3, "release": "v2"}),
         ("deploy", {"w": 1, "release": "v1"}),
         ("call", {"n": 2, "how": "apply_async", "hold": 0.0, "release": "v1"}),
+    ],
+    # Bodies that fail, every way tm.flaky does (by key: permanent, retryable, self.retry with other
+    # arguments and a countdown), each called again while it runs and once it is over, and copied.
+    "bodies-that-fail": [
+        ("call", {"n": 0, "how": "fails", "hold": 0.3}),
+        ("call", {"n": 1, "how": "fails", "hold": 0.3}),
+        ("call", {"n": 2, "how": "fails", "hold": 0.3}),
+        ("call", {"n": 0, "how": "fails", "hold": 0.0}),
+        ("redeliver", {"i": 1}),
+        ("call", {"n": 2, "how": "fails", "hold": 0.0}),
+        ("wait", {"seconds": 1.0}),
+        ("call", {"n": 0, "how": "fails", "hold": 0.0}),
+        ("call", {"n": 1, "how": "fails", "hold": 0.0}),
+        ("call", {"n": 2, "how": "fails", "hold": 0.0}),
+        ("redeliver", {"i": 2}),
     ],
 }
 
