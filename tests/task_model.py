@@ -103,6 +103,7 @@ class Kill:
     at: float
     pids: frozenset[int]
     what: str
+    requeues: bool = True  # what the killed processes held comes back after the visibility timeout
 
 
 @dataclass
@@ -500,6 +501,22 @@ class World:
         self.kills.append(Kill(time.time(), frozenset({victim}), f"child {victim} of {worker.name}"))
         return f"killed child {victim} of {worker.name}"
 
+    def terminated(self, task_id: str) -> str:
+        """After ``revoke(task_id, terminate=True)``: the processes whose body of that task id its
+        SIGTERM may end (running now, or just returned, its outcome perhaps not yet stored) are
+        noted as a kill once the workers had a moment to act on it."""
+        time.sleep(0.5)
+        at = time.time()
+        pids = {
+            e.pid
+            for e in self.executions()
+            if e.task_id == task_id and (e.running or (e.settled or 0.0) >= at - 0.5 - KILL_REACH_SECONDS)
+        }
+        if pids:
+            # the revoked message is acked: nothing comes back
+            self.kills.append(Kill(at, frozenset(pids), f"revoke of {task_id[:8]} (terminate)", requeues=False))
+        return f"  terminated bodies of {task_id[:8]} in {sorted(pids)}" if pids else "  no body of it ran"
+
     # ---- histories
 
     def begin(self) -> None:
@@ -558,7 +575,7 @@ class World:
     def drain(self, bound: float = 60.0) -> None:
         """Wait until the broker has delivered again what killed workers held (their visibility
         timeout) and no body runs, so that what is judged next is the world at rest."""
-        redelivered = max((kill.at for kill in self.kills), default=0.0) + VISIBILITY + 1.0
+        redelivered = max((kill.at for kill in self.kills if kill.requeues), default=0.0) + VISIBILITY + 1.0
         killed = {pid for kill in self.kills for pid in kill.pids}
         deadline = time.monotonic() + bound
         while time.monotonic() < deadline:

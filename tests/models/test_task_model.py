@@ -108,6 +108,7 @@ class TaskLevel(RuleBasedStateMachine):
         self.copier = Celery("copier", broker=BROKER, set_as_current=False)  # a raw copy: no claim, no checks
         # task id -> (task, args, kwargs, queue, continuation tag) of every message sent by apply_async
         self.sent: dict[str, tuple[str, tuple[Any, ...], dict[str, Any], str, str | None]] = {}
+        self.revoked: set[str] = set()  # task ids revoked
 
     # ---- helpers
 
@@ -255,6 +256,25 @@ class TaskLevel(RuleBasedStateMachine):
             name, args, kwargs, task_id=task_id, queue=queue, link=link, headers={"idempotency_key": handle.key}
         )
 
+    @precondition(lambda self: bool(self.sent))
+    @rule(i=st.integers(0, 30), terminate=st.booleans())
+    def revoke(self, i: int, terminate: bool) -> None:
+        """``revoke`` of a call sent (queued, waiting on a countdown, running or over), with or
+        without ``terminate=True``. Its callers may get ``TaskRevokedError``; a body it ends counts
+        as killed. (Not a chain's: Celery never publishes the rest of a chain whose head is revoked,
+        so its caller, who holds the last step, would wait forever.)"""
+        revocable = [h.id for h in self.handles if h.id in self.sent and h.head_id is None]
+        if not revocable:
+            return
+        task_id = revocable[i % len(revocable)]
+        handle = next(h for h in self.handles if h.id == task_id)
+        self.note(f"revoke {handle.label} ({task_id[:8]}){' terminate' if terminate else ''}")
+        self.revoked.add(task_id)
+        destination = [worker.name for worker in self.world.workers]  # the machine's other workers share the broker
+        self.app.control.revoke(task_id, terminate=terminate, destination=destination)
+        if terminate:
+            self.note(self.world.terminated(task_id))
+
     # ---- the infrastructure
 
     @rule(w=st.integers(0, 1))
@@ -325,6 +345,8 @@ class TaskLevel(RuleBasedStateMachine):
                     self.problems.append(problem)
                 return False
             allowed = QUIET_ERRORS.get(handle.how, set()) | ({"StoreUnavailableError"} if not quiet else set())
+            if self.revoked & set(handle.own_ids):
+                allowed = allowed | {"TaskRevokedError"}
             if self.other_arguments_used(handle):
                 # A copy delivered after its call's TTL (the broker's visibility timeout here is longer)
                 # meets the key held by other arguments: refused, never run (docs/choosing-ttls.md).
@@ -592,6 +614,21 @@ REGRESSIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("call", {"n": 1, "how": "fails", "hold": 0.0}),
         ("call", {"n": 2, "how": "fails", "hold": 0.0}),
         ("redeliver", {"i": 2}),
+    ],
+    # Revokes: of a running call with terminate=True, of a call queued where nobody consumes yet, of
+    # one waiting on its countdown; then the keys called again (a revoked call frees its key).
+    "revokes-of-queued-and-running-calls": [
+        ("call", {"n": 0, "how": "idle_queue", "hold": 0.0}),
+        ("call", {"n": 1, "how": "apply_async", "hold": 1.5}),
+        ("call", {"n": 2, "how": "countdown", "hold": 0.0}),
+        ("wait", {"seconds": 0.3}),
+        ("revoke", {"i": 1, "terminate": True}),
+        ("revoke", {"i": 0, "terminate": False}),
+        ("revoke", {"i": 2, "terminate": False}),
+        ("call", {"n": 1, "how": "apply_async", "hold": 0.0}),
+        ("wait", {"seconds": 1.0}),
+        ("call", {"n": 2, "how": "send_task", "hold": 0.0}),
+        ("call", {"n": 1, "how": "apply_async", "hold": 0.0}),
     ],
 }
 
