@@ -615,6 +615,19 @@ REGRESSIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("call", {"n": 2, "how": "fails", "hold": 0.0}),
         ("redeliver", {"i": 2}),
     ],
+    # Found with CELERY_IDEM_MODEL_SEED=11 (on both stores), shrunk: a second call of a settled key
+    # carrying a link is published anyway (so that the worker replays the outcome into its link),
+    # and a copy of that message (a broker redelivery: same task id, same link) replays it into the
+    # link again, within the TTL: the continuation runs twice. A copy of the first call's own
+    # message does not (its task id is the record's); the duplicate's task id is not, so nothing
+    # tells the worker that this task id was answered already.
+    "a-copy-of-a-duplicate-carrying-a-link-runs-its-link-again": [
+        ("call", {"n": 0, "how": "apply_async", "hold": 0.3}),
+        ("wait", {"seconds": 1.0}),
+        ("call", {"n": 0, "how": "link", "hold": 0.0}),
+        ("redeliver", {"i": 1}),
+        ("wait", {"seconds": 1.0}),
+    ],
     # Revokes: of a running call with terminate=True, of a call queued where nobody consumes yet, of
     # one waiting on its countdown; then the keys called again (a revoked call frees its key).
     "revokes-of-queued-and-running-calls": [
@@ -633,8 +646,22 @@ REGRESSIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
 }
 
 
+# Histories that still fail: library bugs, described (each must fail: strict).
+KNOWN_BUGS = {
+    "a-copy-of-a-duplicate-carrying-a-link-runs-its-link-again": (
+        "a redelivered copy of a deduplicated call that carries a link replays the stored outcome into "
+        "its link again within the TTL: the continuation runs twice (the worker cannot tell that the "
+        "duplicate's own task id was answered already)"
+    ),
+}
+
+
+def _known_bug(name: str) -> list[pytest.MarkDecorator]:
+    return [pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[name])] if name in KNOWN_BUGS else []
+
+
 @pytest.mark.parametrize("world", ["redis"], indirect=True)
-@pytest.mark.parametrize("name", sorted(REGRESSIONS))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=_known_bug(name)) for name in sorted(REGRESSIONS)])
 def test_a_history_the_model_found(world: World, name: str) -> None:
     machine = type(f"TaskLevel_{world.kind}", (TaskLevel,), {"world": world})()
     for step, arguments in REGRESSIONS[name]:
