@@ -4,8 +4,8 @@ A :class:`World` is real infrastructure: two ``celery worker`` subprocesses (pre
 its children every 2 tasks), a Redis broker and result backend, a store (Redis or PostgreSQL)
 reached through a TCP proxy that can cut the link, a second producer subprocess with another hash
 seed, and the test process as the first producer. Its steps are what users and the infrastructure
-do: calls in every form, copies of messages, kills, worker replacements, outages, time passing,
-reconcile runs, ``get()`` on any handle.
+do: calls in every form (from producers of two releases), copies of messages, kills, worker
+replacements, deploys, revokes, outages, time passing, reconcile runs, ``get()`` on any handle.
 
 The invariants are judged from outside the library: the bodies log every execution on the counter
 Redis (tests/task_model_app.py), the continuation counts its runs per call, the ledger task's
