@@ -205,7 +205,7 @@ class TaskLevel(RuleBasedStateMachine):
                     options["queue"] = world.idle
                 result = task.apply_async(args, kwargs, **options)
         except Exception as exc:  # noqa: BLE001 - judged by class below
-            self.call_failed(how, exc)
+            self.call_failed(how, exc, (task.name, key, amount))
             return
         self.handle(how, task.name, key, amount, result, at, **extra)
         self.sent[result.id] = (task.name, args, kwargs, options.get("queue", world.queue), extra.get("tag"))
@@ -239,14 +239,23 @@ class TaskLevel(RuleBasedStateMachine):
                 continue
             self.handle(f"tagged-{source}", task.name, key, n, result, at)
 
-    def call_failed(self, how: str, exc: BaseException) -> None:
+    def call_failed(self, how: str, exc: BaseException, call: tuple[str, str, int] | None = None) -> None:
+        """Judge an error a call raised; ``call`` is its (task, key, amount)."""
         name = exc.name if isinstance(exc, _Reported) else type(exc).__name__
         self.note(f"  -> raised {name}: {str(exc)[:200]}")
-        allowed = CALL_ERRORS | ({"PayloadMismatchError"} if how == "mismatch" else set())
+        allowed = set(CALL_ERRORS)
+        if how == "mismatch" or (call and self.taken_by_other_arguments(*call)):
+            allowed.add("PayloadMismatchError")
         if name == "StoreUnavailableError" and not (self.world.had_outage or self.world.stale_connection(exc)):
             self.problems.append(f"call {how} raised {name} with no outage in this history: {exc}")
         elif name not in allowed:
             self.problems.append(f"call {how} raised {name}: {exc}")
+
+    def taken_by_other_arguments(self, task: str, key: str, amount: int) -> bool:
+        """Whether an earlier call of the key had other arguments (a `mismatch` call may be the first
+        of its key, and then it is the calls of the key's own arguments that are refused; found with
+        CELERY_IDEM_MODEL_SEED=14)."""
+        return any(h.amount != amount for h in self.handles if (h.task, h.key) == (task, key))
 
     @precondition(lambda self: bool(self.sent))
     @rule(i=st.integers(0, 30))
@@ -642,6 +651,13 @@ REGRESSIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("call", {"n": 0, "how": "link", "hold": 0.0}),
         ("redeliver", {"i": 1}),
         ("wait", {"seconds": 1.0}),
+    ],
+    # Found with CELERY_IDEM_MODEL_SEED=14 on both stores (a judging error of the model, not the
+    # library's): the call with other arguments came first, so the call of the key's own arguments
+    # is the one refused (PayloadMismatchError), which the model took for a problem.
+    "other-arguments-first-then-the-keys-own": [
+        ("call", {"n": 1, "how": "mismatch", "hold": 0.3}),
+        ("call", {"n": 1, "how": "link", "hold": 0.0, "release": "v2"}),
     ],
     # Revokes: of a running call with terminate=True, of a call queued where nobody consumes yet, of
     # one waiting on its countdown; then the keys called again (a revoked call frees its key).
