@@ -189,9 +189,23 @@ def problems_of_executions(executions: list[Execution], kills: list[Kill], ttl: 
     return found
 
 
-def allowed_answers(handle: Handle, executions: list[Execution]) -> list[Execution]:
+def redeliveries(handle: Handle, kills: list[Kill]) -> list[float]:
+    """When the broker may have delivered ``handle``'s message again: a kill after its publish may
+    have taken it, and it comes back at once (a pool child's, rejected) or after the visibility
+    timeout (a whole worker's; the restore runs a second or two later)."""
+    found = []
+    for kill in kills:
+        if kill.requeues and kill.at >= handle.at:
+            found += [kill.at, kill.at + VISIBILITY, kill.at + VISIBILITY + 2.0]
+    return found
+
+
+def allowed_answers(
+    handle: Handle, executions: list[Execution], redelivered: list[float] | None = None
+) -> list[Execution]:
     """The executions whose value may answer ``handle``: its own task id's, and by the record's
-    lifetime at its publish: the last completed run of its key within the TTL (a duplicate or a
+    lifetime when its message was published (or delivered again, ``redelivered``: it is then a new
+    call if its TTL has passed): the last completed run of its key within the TTL (a duplicate or a
     replay), and the first run that completed after it (the run it waited for, or a takeover of
     it)."""
     runs = sorted(
@@ -199,17 +213,21 @@ def allowed_answers(handle: Handle, executions: list[Execution]) -> list[Executi
         key=lambda e: e.settled or 0.0,
     )
     allowed = [e for e in runs if e.task_id in handle.own_ids]
-    before = [e for e in runs if (e.settled or 0.0) <= handle.at + BOUNDARY_SLACK_SECONDS]
-    if before and handle.at - (before[-1].settled or 0.0) <= TTL + LINGER_SECONDS:
-        allowed.append(before[-1])
-    after = [e for e in runs if (e.settled or 0.0) >= handle.at - BOUNDARY_SLACK_SECONDS]
-    if after:
-        allowed.append(after[0])
+    for at in [handle.at, *(redelivered or [])]:
+        before = [e for e in runs if (e.settled or 0.0) <= at + BOUNDARY_SLACK_SECONDS]
+        if before and at - (before[-1].settled or 0.0) <= TTL + LINGER_SECONDS:
+            allowed.append(before[-1])
+        after = [e for e in runs if (e.settled or 0.0) >= at - BOUNDARY_SLACK_SECONDS]
+        if after:
+            allowed.append(after[0])
     return allowed
 
 
-def answer_problem(handle: Handle, value: Any, executions: list[Execution]) -> str | None:
-    """Why ``value`` cannot be ``handle``'s answer; None when it can."""
+def answer_problem(
+    handle: Handle, value: Any, executions: list[Execution], redelivered: list[float] | None = None
+) -> str | None:
+    """Why ``value`` cannot be ``handle``'s answer; None when it can (``redelivered``: see
+    :func:`allowed_answers`)."""
     if not isinstance(value, dict) or not {"key", "amount", "task_id", "run"} <= set(value):
         return f"{handle}: answered {value!r}, not a body's value"
     if handle.key is not None and value["key"] != handle.key:
@@ -219,7 +237,7 @@ def answer_problem(handle: Handle, value: Any, executions: list[Execution]) -> s
     made = [e for e in executions if e.task_id == value["task_id"] and e.run == value["run"] and e.key == value["key"]]
     if not made:
         return f"{handle}: answered {value!r}, which no execution returned"
-    allowed = allowed_answers(handle, executions)
+    allowed = allowed_answers(handle, executions, redelivered)
     if value["task_id"] in handle.own_ids or made[0] in allowed:
         return None
     shown = ", ".join(_shown(e) for e in allowed) or "none"

@@ -60,6 +60,7 @@ from task_model import (
     lost_calls,
     parse_executions,
     problems_of_executions,
+    redeliveries,
 )
 from task_model_app import BROKER, FAIL_MODES, LEASE, LIVENESS, PENDING, RELEASES, TTL, Basket
 
@@ -208,7 +209,9 @@ class TaskLevel(RuleBasedStateMachine):
             self.call_failed(how, exc, (task.name, key, amount))
             return
         self.handle(how, task.name, key, amount, result, at, **extra)
-        self.sent[result.id] = (task.name, args, kwargs, options.get("queue", world.queue), extra.get("tag"))
+        # The message of the body: a chain's handle names its last step, whose message is the continuation's
+        sent_id = extra.get("head_id", result.id)
+        self.sent[sent_id] = (task.name, args, kwargs, options.get("queue", world.queue), extra.get("tag"))
 
     def tagged(self, n: int, at: float) -> None:
         """The same key-less pydantic call from both producers, whose hash seeds differ."""
@@ -263,7 +266,7 @@ class TaskLevel(RuleBasedStateMachine):
         """A copy of a message already sent: the same task id, arguments, key and link."""
         task_id = list(self.sent)[i % len(self.sent)]
         name, args, kwargs, queue, tag = self.sent[task_id]
-        handle = next(h for h in self.handles if h.id == task_id)
+        handle = next(h for h in self.handles if task_id in h.own_ids)
         self.note(f"redeliver {handle.label} ({task_id[:8]})")
         link = self.copier.signature("tm.then", args=(tag,)) if tag and handle.how == "link" else None
         self.copier.send_task(
@@ -373,7 +376,7 @@ class TaskLevel(RuleBasedStateMachine):
         self.note(f"get {handle.label}: {value} ({took:.1f}s)")
         if handle.key is None and isinstance(value, dict):
             handle.key = value.get("key")
-        problem = answer_problem(handle, value, self.world.executions())
+        problem = answer_problem(handle, value, self.world.executions(), redeliveries(handle, self.world.kills))
         if problem:
             self.problems.append(problem)
         return True
@@ -530,6 +533,20 @@ def test_an_answer_from_a_later_call_under_the_key_is_a_problem() -> None:
     assert answer_problem(r1, {**later, "run": 9}, runs) is not None
     assert answer_problem(r1, {"key": "k", "amount": 5, "task_id": "r1", "run": 1}, runs) is not None
     assert answer_problem(r1, {"key": "x", "amount": 100, "task_id": "r1", "run": 1}, runs) is not None
+
+
+def test_a_message_a_kill_gave_back_past_its_ttl_may_be_answered_by_a_later_run() -> None:
+    # r1 ran; the worker holding a copy of s1 (published while r1 ran) was SIGKILLed; the copy came
+    # back after the visibility timeout, past r1's TTL, while r2 ran under the key: it waited for r2
+    runs = [_run("r1", 0.1, 1.0, 1), _run("r2", 11.0, 11.5, 2, pid=2)]
+    s1 = Handle("h", "group", "tm.pay", "k", 100, "s1", 0.5, False, None)
+    r2 = {"key": "k", "amount": 100, "task_id": "r2", "run": 2}
+    assert answer_problem(s1, r2, runs) is not None  # no kill: r2 is another call's
+    kill = Kill(2.0, frozenset({9}), "worker")
+    assert answer_problem(s1, r2, runs, redeliveries(s1, [kill])) is None
+    assert answer_problem(s1, r2, runs, redeliveries(s1, [Kill(0.2, frozenset({9}), "before it")])) is not None
+    acked = Kill(2.0, frozenset({9}), "revoke (terminate)", requeues=False)
+    assert answer_problem(s1, r2, runs, redeliveries(s1, [acked])) is not None
 
 
 def test_a_call_that_neither_ran_nor_was_answered_nor_refused_is_lost() -> None:
