@@ -4,8 +4,8 @@ A :class:`World` is real infrastructure: two ``celery worker`` subprocesses (pre
 its children every 2 tasks), a Redis broker and result backend, a store (Redis or PostgreSQL)
 reached through a TCP proxy that can cut the link, a second producer subprocess with another hash
 seed, and the test process as the first producer. Its steps are what users and the infrastructure
-do: calls in every form, copies of messages, kills, worker replacements, outages, time passing,
-reconcile runs, ``get()`` on any handle.
+do: calls in every form (from producers of two releases), copies of messages, kills, worker
+replacements, deploys, revokes, outages, time passing, reconcile runs, ``get()`` on any handle.
 
 The invariants are judged from outside the library: the bodies log every execution on the counter
 Redis (tests/task_model_app.py), the continuation counts its runs per call, the ledger task's
@@ -42,6 +42,7 @@ from task_model_app import (
     LEDGER_URL,
     LIVENESS,
     PENDING,
+    RELEASES,
     STORE_TIMEOUT,
     TTL,
     VISIBILITY,
@@ -83,6 +84,18 @@ class Execution:
     start: float
     end: float | None = None
     run: int | None = None
+    error: str | None = None  # the class it failed with (then ``end`` is None)
+    failed: float | None = None  # when
+    final: bool = False  # its failure is the stored outcome of its key (a permanent one)
+
+    @property
+    def running(self) -> bool:
+        return self.end is None and self.failed is None
+
+    @property
+    def settled(self) -> float | None:
+        """When its outcome was made: it returned, or failed for good; None otherwise."""
+        return self.end if self.end is not None else (self.failed if self.final else None)
 
 
 @dataclass
@@ -90,6 +103,7 @@ class Kill:
     at: float
     pids: frozenset[int]
     what: str
+    requeues: bool = True  # what the killed processes held comes back after the visibility timeout
 
 
 @dataclass
@@ -108,6 +122,8 @@ class Handle:
     ignore_result: bool = False
     tag: str | None = None  # the continuation's tag, for a call that carries one
     head_id: str | None = None  # a chain's handle names its last step: its head's task id runs the body
+    # What its caller saw once the world was quiet: "value", an error's class name, or None (nothing)
+    seen: str | None = None
 
     @property
     def own_ids(self) -> tuple[str, ...]:
@@ -131,7 +147,11 @@ def parse_executions(lines: list[bytes]) -> list[Execution]:
             open_[(line["task_id"], line["pid"])] = execution
         else:
             found = open_.pop((line["task_id"], line["pid"]), None)
-            if found is not None:
+            if found is None:
+                continue
+            if "failed" in line:
+                found.failed, found.error, found.final = line["failed"], line["error"], line["final"]
+            else:
                 found.end, found.run = line["end"], line["run"]
     return executions
 
@@ -141,13 +161,14 @@ def parse_executions(lines: list[bytes]) -> list[Execution]:
 
 def _killed(execution: Execution, kills: list[Kill]) -> bool:
     """Whether a kill may have taken this execution before its outcome was stored."""
-    last = (execution.end if execution.end is not None else float("inf")) + KILL_REACH_SECONDS
+    last = (execution.settled if execution.settled is not None else float("inf")) + KILL_REACH_SECONDS
     return any(execution.pid in kill.pids and execution.start <= kill.at <= last for kill in kills)
 
 
 def problems_of_executions(executions: list[Execution], kills: list[Kill], ttl: float = TTL) -> list[str]:
-    """A key's body runs at most once per TTL window: after an execution that returned (and whose
-    process no kill took before its outcome was stored), the next starts only once the TTL passed."""
+    """A key's body runs at most once per TTL window: after an execution that returned or failed for
+    good (and whose process no kill took before its outcome was stored), the next starts only once
+    the TTL passed. An attempt that failed retryably frees its key (or hands it to its retry)."""
     found = []
     by_key: dict[tuple[str, str], list[Execution]] = defaultdict(list)
     for execution in executions:
@@ -155,39 +176,58 @@ def problems_of_executions(executions: list[Execution], kills: list[Kill], ttl: 
     for (task, key), runs in by_key.items():
         runs.sort(key=lambda e: e.start)
         for i, first in enumerate(runs):
-            if first.end is None or _killed(first, kills):
+            end = first.settled
+            if end is None or _killed(first, kills):
                 continue
             for later in runs[i + 1 :]:
-                if later.start < first.end + ttl - BOUNDARY_SLACK_SECONDS:
+                if later.start < end + ttl - BOUNDARY_SLACK_SECONDS:
                     found.append(
-                        f"{task} key {key}: ran again {later.start - first.end:+.2f}s after a run ended "
-                        f"(task {first.task_id} ended at {first.end:.2f}; task {later.task_id} started at "
+                        f"{task} key {key}: ran again {later.start - end:+.2f}s after a run ended "
+                        f"(task {first.task_id} ended at {end:.2f}; task {later.task_id} started at "
                         f"{later.start:.2f}; TTL {ttl}s)"
                     )
     return found
 
 
-def allowed_answers(handle: Handle, executions: list[Execution]) -> list[Execution]:
+def redeliveries(handle: Handle, kills: list[Kill]) -> list[float]:
+    """When the broker may have delivered ``handle``'s message again: a kill after its publish may
+    have taken it, and it comes back at once (a pool child's, rejected) or after the visibility
+    timeout (a whole worker's; the restore runs a second or two later)."""
+    found = []
+    for kill in kills:
+        if kill.requeues and kill.at >= handle.at:
+            found += [kill.at, kill.at + VISIBILITY, kill.at + VISIBILITY + 2.0]
+    return found
+
+
+def allowed_answers(
+    handle: Handle, executions: list[Execution], redelivered: list[float] | None = None
+) -> list[Execution]:
     """The executions whose value may answer ``handle``: its own task id's, and by the record's
-    lifetime at its publish: the last completed run of its key within the TTL (a duplicate or a
+    lifetime when its message was published (or delivered again, ``redelivered``: it is then a new
+    call if its TTL has passed): the last completed run of its key within the TTL (a duplicate or a
     replay), and the first run that completed after it (the run it waited for, or a takeover of
     it)."""
     runs = sorted(
-        (e for e in executions if e.task == handle.task and e.key == handle.key and e.end is not None),
-        key=lambda e: e.end or 0.0,
+        (e for e in executions if e.task == handle.task and e.key == handle.key and e.settled is not None),
+        key=lambda e: e.settled or 0.0,
     )
     allowed = [e for e in runs if e.task_id in handle.own_ids]
-    before = [e for e in runs if e.end is not None and e.end <= handle.at + BOUNDARY_SLACK_SECONDS]
-    if before and handle.at - (before[-1].end or 0.0) <= TTL + LINGER_SECONDS:
-        allowed.append(before[-1])
-    after = [e for e in runs if e.end is not None and e.end >= handle.at - BOUNDARY_SLACK_SECONDS]
-    if after:
-        allowed.append(after[0])
+    for at in [handle.at, *(redelivered or [])]:
+        before = [e for e in runs if (e.settled or 0.0) <= at + BOUNDARY_SLACK_SECONDS]
+        if before and at - (before[-1].settled or 0.0) <= TTL + LINGER_SECONDS:
+            allowed.append(before[-1])
+        after = [e for e in runs if (e.settled or 0.0) >= at - BOUNDARY_SLACK_SECONDS]
+        if after:
+            allowed.append(after[0])
     return allowed
 
 
-def answer_problem(handle: Handle, value: Any, executions: list[Execution]) -> str | None:
-    """Why ``value`` cannot be ``handle``'s answer; None when it can."""
+def answer_problem(
+    handle: Handle, value: Any, executions: list[Execution], redelivered: list[float] | None = None
+) -> str | None:
+    """Why ``value`` cannot be ``handle``'s answer; None when it can (``redelivered``: see
+    :func:`allowed_answers`)."""
     if not isinstance(value, dict) or not {"key", "amount", "task_id", "run"} <= set(value):
         return f"{handle}: answered {value!r}, not a body's value"
     if handle.key is not None and value["key"] != handle.key:
@@ -197,13 +237,55 @@ def answer_problem(handle: Handle, value: Any, executions: list[Execution]) -> s
     made = [e for e in executions if e.task_id == value["task_id"] and e.run == value["run"] and e.key == value["key"]]
     if not made:
         return f"{handle}: answered {value!r}, which no execution returned"
-    allowed = allowed_answers(handle, executions)
+    allowed = allowed_answers(handle, executions, redelivered)
     if value["task_id"] in handle.own_ids or made[0] in allowed:
         return None
-    shown = ", ".join(f"run {e.run} of task {e.task_id[:8]} ended {e.end:.2f}" for e in allowed) or "none"
+    shown = ", ".join(_shown(e) for e in allowed) or "none"
     return (
         f"{handle} published at {handle.at:.2f}: answered run {value['run']} of task {value['task_id'][:8]} "
         f"(ended {made[0].end:.2f}), another call's; its own answer is one of: {shown}"
+    )
+
+
+# What a caller sees when its call's outcome is no longer kept (the TTL passed, the result backend
+# never had it): not a verdict on the call, so the call must have run, or been another's duplicate.
+GONE = "RecordGoneError"
+
+
+def lost_calls(handles: list[Handle], executions: list[Execution]) -> list[str]:
+    """No message is lost: every call ends in one of ran, answered as a duplicate, or refused with an
+    error its caller sees. Judged once the world is quiet, from what each caller saw (``seen``) and
+    the execution log: a value (judged by :func:`answer_problem`) or an error is a verdict, except
+    that the outcome is gone, which counts only if a body ran for the call (its own task id's, or the
+    run of its key its answer may be); no answer at all never is."""
+    found = []
+    for handle in handles:
+        if handle.seen is None:
+            found.append(f"{handle}: lost, its caller saw neither a value nor an error")
+        elif handle.seen == GONE:
+            own = any(e.task_id in handle.own_ids for e in executions)
+            if not own and not allowed_answers(handle, executions):
+                found.append(f"{handle}: lost, its outcome is gone ({GONE}) and no body ran for it")
+    return found
+
+
+def _shown(execution: Execution) -> str:
+    if execution.end is not None:
+        return f"run {execution.run} of task {execution.task_id[:8]} ended {execution.end:.2f}"
+    return f"{execution.error} of task {execution.task_id[:8]} at {execution.failed}"
+
+
+def error_problem(handle: Handle, error: str, executions: list[Execution]) -> str | None:
+    """Why a body's failure ``error`` (a class name) cannot be ``handle``'s answer; None when it can:
+    an attempt of its own task id failed with it (a retryable failure frees the key, and the caller
+    of that attempt sees it; never Celery's ``Retry``, whose retry answers), or it is a permanent
+    failure whose stored outcome may answer the call (:func:`allowed_answers`)."""
+    own = [e for e in executions if e.task_id in handle.own_ids and e.error == error and error != "Retry"]
+    if own or any(e.error == error for e in allowed_answers(handle, executions)):
+        return None
+    shown = ", ".join(_shown(e) for e in allowed_answers(handle, executions)) or "none"
+    return (
+        f"{handle} published at {handle.at:.2f}: raised {error}, which answers none of its attempts; allowed: {shown}"
     )
 
 
@@ -261,12 +343,15 @@ class WorkerProcess:
             self.process = subprocess.Popen(
                 command, cwd=TESTS, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
+
+    def ready(self) -> WorkerProcess:
         deadline = time.monotonic() + 60
         while "ready." not in self.output() and self.process.poll() is None:
             if time.monotonic() > deadline:
                 raise AssertionError(f"worker {self.name} did not start:\n{self.output()[-3000:]}")
             time.sleep(0.05)
         assert self.process.poll() is None, f"worker exited:\n{self.output()[-3000:]}"
+        return self
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
@@ -288,13 +373,23 @@ class WorkerProcess:
         self.process.wait(timeout=10)
         return pids
 
-    def stop(self) -> None:
+    def stop(self, *, wait: bool = True) -> bool:
+        """A warm shutdown (running bodies finish, reserved messages go back to the broker); False
+        if it had to be SIGKILLed after 20 s. ``wait=False`` only starts it (see :meth:`stopped`)."""
         if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
+            # To the main process alone, as `docker stop` or an orchestrator sends it: a SIGTERM to a
+            # pool child ends the body it runs (what revoke's terminate=True does).
+            os.kill(self.process.pid, signal.SIGTERM)
+        return self.stopped() if wait else True
+
+    def stopped(self) -> bool:
+        if self.process.poll() is None:
             try:
                 self.process.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 self.kill()
+                return False
+        return True
 
 
 class Producer:
@@ -352,10 +447,16 @@ class World:
             "TM_QUEUE": self.queue,
             "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")]),
         }
-        self.app = make_app(store=self.store_url, prefix=self.prefix, queue=self.queue)
+        # The test process is a producer of every release (the first one's app runs the rest)
+        self.apps = {
+            release: make_app(store=self.store_url, prefix=self.prefix, queue=self.queue, release=release)
+            for release in RELEASES
+        }
+        self.app = self.apps[RELEASES[0]]
         self.counter = redis.Redis.from_url(COUNTER_URL)
         self.engine = sa.create_engine(LEDGER_URL, poolclass=sa.pool.NullPool)
         self.workers: list[WorkerProcess] = []
+        self.releases: list[str] = []  # each worker's release
         self.producer = Producer(self.env)
         self.kills: list[Kill] = []
         self.history = 0
@@ -367,14 +468,19 @@ class World:
 
     # ---- workers
 
-    def _worker(self, recycling: bool) -> WorkerProcess:
+    def _worker(self, index: int, release: str, *, ready: bool = True) -> WorkerProcess:
+        recycling = index == 1
         queues = [self.queue] + ([] if recycling else [self.heavy])
         extra = ("--max-tasks-per-child=2",) if recycling else ()
-        return WorkerProcess(self.tmp, self.env, queues, extra=extra)
+        worker = WorkerProcess(self.tmp, {**self.env, "TM_RELEASE": release}, queues, extra=extra)
+        return worker.ready() if ready else worker
 
     def start_workers(self) -> None:
-        while len(self.workers) < 2:
-            self.workers.append(self._worker(recycling=len(self.workers) == 1))
+        while len(self.workers) < 2:  # booting side by side
+            self.releases.append(RELEASES[0])
+            self.workers.append(self._worker(len(self.workers), RELEASES[0], ready=False))
+        for worker in self.workers:
+            worker.ready()
 
     def replace_worker(self, index: int) -> str:
         """SIGKILL a whole worker (a node that never comes back under its name) and start another."""
@@ -382,12 +488,27 @@ class World:
         doomed = self.workers[index]
         pids = doomed.kill()
         self.kills.append(Kill(time.time(), pids, f"worker {doomed.name}"))
-        self.workers[index] = self._worker(recycling=index == 1)
+        self.workers[index] = self._worker(index, self.releases[index])
         return f"killed {doomed.name} ({len(pids)} processes), started {self.workers[index].name}"
+
+    def deploy(self, index: int, release: str) -> str:
+        """A worker restarted onto ``release``: a warm shutdown (its running bodies finish, what it
+        had reserved goes back to the queue, where messages of the old release wait), then a worker
+        of the new code under a new name, beside the other worker, which may run the other release."""
+        index %= len(self.workers)
+        old = self.workers[index]
+        pids = old.pids()
+        old.stop(wait=False)  # the new code boots meanwhile, as a rolling deploy overlaps them
+        self.releases[index] = release
+        self.workers[index] = self._worker(index, release, ready=False)
+        if not old.stopped():
+            self.kills.append(Kill(time.time(), pids, f"worker {old.name}, its warm shutdown past 20 s"))
+        self.workers[index].ready()
+        return f"deployed {release} on {old.name}: now {self.workers[index].name}; releases {self.releases}"
 
     def kill_child(self, index: int) -> str:
         """SIGKILL one pool child of a worker, preferring one that is running a body now."""
-        running = {e.pid for e in self.executions() if e.end is None}
+        running = {e.pid for e in self.executions() if e.running}
         worker = self.workers[index % len(self.workers)]
         children = sorted(worker.pids() - {worker.process.pid})
         if not children:
@@ -397,6 +518,22 @@ class World:
             os.kill(victim, signal.SIGKILL)
         self.kills.append(Kill(time.time(), frozenset({victim}), f"child {victim} of {worker.name}"))
         return f"killed child {victim} of {worker.name}"
+
+    def terminated(self, task_id: str) -> str:
+        """After ``revoke(task_id, terminate=True)``: the processes whose body of that task id its
+        SIGTERM may end (running now, or just returned, its outcome perhaps not yet stored) are
+        noted as a kill once the workers had a moment to act on it."""
+        time.sleep(0.5)
+        at = time.time()
+        pids = {
+            e.pid
+            for e in self.executions()
+            if e.task_id == task_id and (e.running or (e.settled or 0.0) >= at - 0.5 - KILL_REACH_SECONDS)
+        }
+        if pids:
+            # the revoked message is acked: nothing comes back
+            self.kills.append(Kill(at, frozenset(pids), f"revoke of {task_id[:8]} (terminate)", requeues=False))
+        return f"  terminated bodies of {task_id[:8]} in {sorted(pids)}" if pids else "  no body of it ran"
 
     # ---- histories
 
@@ -456,11 +593,11 @@ class World:
     def drain(self, bound: float = 60.0) -> None:
         """Wait until the broker has delivered again what killed workers held (their visibility
         timeout) and no body runs, so that what is judged next is the world at rest."""
-        redelivered = max((kill.at for kill in self.kills), default=0.0) + VISIBILITY + 1.0
+        redelivered = max((kill.at for kill in self.kills if kill.requeues), default=0.0) + VISIBILITY + 1.0
         killed = {pid for kill in self.kills for pid in kill.pids}
         deadline = time.monotonic() + bound
         while time.monotonic() < deadline:
-            running = [e for e in self.executions() if e.end is None and e.pid not in killed]
+            running = [e for e in self.executions() if e.running and e.pid not in killed]
             if time.time() >= redelivered and not running:
                 return
             time.sleep(0.2)

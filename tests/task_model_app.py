@@ -6,6 +6,11 @@ effect: ``tm:<prefix>:exec`` gets one JSON line at the start (``key``, ``task_id
 and one at the end (``end``), and the body returns ``{"key", "amount", "task_id", "run"}`` where
 ``run`` is the INCR of its key: the invariants read these, never the library's records.
 
+Two releases of the app (``RELEASES``) run side by side across a deploy: ``release="v2"`` is the
+next release of ``tm.pay``, a backward-compatible change (DESIGN §2, "Across releases"): a parameter
+with a default added (and named in ``key_args``), other policy fields and time limits. A worker
+subprocess builds the release its ``TM_RELEASE`` names.
+
 ``python task_model_app.py produce`` is the second producer: it reads one JSON command a line on
 stdin and answers one JSON line (run under another ``PYTHONHASHSEED``: a fingerprint is a function of
 the call, never of the process that made it).
@@ -25,7 +30,7 @@ from addresses import REDIS_BACKEND_URL, REDIS_BROKER_URL, REDIS_COUNTER_URL
 from celery import Celery
 from pydantic import BaseModel
 
-from celery_idem import Idempotency, IdempotentTask
+from celery_idem import Idempotency, IdempotentTask, PermanentError, RetryableError
 from celery_idem.ledger import Ledger
 
 COUNTER_URL = REDIS_COUNTER_URL
@@ -41,6 +46,19 @@ BUSY_WAIT = 3.0
 LIVENESS = 2.0
 STORE_TIMEOUT = 1.0
 VISIBILITY = 8.0  # a message unacked this long goes back to the queue (a redelivered copy)
+RELEASES = ("v1", "v2")
+
+
+# How tm.flaky's body fails, by the call's order number (so a key always fails the same way)
+FAIL_MODES = ("permanent", "retryable", "retry")
+
+
+class Declined(PermanentError):
+    """A permanent failure of tm.flaky: stored, and every duplicate within the TTL gets it."""
+
+
+class Flaky(RetryableError):
+    """A retryable failure of tm.flaky, never retried: the key is freed, its caller gets it."""
 
 
 class Basket(BaseModel):
@@ -69,7 +87,7 @@ def payments(prefix: str) -> sa.Table:
     )
 
 
-def make_app(*, store: Any, prefix: str, queue: str) -> Celery:
+def make_app(*, store: Any, prefix: str, queue: str, release: str = "v1") -> Celery:
     app = Celery("tm", broker=BROKER, backend=BACKEND, set_as_current=False)
     app.conf.update(
         task_default_queue=queue,
@@ -107,6 +125,7 @@ def make_app(*, store: Any, prefix: str, queue: str) -> Celery:
         key = str(task.request.idempotency_key)
         at = time.time()
         line = {"key": key, "task_id": task.request.id, "pid": os.getpid(), "start": at, "task": task.name}
+        line["release"] = release
         counter.rpush(exec_log(prefix), json.dumps(line))
         return key, at
 
@@ -117,14 +136,33 @@ def make_app(*, store: Any, prefix: str, queue: str) -> Celery:
         counter.rpush(exec_log(prefix), json.dumps(line))
         return {"key": key, "amount": amount, "task_id": task.request.id, "run": run}
 
+    def failed(task: Any, key: str, error: BaseException, *, final: bool) -> BaseException:
+        """The attempt's end, failed with ``error`` (``final``: the outcome stored for the key)."""
+        line = {"key": key, "task_id": task.request.id, "pid": os.getpid(), "failed": time.time(), "task": task.name}
+        counter.rpush(exec_log(prefix), json.dumps({**line, "error": type(error).__name__, "final": final}))
+        return error
+
     task = app.task
     options: dict[str, Any] = {"shared": False, "base": IdempotentTask, "bind": True}
 
-    @task(name="tm.pay", idempotency={"key_args": ["order", "amount"]}, **options)
-    def pay(self: Any, order: int, amount: int, hold: float = 0.0) -> dict[str, Any]:
-        key, _ = started(self)
-        time.sleep(hold)
-        return ended(self, key, amount)
+    if release == "v1":
+
+        @task(name="tm.pay", idempotency={"key_args": ["order", "amount"]}, **options)
+        def pay(self: Any, order: int, amount: int, hold: float = 0.0) -> dict[str, Any]:
+            key, _ = started(self)
+            time.sleep(hold)
+            return ended(self, key, amount)
+
+    else:
+        # The next release: `currency` added with a default (in the fingerprint's key_args too),
+        # a longer busy wait, time limits (longer than any body).
+        policy = {"key_args": ["order", "amount", "currency"], "busy_wait_seconds": BUSY_WAIT + 1}
+
+        @task(name="tm.pay", idempotency=policy, soft_time_limit=20, time_limit=30, **options)
+        def pay(self: Any, order: int, amount: int, hold: float = 0.0, currency: str = "EUR") -> dict[str, Any]:
+            key, _ = started(self)
+            time.sleep(hold)
+            return ended(self, key, amount)
 
     @task(name="tm.moving", idempotency={"key_args": ["order", "amount"]}, **options)
     def moving(self: Any, order: int, amount: int, heavy: str = "") -> Any:
@@ -145,6 +183,24 @@ def make_app(*, store: Any, prefix: str, queue: str) -> Celery:
             return ended(self, key, amount)
 
         return dict(ledger.run_once(self, charge))
+
+    @task(name="tm.flaky", idempotency={"key_args": ["order", "amount", "mode"]}, **options)
+    def flaky(self: Any, order: int, amount: int, mode: str, hold: float = 0.0) -> dict[str, Any]:
+        """Fails by ``mode``: ``permanent`` (Declined), ``retryable`` (Flaky, no retry), ``retry``
+        (``self.retry`` with other arguments, a key argument among them, and a countdown; the retry
+        returns)."""
+        key, _ = started(self)
+        time.sleep(hold)
+        if mode == "permanent":
+            raise failed(self, key, Declined(f"order {order} declined"), final=True)
+        if mode == "retryable":
+            raise failed(self, key, Flaky(f"order {order}: try again"), final=False)
+        if mode == "retry":
+            retry = self.retry(
+                args=(order, amount), kwargs={"mode": "retried", "hold": 0.0}, countdown=0.5, throw=False
+            )
+            raise failed(self, key, retry, final=False)
+        return ended(self, key, amount)
 
     @task(name="tm.tagged", pydantic=True, **options)
     def tagged(self: Any, basket: Basket) -> dict[str, Any]:
@@ -200,7 +256,12 @@ def _produce(app: Celery) -> None:
 
 
 if os.environ.get("TM_PREFIX"):
-    app = make_app(store=os.environ["TM_STORE"], prefix=os.environ["TM_PREFIX"], queue=os.environ["TM_QUEUE"])
+    app = make_app(
+        store=os.environ["TM_STORE"],
+        prefix=os.environ["TM_PREFIX"],
+        queue=os.environ["TM_QUEUE"],
+        release=os.environ.get("TM_RELEASE", "v1"),
+    )
 
 if __name__ == "__main__" and sys.argv[1:] == ["produce"]:
     _produce(app)

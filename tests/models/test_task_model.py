@@ -6,18 +6,23 @@ A hypothesis state machine (``TaskLevel``) draws each history from steps: calls 
 ``send_task`` by name, from a producer process with another hash seed, a key-less pydantic call
 from both producers, with ``ignore_result``, a ``countdown``, to a queue with no consumer yet,
 other arguments under a used key, a task that replaces itself onto another queue, a ledger
-payment), a copy of a message already sent (a redelivery: the same task id, its link included),
-a pool child SIGKILLed (another worker recycles its children every 2 tasks), a whole worker
-SIGKILLed and replaced under a new name, the store link cut, time passing past leases and TTLs,
-reconcile runs, and ``get()`` on any handle ever returned.
+payment, a body that fails permanently, retryably or by ``self.retry`` with other arguments), each
+from a producer of either release of the app, a worker restarted onto a release (a deploy, or a
+rollback) while messages of the other wait, a revoke (queued, on a countdown, running; with and
+without ``terminate=True``), a copy of a message already sent (a redelivery: the same task id, its
+link included), a pool child SIGKILLed (another worker recycles its children every 2 tasks), a
+whole worker SIGKILLed and replaced under a new name, the store link cut, time passing past leases
+and TTLs, reconcile runs, and ``get()`` on any handle ever returned.
 
 After every step: no key's body ran twice within a TTL window (unless a kill may have kept the
 first run's outcome from the store), no continuation ran twice, no ledger key paid twice. When the
 history ends the world is made quiet (the cut over, every queue consumed) and: every handle's
-``get()`` returns its own call's outcome (tests/task_model.py ``allowed_answers``) or a clear error
-within a bound, so no message was lost while the store was down; every continuation of a call
-that succeeded ran exactly once; and once the leases and the holders' liveness have run out, one
-reconcile leaves no record PENDING or IN_PROGRESS.
+``get()`` returns its own call's outcome (tests/task_model.py ``allowed_answers``, or a failure an
+attempt of its call raised) or a clear error within a bound; no call is lost (each ran, was
+answered as a duplicate, or was refused with an error its caller sees), across a deploy and while
+the store was down too; every continuation of a call that succeeded ran exactly once; and once the
+leases and the holders' liveness have run out, one reconcile leaves no record PENDING or
+IN_PROGRESS.
 
 Size: CI runs ``EXAMPLES`` histories of ``STEPS`` steps per store (Redis and PostgreSQL);
 ``CELERY_IDEM_MODEL_SCALE=100`` runs 100 times as many; ``CELERY_IDEM_MODEL_SEED`` another seed.
@@ -50,11 +55,14 @@ from task_model import (
     allowed_answers,
     answer_problem,
     continuation_problems,
+    error_problem,
     ledger_problems,
+    lost_calls,
     parse_executions,
     problems_of_executions,
+    redeliveries,
 )
-from task_model_app import BROKER, LEASE, LIVENESS, PENDING, TTL, Basket
+from task_model_app import BROKER, FAIL_MODES, LEASE, LIVENESS, PENDING, RELEASES, TTL, Basket
 
 from celery_idem import Idempotency, StoreUnavailableError
 from celery_idem.records import Identity, State
@@ -79,12 +87,15 @@ HOWS = (
     "moving",
     "ledger",
     "eager",
+    "fails",
 )
 KEYS, HOLDS = st.integers(0, 2), st.sampled_from([0.0, 0.3, 1.5])
-TASK_OF = {"moving": "tm.moving", "ledger": "tm.ledger_pay", "tagged": "tm.tagged"}
+TASK_OF = {"moving": "tm.moving", "ledger": "tm.ledger_pay", "tagged": "tm.tagged", "fails": "tm.flaky"}
 TAGS = ["gift", "fragile", "express", "oversize", "priority", "wrap", "insured"]
 # Errors a call may answer with, by how it was made (anything else is a problem).
 CALL_ERRORS = {"StoreUnavailableError"}
+# Errors a body raises, by task: judged against the attempts that raised them (error_problem).
+BODY_ERRORS = {"tm.flaky": ("Declined", "Flaky", "Retry")}
 # Errors a handle may answer with once the world is quiet, by how the call was made.
 QUIET_ERRORS = {"ignore_result": {"RecordGoneError"}, "eager": {"DuplicateTaskError", "StoreUnavailableError"}}
 
@@ -103,6 +114,7 @@ class TaskLevel(RuleBasedStateMachine):
         self.copier = Celery("copier", broker=BROKER, set_as_current=False)  # a raw copy: no claim, no checks
         # task id -> (task, args, kwargs, queue, continuation tag) of every message sent by apply_async
         self.sent: dict[str, tuple[str, tuple[Any, ...], dict[str, Any], str, str | None]] = {}
+        self.revoked: set[str] = set()  # task ids revoked
 
     # ---- helpers
 
@@ -124,30 +136,33 @@ class TaskLevel(RuleBasedStateMachine):
     # ---- calls
 
     # Calls are what a history is made of: three rules draw one (hypothesis picks rules evenly).
-    @rule(n=KEYS, how=st.sampled_from(HOWS), hold=HOLDS)
-    def call(self, n: int, how: str, hold: float) -> None:
-        self.make_call(n, how, hold)
+    @rule(n=KEYS, how=st.sampled_from(HOWS), hold=HOLDS, release=st.sampled_from(RELEASES))
+    def call(self, n: int, how: str, hold: float, release: str = RELEASES[0]) -> None:
+        self.make_call(n, how, hold, release)
 
-    @rule(n=KEYS, how=st.sampled_from(HOWS), hold=HOLDS)
-    def another_call(self, n: int, how: str, hold: float) -> None:
-        self.make_call(n, how, hold)
+    @rule(n=KEYS, how=st.sampled_from(HOWS), hold=HOLDS, release=st.sampled_from(RELEASES))
+    def another_call(self, n: int, how: str, hold: float, release: str = RELEASES[0]) -> None:
+        self.make_call(n, how, hold, release)
 
-    @rule(n=KEYS, how=st.sampled_from(HOWS), hold=HOLDS)
-    def a_third_call(self, n: int, how: str, hold: float) -> None:
-        self.make_call(n, how, hold)
+    @rule(n=KEYS, how=st.sampled_from(HOWS), hold=HOLDS, release=st.sampled_from(RELEASES))
+    def a_third_call(self, n: int, how: str, hold: float, release: str = RELEASES[0]) -> None:
+        self.make_call(n, how, hold, release)
 
-    def make_call(self, n: int, how: str, hold: float) -> None:
+    def make_call(self, n: int, how: str, hold: float, release: str = RELEASES[0]) -> None:
+        """A call from a producer of ``release`` (the other producer process runs the first)."""
         world, key = self.world, self.world.key(n)
-        task = self.app.tasks[TASK_OF.get(how, "tm.pay")]
+        task = world.apps[release].tasks[TASK_OF.get(how, "tm.pay")]
         amount = 999 if how == "mismatch" else 100 + n
         args, kwargs = (n, amount), ({"hold": hold} if task.name != "tm.moving" else {"heavy": world.heavy})
+        if task.name == "tm.flaky":
+            kwargs["mode"] = FAIL_MODES[n]  # a key fails one way, whoever calls it
         options: dict[str, Any] = {"idempotency_key": key}
         extra: dict[str, Any] = {}
-        self.note(f"call {how} key={key} amount={amount} hold={hold}")
+        self.note(f"call {how} key={key} amount={amount} hold={hold} ({release})")
         at = time.time()
         try:
             if how == "send_task":
-                result = self.app.send_task(
+                result = task.app.send_task(
                     task.name, args, kwargs, headers={"idempotency_key": key}, queue=world.queue
                 )
             elif how == "group":
@@ -157,7 +172,7 @@ class TaskLevel(RuleBasedStateMachine):
                 return
             elif how in ("chain", "link"):
                 tag = extra["tag"] = uuid.uuid4().hex[:10]
-                then = self.app.tasks["tm.then"].s(tag)
+                then = task.app.tasks["tm.then"].s(tag)
                 if how == "chain":
                     result = (task.s(*args, **kwargs).set(**options) | then).apply_async()
                     extra["head_id"] = result.parent.id
@@ -191,10 +206,12 @@ class TaskLevel(RuleBasedStateMachine):
                     options["queue"] = world.idle
                 result = task.apply_async(args, kwargs, **options)
         except Exception as exc:  # noqa: BLE001 - judged by class below
-            self.call_failed(how, exc)
+            self.call_failed(how, exc, (task.name, key, amount))
             return
         self.handle(how, task.name, key, amount, result, at, **extra)
-        self.sent[result.id] = (task.name, args, kwargs, options.get("queue", world.queue), extra.get("tag"))
+        # The message of the body: a chain's handle names its last step, whose message is the continuation's
+        sent_id = extra.get("head_id", result.id)
+        self.sent[sent_id] = (task.name, args, kwargs, options.get("queue", world.queue), extra.get("tag"))
 
     def tagged(self, n: int, at: float) -> None:
         """The same key-less pydantic call from both producers, whose hash seeds differ."""
@@ -225,14 +242,23 @@ class TaskLevel(RuleBasedStateMachine):
                 continue
             self.handle(f"tagged-{source}", task.name, key, n, result, at)
 
-    def call_failed(self, how: str, exc: BaseException) -> None:
+    def call_failed(self, how: str, exc: BaseException, call: tuple[str, str, int] | None = None) -> None:
+        """Judge an error a call raised; ``call`` is its (task, key, amount)."""
         name = exc.name if isinstance(exc, _Reported) else type(exc).__name__
         self.note(f"  -> raised {name}: {str(exc)[:200]}")
-        allowed = CALL_ERRORS | ({"PayloadMismatchError"} if how == "mismatch" else set())
+        allowed = set(CALL_ERRORS)
+        if how == "mismatch" or (call and self.taken_by_other_arguments(*call)):
+            allowed.add("PayloadMismatchError")
         if name == "StoreUnavailableError" and not (self.world.had_outage or self.world.stale_connection(exc)):
             self.problems.append(f"call {how} raised {name} with no outage in this history: {exc}")
         elif name not in allowed:
             self.problems.append(f"call {how} raised {name}: {exc}")
+
+    def taken_by_other_arguments(self, task: str, key: str, amount: int) -> bool:
+        """Whether an earlier call of the key had other arguments (a `mismatch` call may be the first
+        of its key, and then it is the calls of the key's own arguments that are refused; found with
+        CELERY_IDEM_MODEL_SEED=14)."""
+        return any(h.amount != amount for h in self.handles if (h.task, h.key) == (task, key))
 
     @precondition(lambda self: bool(self.sent))
     @rule(i=st.integers(0, 30))
@@ -240,12 +266,31 @@ class TaskLevel(RuleBasedStateMachine):
         """A copy of a message already sent: the same task id, arguments, key and link."""
         task_id = list(self.sent)[i % len(self.sent)]
         name, args, kwargs, queue, tag = self.sent[task_id]
-        handle = next(h for h in self.handles if h.id == task_id)
+        handle = next(h for h in self.handles if task_id in h.own_ids)
         self.note(f"redeliver {handle.label} ({task_id[:8]})")
         link = self.copier.signature("tm.then", args=(tag,)) if tag and handle.how == "link" else None
         self.copier.send_task(
             name, args, kwargs, task_id=task_id, queue=queue, link=link, headers={"idempotency_key": handle.key}
         )
+
+    @precondition(lambda self: bool(self.sent))
+    @rule(i=st.integers(0, 30), terminate=st.booleans())
+    def revoke(self, i: int, terminate: bool) -> None:
+        """``revoke`` of a call sent (queued, waiting on a countdown, running or over), with or
+        without ``terminate=True``. Its callers may get ``TaskRevokedError``; a body it ends counts
+        as killed. (Not a chain's: Celery never publishes the rest of a chain whose head is revoked,
+        so its caller, who holds the last step, would wait forever.)"""
+        revocable = [h.id for h in self.handles if h.id in self.sent and h.head_id is None]
+        if not revocable:
+            return
+        task_id = revocable[i % len(revocable)]
+        handle = next(h for h in self.handles if h.id == task_id)
+        self.note(f"revoke {handle.label} ({task_id[:8]}){' terminate' if terminate else ''}")
+        self.revoked.add(task_id)
+        destination = [worker.name for worker in self.world.workers]  # the machine's other workers share the broker
+        self.app.control.revoke(task_id, terminate=terminate, destination=destination)
+        if terminate:
+            self.note(self.world.terminated(task_id))
 
     # ---- the infrastructure
 
@@ -256,6 +301,11 @@ class TaskLevel(RuleBasedStateMachine):
     @rule(w=st.integers(0, 1))
     def replace_worker(self, w: int) -> None:
         self.note(self.world.replace_worker(w))
+
+    @rule(w=st.integers(0, 1), release=st.sampled_from(RELEASES))
+    def deploy(self, w: int, release: str) -> None:
+        """A worker restarted onto a release (the next one, or back: a rollback) while messages wait."""
+        self.note(self.world.deploy(w, release))
 
     @rule(seconds=st.sampled_from([0.5, 1.5, 3.0]))
     def outage(self, seconds: float) -> None:
@@ -297,14 +347,23 @@ class TaskLevel(RuleBasedStateMachine):
                     raise
                 value = handle.result.get(timeout=timeout)  # the broken pooled connection is gone now
         except CeleryTimeoutError:
+            handle.seen = None
             self.note(f"get {handle.label}: no answer in {timeout}s")
             if quiet:
                 self.problems.append(f"{handle}: no answer within {timeout}s once the world was quiet")
             return False
         except Exception as exc:  # noqa: BLE001 - judged by class
-            name = type(exc).__name__
+            name = handle.seen = type(exc).__name__
             self.note(f"get {handle.label}: {name}: {str(exc)[:160]}")
+            if name in BODY_ERRORS.get(handle.task, ()):
+                # a failure of the body: its caller's answer if an attempt of its call failed with it
+                problem = error_problem(handle, name, self.world.executions())
+                if problem:
+                    self.problems.append(problem)
+                return False
             allowed = QUIET_ERRORS.get(handle.how, set()) | ({"StoreUnavailableError"} if not quiet else set())
+            if self.revoked & set(handle.own_ids):
+                allowed = allowed | {"TaskRevokedError"}
             if self.other_arguments_used(handle):
                 # A copy delivered after its call's TTL (the broker's visibility timeout here is longer)
                 # meets the key held by other arguments: refused, never run (docs/choosing-ttls.md).
@@ -313,10 +372,11 @@ class TaskLevel(RuleBasedStateMachine):
                 self.problems.append(f"{handle}: get() raised {name}: {exc}")
             return False
         took = time.monotonic() - started
+        handle.seen = "value"
         self.note(f"get {handle.label}: {value} ({took:.1f}s)")
         if handle.key is None and isinstance(value, dict):
             handle.key = value.get("key")
-        problem = answer_problem(handle, value, self.world.executions())
+        problem = answer_problem(handle, value, self.world.executions(), redeliveries(handle, self.world.kills))
         if problem:
             self.problems.append(problem)
         return True
@@ -341,8 +401,21 @@ class TaskLevel(RuleBasedStateMachine):
             raise AssertionError(
                 f"{self.world.kind}: {len(found)} problem(s):\n- "
                 + "\n- ".join(dict.fromkeys(found))
-                + f"\nsteps (time, step):\n  {steps}\nsettings: {SETTINGS_SUMMARY}"
+                + f"\nsteps (time, step):\n  {steps}\nexecutions (task, key, task id, pid, start, end, run):\n  "
+                + "\n  ".join(
+                    f"{e.task} {e.key} {e.task_id[:8]} {e.pid} {e.start:.2f} {e.end} {e.run}"
+                    for e in self.world.executions()
+                )
+                + f"\nsettings: {SETTINGS_SUMMARY}"
             )
+
+    def claims_may_be_left(self) -> bool:
+        """Whether a claim may be left PENDING until its pending lease (and a countdown) runs out: a
+        call refused during a cut, or a revoked message whose release the worker's hook could not
+        write because its pooled PostgreSQL connection was broken by a cut of an earlier history
+        (documented: one refused call per process; seen with CELERY_IDEM_MODEL_SEED=12)."""
+        world = self.world
+        return world.had_outage or bool(self.revoked and world.kind == "postgresql" and world.cuts > 0)
 
     def teardown(self) -> None:
         """The world made quiet, every handle answered, every record settled after one reconcile."""
@@ -362,8 +435,10 @@ class TaskLevel(RuleBasedStateMachine):
         # its TTL, as a new call): the records are judged once that is over and no body runs.
         world.drain()
         # Every holder dead or done: past the leases and the liveness records (and, after a cut, the
-        # claims a refused call may have left), one reconcile settles every record.
-        time.sleep(LEASE + LIVENESS + 0.5 + (PENDING if world.had_outage else 0.0))
+        # claims a refused call may have left), one reconcile settles every record. (Only the keys of
+        # handles are judged: a history that has none, as hypothesis's first often is, need not wait.)
+        if self.handles:
+            time.sleep(LEASE + LIVENESS + 0.5 + (PENDING + 1.0 if self.claims_may_be_left() else 0.0))
         try:
             report = Idempotency.of(self.app).reconcile()
         except StoreUnavailableError as exc:
@@ -381,6 +456,7 @@ class TaskLevel(RuleBasedStateMachine):
                 )
         found += problems_of_executions(world.executions(), world.kills)
         found += ledger_problems(world.payments())
+        found += lost_calls(self.handles, world.executions())
         if VERBOSE:
             print(f"\n{world.kind} history {world.history}:\n  " + "\n  ".join(self.steps))
         self.fail_with([*self.problems, *found])
@@ -459,6 +535,68 @@ def test_an_answer_from_a_later_call_under_the_key_is_a_problem() -> None:
     assert answer_problem(r1, {"key": "x", "amount": 100, "task_id": "r1", "run": 1}, runs) is not None
 
 
+def test_a_message_a_kill_gave_back_past_its_ttl_may_be_answered_by_a_later_run() -> None:
+    # r1 ran; the worker holding a copy of s1 (published while r1 ran) was SIGKILLed; the copy came
+    # back after the visibility timeout, past r1's TTL, while r2 ran under the key: it waited for r2
+    runs = [_run("r1", 0.1, 1.0, 1), _run("r2", 11.0, 11.5, 2, pid=2)]
+    s1 = Handle("h", "group", "tm.pay", "k", 100, "s1", 0.5, False, None)
+    r2 = {"key": "k", "amount": 100, "task_id": "r2", "run": 2}
+    assert answer_problem(s1, r2, runs) is not None  # no kill: r2 is another call's
+    kill = Kill(2.0, frozenset({9}), "worker")
+    assert answer_problem(s1, r2, runs, redeliveries(s1, [kill])) is None
+    assert answer_problem(s1, r2, runs, redeliveries(s1, [Kill(0.2, frozenset({9}), "before it")])) is not None
+    acked = Kill(2.0, frozenset({9}), "revoke (terminate)", requeues=False)
+    assert answer_problem(s1, r2, runs, redeliveries(s1, [acked])) is not None
+
+
+def test_a_call_that_neither_ran_nor_was_answered_nor_refused_is_lost() -> None:
+    runs = [_run("r1", 0.1, 0.5, 1)]
+
+    def seen(task_id: str, at: float, what: str | None) -> Handle:
+        handle = Handle("h", "ignore_result", "tm.pay", "k", 100, task_id, at, False, None)
+        handle.seen = what
+        return handle
+
+    # nothing seen: lost, whatever ran
+    assert lost_calls([seen("r1", 0.0, None)], runs)
+    # a value (judged by answer_problem) or an error that is a verdict: not lost
+    assert not lost_calls([seen("r1", 0.0, "value"), seen("x", 0.0, "PayloadMismatchError")], runs)
+    # its outcome gone: not lost if its own task id ran, or a run of its key may be its answer ...
+    assert not lost_calls([seen("r1", 0.0, "RecordGoneError")], runs)
+    assert not lost_calls([seen("s1", 0.2, "RecordGoneError")], runs)  # a duplicate of r1
+    # ... lost if no body ran for it (a message gone, its record expired)
+    assert lost_calls([seen("s1", 0.2, "RecordGoneError")], [])
+    assert lost_calls([seen("s1", 100.0, "RecordGoneError")], runs)  # r1 was long over
+
+
+def _failure(task_id: str, start: float, at: float, error: str, final: bool, pid: int = 1) -> Execution:
+    return Execution("tm.flaky", "k", task_id, pid, start, error=error, failed=at, final=final)
+
+
+def test_a_body_that_failed_for_good_is_an_outcome_and_answers_only_its_calls() -> None:
+    declined, flaky = _failure("a", 0.0, 1.0, "Declined", True), _failure("a", 0.0, 1.0, "Flaky", False)
+    again = Execution("tm.flaky", "k", "b", 2, 2.0, 2.5, 1)
+    # a permanent failure is stored: running the key again within its TTL is a problem ...
+    assert problems_of_executions([declined, again], [])
+    # ... a retryable one frees the key (or hands it to Celery's retry): the next run is due
+    assert not problems_of_executions([flaky, again], [])
+
+    def call(task_id: str, at: float) -> Handle:
+        return Handle("h", "fails", "tm.flaky", "k", 100, task_id, at, False, None)
+
+    # the caller of the failed attempt sees its error, and a duplicate within the TTL the stored one
+    assert error_problem(call("a", 0.0), "Flaky", [flaky]) is None
+    assert error_problem(call("a", 0.0), "Declined", [declined]) is None
+    assert error_problem(call("c", 1.5), "Declined", [declined]) is None
+    # never another call's retryable failure, a permanent one long over, or Celery's Retry
+    assert error_problem(call("c", 1.5), "Flaky", [flaky]) is not None
+    assert error_problem(call("c", 100.0), "Declined", [declined]) is not None
+    assert error_problem(call("a", 0.0), "Retry", [_failure("a", 0.0, 1.0, "Retry", False)]) is not None
+    # a value after a failure is judged as before: the retried run's, under its own task id
+    retried = [_failure("a", 0.0, 1.0, "Retry", False), Execution("tm.flaky", "k", "a", 1, 1.5, 1.6, 1)]
+    assert answer_problem(call("a", 0.0), {"key": "k", "amount": 100, "task_id": "a", "run": 1}, retried) is None
+
+
 def test_a_continuation_twice_or_never_is_a_problem() -> None:
     assert continuation_problems({"t": 2}, set(), quiet=False)
     assert continuation_problems({}, {"t"}, quiet=True)
@@ -486,11 +624,92 @@ REGRESSIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("call", {"n": 1, "how": "mismatch", "hold": 0.3}),
         ("kill_child", {"w": 0}),
     ],
+    # Issue 27, hole 1, as a history: calls of v1 wait (in a queue nobody consumes yet, behind a
+    # countdown) while both workers are restarted onto v2, whose tm.pay gained `currency="EUR"` (in
+    # its key_args) and other policy fields and time limits; producers of both releases call the
+    # same keys, and one worker is rolled back. Before the fix the v1 messages ended quietly on v2
+    # workers (their fingerprint had the default in) and their callers waited forever.
+    "calls-of-the-old-release-wait-across-a-deploy": [
+        ("call", {"n": 0, "how": "idle_queue", "hold": 0.3, "release": "v1"}),
+        ("call", {"n": 1, "how": "countdown", "hold": 0.3, "release": "v1"}),
+        ("call", {"n": 2, "how": "producer", "hold": 0.0, "release": "v1"}),
+        ("deploy", {"w": 0, "release": "v2"}),
+        ("deploy", {"w": 1, "release": "v2"}),
+        ("call", {"n": 0, "how": "apply_async", "hold": 0.0, "release": "v2"}),
+        ("call", {"n": 1, "how": "send_task", "hold": 0.0, "release": "v2"}),
+        ("call", {"n": 2, "how": "chain", "hold": 0.3, "release": "v2"}),
+        ("deploy", {"w": 1, "release": "v1"}),
+        ("call", {"n": 2, "how": "apply_async", "hold": 0.0, "release": "v1"}),
+    ],
+    # Bodies that fail, every way tm.flaky does (by key: permanent, retryable, self.retry with other
+    # arguments and a countdown), each called again while it runs and once it is over, and copied.
+    "bodies-that-fail": [
+        ("call", {"n": 0, "how": "fails", "hold": 0.3}),
+        ("call", {"n": 1, "how": "fails", "hold": 0.3}),
+        ("call", {"n": 2, "how": "fails", "hold": 0.3}),
+        ("call", {"n": 0, "how": "fails", "hold": 0.0}),
+        ("redeliver", {"i": 1}),
+        ("call", {"n": 2, "how": "fails", "hold": 0.0}),
+        ("wait", {"seconds": 1.0}),
+        ("call", {"n": 0, "how": "fails", "hold": 0.0}),
+        ("call", {"n": 1, "how": "fails", "hold": 0.0}),
+        ("call", {"n": 2, "how": "fails", "hold": 0.0}),
+        ("redeliver", {"i": 2}),
+    ],
+    # Found with CELERY_IDEM_MODEL_SEED=11 (on both stores), shrunk: a second call of a settled key
+    # carrying a link is published anyway (so that the worker replays the outcome into its link),
+    # and a copy of that message (a broker redelivery: same task id, same link) replays it into the
+    # link again, within the TTL: the continuation runs twice. A copy of the first call's own
+    # message does not (its task id is the record's); the duplicate's task id is not, so nothing
+    # tells the worker that this task id was answered already.
+    "a-copy-of-a-duplicate-carrying-a-link-runs-its-link-again": [
+        ("call", {"n": 0, "how": "apply_async", "hold": 0.3}),
+        ("wait", {"seconds": 1.0}),
+        ("call", {"n": 0, "how": "link", "hold": 0.0}),
+        ("redeliver", {"i": 1}),
+        ("wait", {"seconds": 1.0}),
+    ],
+    # Found with CELERY_IDEM_MODEL_SEED=14 on both stores (a judging error of the model, not the
+    # library's): the call with other arguments came first, so the call of the key's own arguments
+    # is the one refused (PayloadMismatchError), which the model took for a problem.
+    "other-arguments-first-then-the-keys-own": [
+        ("call", {"n": 1, "how": "mismatch", "hold": 0.3}),
+        ("call", {"n": 1, "how": "link", "hold": 0.0, "release": "v2"}),
+    ],
+    # Revokes: of a running call with terminate=True, of a call queued where nobody consumes yet, of
+    # one waiting on its countdown; then the keys called again (a revoked call frees its key).
+    "revokes-of-queued-and-running-calls": [
+        ("call", {"n": 0, "how": "idle_queue", "hold": 0.0}),
+        ("call", {"n": 1, "how": "apply_async", "hold": 1.5}),
+        ("call", {"n": 2, "how": "countdown", "hold": 0.0}),
+        ("wait", {"seconds": 0.3}),
+        ("revoke", {"i": 1, "terminate": True}),
+        ("revoke", {"i": 0, "terminate": False}),
+        ("revoke", {"i": 2, "terminate": False}),
+        ("call", {"n": 1, "how": "apply_async", "hold": 0.0}),
+        ("wait", {"seconds": 1.0}),
+        ("call", {"n": 2, "how": "send_task", "hold": 0.0}),
+        ("call", {"n": 1, "how": "apply_async", "hold": 0.0}),
+    ],
 }
 
 
+# Histories that still fail: library bugs, described (each must fail: strict).
+KNOWN_BUGS = {
+    "a-copy-of-a-duplicate-carrying-a-link-runs-its-link-again": (
+        "a redelivered copy of a deduplicated call that carries a link replays the stored outcome into "
+        "its link again within the TTL: the continuation runs twice (the worker cannot tell that the "
+        "duplicate's own task id was answered already)"
+    ),
+}
+
+
+def _known_bug(name: str) -> list[pytest.MarkDecorator]:
+    return [pytest.mark.xfail(strict=True, reason=KNOWN_BUGS[name])] if name in KNOWN_BUGS else []
+
+
 @pytest.mark.parametrize("world", ["redis"], indirect=True)
-@pytest.mark.parametrize("name", sorted(REGRESSIONS))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=_known_bug(name)) for name in sorted(REGRESSIONS)])
 def test_a_history_the_model_found(world: World, name: str) -> None:
     machine = type(f"TaskLevel_{world.kind}", (TaskLevel,), {"world": world})()
     for step, arguments in REGRESSIONS[name]:
