@@ -82,9 +82,8 @@ class Handler(TaskCalls):
         if request_header(request, BYPASS_HEADER) is False:
             request.idempotency_key = request.idempotency_scope = None  # bypassed: the body holds no identity
             return self._run_function(*args, **kwargs)
-        fp = message_fingerprint(
-            self, self.settle, args, kwargs
-        )  # one another release's signature cannot bind fails here
+        # A message that another release's signature cannot bind ends here (celery_idem.releases).
+        fp = message_fingerprint(self, self.settle, args, kwargs)
         key, scope = request_header(request, KEY_HEADER), request_header(request, SCOPE_HEADER)
         identity = self.identify(key, scope, fp)
         if key is not None and KEY_HEADER not in (request.headers or {}):
