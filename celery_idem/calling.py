@@ -16,7 +16,7 @@ from .arguments import check_key_args
 from .calls import encode_call, published_options
 from .config import IdempotencyPolicy
 from .endings import IDEMPOTENT, Mode
-from .errors import ConfigurationError, InvalidKeyError, PayloadMismatchError
+from .errors import ConfigurationError, DuplicateTaskError, InvalidKeyError, PayloadMismatchError
 from .fingerprint import fingerprint
 from .keys import keyed_identity, validate_scope
 from .outcome import serializer_of
@@ -136,6 +136,16 @@ class TaskCalls:
         else:
             options = published_options(options, stamped=options.get("stamped_headers") or ())
         return encode_call(self.task.name, args, kwargs, options, serializer=self.serializer)
+
+    def duplicate(self, identity: Identity, record: IdempotencyRecord) -> DuplicateTaskError:
+        """The refusal of a duplicate call under ``on_duplicate="raise"``."""
+        return DuplicateTaskError(
+            f"task {self.task.name!r} with idempotency key {identity.key!r} is a duplicate of task "
+            f"{record.task_id} ({record.state.value}); on_duplicate='raise' refuses it",
+            key=identity.key,
+            task_name=self.task.name,
+            task_id=record.task_id,
+        )
 
     def mismatch(self, identity: Identity, record: IdempotencyRecord) -> PayloadMismatchError:
         return PayloadMismatchError(

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import timing
 from .calling import log_decision
-from .errors import DuplicateTaskError, StoreUnavailableError
+from .errors import StoreUnavailableError
 from .protocol import BYPASS_HEADER, KEY_HEADER, OPTION_HEADERS, SCOPE_HEADER
 from .records import Decision, IdempotencyRecord, Identity
 from .releases import earlier_fingerprint
@@ -163,7 +163,7 @@ def _repeated(
         raise calls.mismatch(identity, record)
     idem.count("replays" if decision is Decision.REPLAY else "duplicates")
     if calls.policy.on_duplicate == "raise":
-        raise _duplicate(identity, record)
+        raise calls.duplicate(identity, record)
     handle = calls.task.AsyncResult(record.task_id)
     return bind_handle(handle, identity, idem, deduplicated=True, record=record)
 
@@ -174,13 +174,3 @@ def _held(record: IdempotencyRecord, fp: str, now: Any) -> bool:
     if record.fingerprint != fp or record.state not in UNSETTLED:
         return True
     return record.lease_expires_at is None or record.lease_expires_at > now()
-
-
-def _duplicate(identity: Identity, record: IdempotencyRecord) -> DuplicateTaskError:
-    return DuplicateTaskError(
-        f"task {identity.task_name!r} with idempotency key {identity.key!r} is a duplicate of task "
-        f"{record.task_id} ({record.state.value}); on_duplicate='raise' refuses it",
-        key=identity.key,
-        task_name=identity.task_name,
-        task_id=record.task_id,
-    )

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import attempts, timing
 from .calling import TaskCalls, log_decision
-from .errors import DuplicateTaskError, StoreUnavailableError
+from .errors import StoreUnavailableError
 from .protocol import BYPASS_HEADER, CLAIM_HEADER, HANDOVER_HEADER, KEY_HEADER, OPTION_HEADERS, SCOPE_HEADER
 from .records import Decision, Identity, State, Transition
 from .releases import earlier_fingerprint
@@ -176,13 +176,7 @@ def publish(
         return bind_handle(task.AsyncResult(task_id), identity, idem, deduplicated=False, record=record)
     idem.count("replays" if claimed.decision is Decision.REPLAY else "duplicates")
     if policy.on_duplicate == "raise" and not handed:
-        raise DuplicateTaskError(
-            f"task {task.name!r} with idempotency key {identity.key!r} is a duplicate of task "
-            f"{record.task_id} ({record.state.value}); on_duplicate='raise' refuses it",
-            key=identity.key,
-            task_name=task.name,
-            task_id=record.task_id,
-        )
+        raise calls.duplicate(identity, record)
     copy = task_id == record.task_id and not handed  # the original's own id again
     if not copy and (awaited_id or any(options.get(name) for name in _CONTINUATIONS)):
         # Published anyway: the worker replays the outcome into the chain (or under the id the
