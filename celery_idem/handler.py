@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery.exceptions import Retry, SoftTimeLimitExceeded
 
-from . import attempts, events, evidence, outage, publish, replacement, timing
+from . import attempts, continuations, events, evidence, outage, publish, replacement, timing
 from .busy import BusyWait
 from .calling import TaskCalls, log_decision, log_ending
 from .endings import Answer, Ending, Step
@@ -139,7 +139,7 @@ class Handler(TaskCalls):
                 if (quiet := wait.replayed(record)) is not None:
                     raise quiet
                 self.idem.count("replays")
-                return self.idem.replay(record)
+                return continuations.replay(self, self.idem, identity, fp, record)
             if answer is Answer.REFUSE:
                 if fp != record.fingerprint and same_call(self, record, args, kwargs):
                     fp = record.fingerprint  # this very call, bound by another release: the caller's call

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import signals
 
-from . import telemetry
+from . import continuations, telemetry
 from .endings import HARD_KILLS, Ending, Step
 from .errors import IdempotencyError
 from .handler import HandledTask
@@ -53,6 +53,9 @@ class _Hooks:
 
     def _ours(self, task: Any) -> bool:
         return isinstance(task, HandledTask) and task.app is self.idem.app
+
+    def ran(self, **kw: Any) -> None:
+        continuations.settled(**kw)  # a duplicate's continuation was applied: its fence is settled
 
     def exiting(self, **_: Any) -> None:
         self.idem.heartbeat.flush()
@@ -159,6 +162,7 @@ def connect(idem: Runtime) -> list[tuple[Any, Any]]:
         (signals.task_failure, hooks.failed),
         (signals.task_revoked, hooks.revoked),
         (signals.worker_ready, hooks.worker_ready),
+        (signals.task_postrun, hooks.ran),
         # A process about to exit (a pool child recycled; a solo or threads pool's warm shutdown)
         # first stores the outcomes the store refused during an outage, within a bound.
         (signals.worker_process_shutdown, hooks.exiting),

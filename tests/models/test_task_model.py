@@ -659,9 +659,10 @@ REGRESSIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     # Found with CELERY_IDEM_MODEL_SEED=11 (on both stores), shrunk: a second call of a settled key
     # carrying a link is published anyway (so that the worker replays the outcome into its link),
     # and a copy of that message (a broker redelivery: same task id, same link) replays it into the
-    # link again, within the TTL: the continuation runs twice. A copy of the first call's own
-    # message does not (its task id is the record's); the duplicate's task id is not, so nothing
-    # tells the worker that this task id was answered already.
+    # link again, within the TTL: the continuation ran twice. A copy of the first call's own
+    # message did not (its task id is the record's); the duplicate's task id is not, so nothing
+    # told the worker that this task id was answered already. Now the replay into a duplicate's
+    # continuation is fenced by a record of that message's own (celery_idem/continuations.py).
     "a-copy-of-a-duplicate-carrying-a-link-runs-its-link-again": [
         ("call", {"n": 0, "how": "apply_async", "hold": 0.3}),
         ("wait", {"seconds": 1.0}),
@@ -695,13 +696,7 @@ REGRESSIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
 
 
 # Histories that still fail: library bugs, described (each must fail: strict).
-KNOWN_BUGS = {
-    "a-copy-of-a-duplicate-carrying-a-link-runs-its-link-again": (
-        "a redelivered copy of a deduplicated call that carries a link replays the stored outcome into "
-        "its link again within the TTL: the continuation runs twice (the worker cannot tell that the "
-        "duplicate's own task id was answered already)"
-    ),
-}
+KNOWN_BUGS: dict[str, str] = {}
 
 
 def _known_bug(name: str) -> list[pytest.MarkDecorator]:

@@ -156,6 +156,34 @@ def test_a_copy_of_a_settled_task_id_ends_quietly_and_its_link_runs_once(shop: S
     assert shop.app.backend.get_task_meta(first.id)["date_done"] == done
 
 
+@pytest.mark.parametrize("when", ["once the duplicate was answered", "while the duplicate is answered"])
+def test_a_copy_of_a_duplicate_carrying_a_link_runs_that_link_once(shop: Shop, key: str, when: str) -> None:
+    # Given a completed call, and a duplicate of it with a link of its own: published anyway under its
+    # own task id, so that the worker replays the outcome into that link
+    charge, add = shop.task("charge"), shop.task("add")
+    order = int(uuid.uuid4().int % 10**9)
+    assert charge.apply_async((order, 70), idempotency_key=key).get(timeout=GET)["charged"] == 70
+    duplicate = charge.apply_async((order, 70), idempotency_key=key, link=add.s(1))
+    links = effects_key(shop.prefix, "shop.add", str(order))
+    if when == "once the duplicate was answered":
+        _until(lambda: shop.counter.get(links) is not None)
+        _until(lambda: shop.app.backend.get_task_meta(duplicate.id).get("date_done") is not None)
+    # When a copy of the duplicate's message comes (the broker again, or its caller re-sending it)
+    shop.app.send_task(
+        "shop.charge",
+        (order, 70),
+        task_id=duplicate.id,
+        headers={"idempotency_key": key},
+        link=add.s(1),
+        queue=shop.prefix,
+    )
+    _until(lambda: shop.counter.get(links) is not None)
+    time.sleep(1.5)
+    # Then the body ran once, and the duplicate's link once: a copy of a message is not another call
+    assert shop.effects("charge", key) == 1
+    assert int(shop.counter.get(links) or 0) == 1, "the link of the duplicate ran again for a copy of its message"
+
+
 # ---- a body calling its own task ---------------------------------------------------------------------
 
 
