@@ -6,91 +6,142 @@ the worker replays the key's outcome into it. The key's record names the origina
 cannot tell a copy of that message (a broker's redelivery, a caller sending it again) from the
 message itself: each copy would run the continuation again, or count again towards its chord.
 
-So that replay is fenced by a record of its own, keyed by the message's task id (DESIGN, "Rules at
-the task level": a message is the unit a copy repeats). The first copy acquires it and settles it
-once Celery has applied the continuation (``task_postrun``); a copy that finds it held or settled
-ends quietly. Its key holds a space, which no caller's key can (:mod:`celery_idem.keys`): no call
-can be taken for it, nor it for a call. A process that dies between the two leaves it to its lease:
-a copy after that replays again (at least once, as plain Celery would run the link again), so a
-continuation is never lost; a store that cannot be asked does not stop the replay, for that reason.
+So that replay is fenced by a record of the message's own: task ``celery_idem.continuation``, keyed
+by the message's task id. It is an attempt like any other: the first copy acquires it under the
+heartbeat and settles it once Celery has applied the continuation (``task_postrun``); a copy that
+finds it settled ends quietly, and one that finds it held waits as a copy of a running task id does
+(:mod:`celery_idem.busy`): in the worker, then back in the broker, until it settles (quietly) or its
+lease runs out unrenewed (its holder died: the copy takes over and replays, as at least once must).
+A fence is settled only when Celery applied what the replay handed it (the value, or the stored
+failure into the errbacks); when Celery could not (the broker refused the link) it is released, so
+that a copy of the message applies it. A store that cannot be asked keeps the message, as the
+acquire of any message does.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from celery.exceptions import Ignore
+from celery import states
 
-from . import telemetry
+from . import outage
+from .busy import BusyWait, Republish
 from .errors import IdempotencyError, StoreUnavailableError
 from .records import Decision, IdempotencyRecord, Identity
-from .stores.base import new_token
 
 if TYPE_CHECKING:
     from .calling import TaskCalls
+    from .heartbeat import Lease
     from .runtime import Runtime
-    from .stores.base import Store
 
-__all__ = ["replay", "settled"]
+__all__ = ["FENCES", "replay", "settled"]
 
 logger = logging.getLogger("celery_idem.continuations")
 
-# The fences this process holds until Celery has applied the continuation: task id -> the store,
-# the fence's identity and its owner token. Task ids are unique per message, whatever the pool.
-_held: dict[str, tuple[Store, Identity, str]] = {}
+#: The task name the fences of duplicates' continuations are kept under (key: the message's task id).
+FENCES = "celery_idem.continuation"
+
+
+@dataclass
+class _Held:
+    """A fence this process holds until Celery has applied the continuation."""
+
+    idem: Runtime
+    owner: str
+    lease: Lease
+    raised: BaseException | None = None  # the stored failure the replay raised, if it was one
+
+
+# By task id and thread: two copies of one message may run side by side (a threads pool), and the
+# one that ends quietly must not settle the fence of the one that holds it.
+_held: dict[tuple[str, int], _Held] = {}
 _lock = threading.Lock()
 
 
-def replay(calls: TaskCalls, idem: Runtime, identity: Identity, fp: str, record: IdempotencyRecord) -> Any:
-    """The settled ``record``'s outcome for the running message, once per message.
+def replay(
+    calls: TaskCalls,
+    idem: Runtime,
+    record: IdempotencyRecord,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    owner: str,
+    republish: Republish,
+) -> Any:
+    """The settled ``record``'s outcome for the running message, into its continuation once.
 
     Raises:
-        Ignore: a copy of a duplicate whose continuation another copy applies or applied.
+        Ignore: a copy of a duplicate whose continuation another copy applied (or waits to).
+        Retry: the store could not be asked: the message went back to the broker.
     """
-    request = calls.task.request
+    task = calls.task
+    request = task.request
     task_id = request.id
     if request.is_eager or record.task_id == task_id or not _continues(request):
         return idem.replay(record)
-    fence = Identity(identity.scope, identity.task_name, f"{task_id} continuation")
-    owner = new_token()
-    policy = calls.policy
-    try:
-        taken = idem.store.acquire(
-            fence, fp, task_id, lease_seconds=policy.lease_seconds, ttl_seconds=policy.ttl_seconds, owner=owner
-        )
-    except StoreUnavailableError as exc:
-        logger.warning(
-            "task %s (%s): the store could not fence its continuation (%s); replayed into it anyway",
-            task_id,
-            telemetry.shown(identity),
-            exc,
-        )
-        return idem.replay(record)
-    if taken.decision is not Decision.RUN:
-        logger.info(
-            "task %s (%s): a copy of a duplicate already answered: ends quietly", task_id, telemetry.shown(identity)
-        )
-        raise Ignore(f"task {task_id}: its continuation was applied by another copy of its message")
+    fence, policy = Identity("", FENCES, task_id), calls.policy
+    wait = BusyWait(task, fence, policy, lambda: idem.store, republish, idem.count)
+    while True:
+        try:
+            taken = idem.store.acquire(
+                fence,
+                record.fingerprint,  # whichever release binds the message, every copy fences alike
+                task_id,
+                lease_seconds=policy.lease_seconds,
+                ttl_seconds=policy.ttl_seconds,
+                owner=owner,
+                next_look_seconds=wait.next_look_seconds(),
+            )
+        except StoreUnavailableError as exc:
+            if idem.proceed_unprotected("acquire", fence, task_id):
+                return idem.replay(record)
+            if outage.gives_up(request, exc):
+                raise
+            raise outage.keep_message(task, args, kwargs, exc, republish) from None
+        held = taken.record
+        assert held is not None
+        if taken.decision is Decision.RUN:
+            break
+        if taken.decision is not Decision.BUSY:
+            raise wait.replayed(held) or wait.mismatched(held) or AssertionError(taken.decision)
+        wait.busy(held, args, kwargs)  # a copy of this message applies it now: wait, or go back
+    held_here = _Held(idem, owner, idem.heartbeat.add(idem.store, fence, owner, policy.lease_seconds))
     with _lock:
-        _held[task_id] = (idem.store, fence, owner)
-    return idem.replay(record)
+        _held[task_id, threading.get_ident()] = held_here
+    try:
+        return idem.replay(record)
+    except BaseException as exc:
+        held_here.raised = exc
+        raise
 
 
-def settled(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
-    """``task_postrun``: Celery has applied the message's continuation; the fence it took is settled."""
+def settled(
+    sender: Any = None, task_id: str | None = None, state: str | None = None, retval: Any = None, **_: Any
+) -> None:
+    """``task_postrun``: settle the fence this message's replay took, once Celery applied what the
+    replay handed it; release it when Celery could not (a copy of the message then applies it)."""
     if task_id is None:
         return
     with _lock:
-        held = _held.pop(task_id, None)
+        held = _held.pop((task_id, threading.get_ident()), None)
     if held is None:
         return
-    store, fence, owner = held
+    applied = state == states.SUCCESS if held.raised is None else retval is held.raised
+    fence, store = Identity("", FENCES, task_id), held.idem.store
     try:
-        store.complete(fence, owner, b"null")
+        if applied:
+            store.complete(fence, held.owner, b"null")
+        else:
+            store.release(fence, held.owner)
+            logger.warning("task %s: its continuation was not applied (%s); a copy of it may apply it", task_id, state)
     except IdempotencyError as exc:
-        logger.warning("task %s: its continuation's fence was left to its lease: %s", task_id, exc)
+        # Left to its lease: a copy that comes after it runs out replays again (at least once).
+        logger.warning("task %s: its continuation's fence was not settled: %s", task_id, exc)
+    finally:
+        held.idem.heartbeat.remove(held.lease)
 
 
 def _continues(request: Any) -> bool:

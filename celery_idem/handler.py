@@ -139,7 +139,7 @@ class Handler(TaskCalls):
                 if (quiet := wait.replayed(record)) is not None:
                     raise quiet
                 self.idem.count("replays")
-                return continuations.replay(self, self.idem, identity, fp, record)
+                return continuations.replay(self, self.idem, record, args, kwargs, owner, self.republish)
             if answer is Answer.REFUSE:
                 if fp != record.fingerprint and same_call(self, record, args, kwargs):
                     fp = record.fingerprint  # this very call, bound by another release: the caller's call
