@@ -89,11 +89,27 @@ class IdempotencyPolicy(BaseModel):
         description="Where an outcome is written: 'both' (Celery's result backend and the store, as plain "
         "Celery) or 'store' (the store only: one write per outcome; see docs/results.md).",
     )
+    # DESIGN §7: until_started, throttle, debounce and replace are not built yet (docs/modes.md).
+    mode: Literal["idempotent", "until_done"] = Field(
+        default="idempotent",
+        description="When the key is free again: 'idempotent' (its outcome is kept ttl_seconds and handed to "
+        "every later call) or 'until_done' (celery-singleton's: one call per key from publish to the end of "
+        "its run; the key is free once it ends, and nothing is replayed after; see docs/modes.md).",
+    )
 
     @field_validator(*_DURATIONS)
     @classmethod
     def _durations_finite(cls, value: float, info: ValidationInfo) -> float | None:
         return _finite(str(info.field_name), value)
+
+    @model_validator(mode="after")
+    def _outcome_somewhere(self) -> IdempotencyPolicy:
+        if self.mode == "until_done" and self.results == "store":
+            raise ValueError(
+                "results='store' keeps an outcome in the store only, and mode 'until_done' keeps none past "
+                "the run: a handle could never be answered; use results='both' (the default)"
+            )
+        return self
 
     @field_validator("key_args")
     @classmethod

@@ -7,11 +7,11 @@ of its own, and the signal hooks do the same for the endings only the worker's p
 endings matrix (``tests/endings.py``, run through real workers) names the ending of each of its
 rows, and a test holds the two together: a new ending is a row of both.
 
-A mode is where the deduplication modes other than the idempotent one would plug in (unique while
-queued, unique while running, one run per period, the newest call wins): each is a different
-``after`` table (when the record is released) and ``duplicate`` table (what a duplicate gets),
-with the record's lifetime from the task's policy. Only :data:`IDEMPOTENT` exists today; see
-docs/architecture.md.
+A mode (DESIGN §7) is an ``after`` table (which step each ending takes), a ``duplicate`` table
+(what a duplicate gets) and a record lifetime (how long a settled record lives): the state machine,
+the stores, leases, fencing, the reconciler and outage handling are the same for every mode.
+:data:`IDEMPOTENT` (the default) and :data:`UNTIL_DONE` exist; a task picks one by its policy's
+``mode`` (:data:`MODES`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,22 @@ from celery.exceptions import Ignore, Reject, Retry, TimeLimitExceeded, WorkerLo
 
 from .records import Decision
 
-__all__ = ["HARD_KILLS", "IDEMPOTENT", "Answer", "Ending", "Mode", "Step", "ending_of"]
+__all__ = [
+    "HARD_KILLS",
+    "IDEMPOTENT",
+    "MODES",
+    "RUN_ONLY_SECONDS",
+    "UNTIL_DONE",
+    "Answer",
+    "Ending",
+    "Mode",
+    "Step",
+    "ending_of",
+]
+
+# The lifetime of a settled record in a mode that keeps no outcome: the store takes positive TTLs
+# only, and a millisecond is the unit of Redis's PX and of the SQL stores' timeouts.
+RUN_ONLY_SECONDS = 0.001
 
 # What the worker's parent reports (task_failure) when the process that ran the body is gone.
 HARD_KILLS: tuple[type[BaseException], ...] = (WorkerLostError, TimeLimitExceeded)
@@ -72,6 +87,12 @@ class Mode:
     name: str
     after: Mapping[Ending, Step]
     duplicate: Mapping[Decision, Answer]
+    keeps_outcome: bool = True  # a settled record lives ttl_seconds; else only until the run's waiters look
+
+    def lifetime(self, ttl_seconds: float) -> float:
+        """How long a record lives once settled (what the store is given as its TTL). A BUSY waiter
+        keeps it until its next look, whatever this says (stores/base.py, ``next_look_seconds``)."""
+        return ttl_seconds if self.keeps_outcome else RUN_ONLY_SECONDS
 
     def __post_init__(self) -> None:
         missing = [e.name for e in Ending if e not in self.after]
@@ -98,6 +119,15 @@ IDEMPOTENT = Mode(
         {Decision.REPLAY: Answer.REPLAY, Decision.BUSY: Answer.WAIT, Decision.MISMATCH: Answer.REFUSE}
     ),
 )
+
+# celery-singleton's (and celery-once's default): one call per key from its publish to the end of its
+# run. The same steps as the idempotent mode (a retry or a replacement keeps the key, a failure
+# frees it), but a settled record lives only for the duplicates that waited on the run: a message
+# of the key delivered while the call ran is answered with its outcome (or a duplicate call with its
+# id); one after it ended is a new call and runs.
+UNTIL_DONE = Mode("until_done", after=IDEMPOTENT.after, duplicate=IDEMPOTENT.duplicate, keeps_outcome=False)
+
+MODES: Mapping[str, Mode] = MappingProxyType({mode.name: mode for mode in (IDEMPOTENT, UNTIL_DONE)})
 
 
 def ending_of(

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from . import telemetry
 from .config import IdempotencyPolicy, IdempotencySettings, LeftBehind, invalid_settings
-from .endings import IDEMPOTENT, Mode
+from .endings import MODES, Mode
 from .errors import ConfigurationError
 from .heartbeat import Heartbeat
 from .keys import keyed_identity
@@ -122,9 +122,8 @@ class Runtime:
         )
 
     def mode_for(self, task: Any) -> Mode:
-        """The task's deduplication mode: the idempotent one (the only mode today; docs/architecture.md
-        says where the others would be chosen)."""
-        return IDEMPOTENT
+        """The task's deduplication mode, by its policy's ``mode`` (DESIGN §7)."""
+        return MODES[self.policy_for(task).mode]
 
     def policy_for(self, task: Any) -> IdempotencyPolicy:
         """The task's effective policy: its ``idempotency`` option over the app-wide defaults."""
@@ -150,6 +149,8 @@ class Runtime:
                 policy = self.settings.policy(merged)
             except ValidationError as exc:
                 raise invalid_settings(f"idempotency policy of task {task.name!r}", exc) from None
+            # The mode's record lifetime is the TTL every store call of the task gives.
+            policy = policy.model_copy(update={"ttl_seconds": MODES[policy.mode].lifetime(policy.ttl_seconds)})
             self._policies[task.name] = policy
         return policy
 

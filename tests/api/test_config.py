@@ -36,6 +36,7 @@ POLICY_DEFAULTS: dict[str, Any] = {
     "default_failure": "retryable",
     "stale_action": "release",
     "results": "both",  # not in DESIGN §6: where an outcome is written (docs/results.md)
+    "mode": "idempotent",  # DESIGN §7: when the key is free again (docs/modes.md)
 }
 SETTINGS_DEFAULTS: dict[str, Any] = {
     **POLICY_DEFAULTS,
@@ -60,6 +61,7 @@ INVALID_VALUES = [
     ("on_busy", "sometimes"),
     ("key_args", []),
     ("key_args", "order_id"),
+    ("mode", "until_lunch"),
 ]
 
 
@@ -177,6 +179,28 @@ def test_policy_model_overrides_only_fields_it_set_explicitly() -> None:
     assert policy.ttl_seconds == 86400
     assert policy.lease_seconds == 5
     assert policy.on_duplicate == "raise"
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_mode_that_keeps_no_outcome_with_results_in_the_store_only_is_refused(
+    model: type[IdempotencyPolicy],
+) -> None:
+    with pytest.raises(ValidationError) as excinfo:
+        model(mode="until_done", results="store")
+    assert "mode 'until_done' keeps none past the run" in str(excinfo.value)
+    assert "use results='both'" in str(excinfo.value)
+
+
+def test_a_task_in_a_mode_that_keeps_no_outcome_names_its_records_lifetime_not_the_ttl() -> None:
+    # until_done keeps a settled record only for the duplicates that waited on its run
+    app = eager_app()
+    idem = Idempotency(app, store=MemoryStore(), ttl_seconds=600)
+
+    @app.task(shared=False, base=IdempotentTask, name="t.single", idempotency={"mode": "until_done"})
+    def single() -> None: ...
+
+    assert idem.policy_for(single).ttl_seconds == 0.001
+    assert idem.policy_for(counting_task(app, [])).ttl_seconds == 600
 
 
 def test_policy_with_an_invalid_override_is_refused() -> None:

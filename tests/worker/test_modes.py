@@ -1,0 +1,189 @@
+"""A task's mode says when its key is free again and what a duplicate gets (DESIGN §7).
+
+``until_done`` (celery-singleton's, and celery-once's default): one call per key from its publish to
+the end of its run. A duplicate call made while the call waits in the queue or runs gets its id (or
+``DuplicateTaskError`` with ``on_duplicate="raise"``); a message of the key delivered while it runs
+waits for it and is answered with its outcome; a retry keeps the key; once the run ends (returned or
+failed) the key is free, and the next call runs: nothing is replayed after the end.
+
+Through a real in-process worker (threads pool, Redis broker) on every store; executions are
+counted by an INCR in the body, never by our records.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+from conftest import STORE_KINDS, make_store, require_server, wipe
+from shop import COUNTER_URL, effects_key
+from shop_worker import BACKEND, BROKERS, GET
+from workers import wait_for
+
+from celery_idem import DuplicateTaskError, Idempotency, IdempotentTask, PermanentError
+from celery_idem.stores import Store
+
+
+class Declined(PermanentError):
+    """A final failure of a run."""
+
+
+def modes_app(*, store: Store, prefix: str) -> Celery:
+    app = Celery("modes", broker=BROKERS["redis"], backend=BACKEND, set_as_current=False)
+    app.conf.update(
+        task_default_queue=prefix,
+        worker_prefetch_multiplier=1,
+        worker_hijack_root_logger=False,
+        broker_connection_retry_on_startup=True,
+        result_expires=600,
+    )
+    Idempotency(app, store=store, key_prefix=prefix)
+    counter = redis.Redis.from_url(COUNTER_URL)
+
+    def effect(task: str, key: str) -> int:
+        return int(counter.incr(effects_key(prefix, task, key)))
+
+    single = {"mode": "until_done", "key_args": ["order_id"]}
+
+    @app.task(shared=False, base=IdempotentTask, name="modes.single", idempotency=single)
+    def run(order_id: str, hold: float = 0.0, fail: bool = False) -> dict[str, int]:
+        n = effect("single", order_id)
+        time.sleep(hold)
+        if fail:
+            raise Declined(f"run {n} declined")
+        return {"run": n}
+
+    @app.task(shared=False, base=IdempotentTask, name="modes.raising", idempotency={**single, "on_duplicate": "raise"})
+    def raising(order_id: str, hold: float = 0.0) -> dict[str, int]:
+        n = effect("raising", order_id)
+        time.sleep(hold)
+        return {"run": n}
+
+    @app.task(shared=False, base=IdempotentTask, bind=True, name="modes.retried", idempotency=single)
+    def retried(self: Any, order_id: str) -> dict[str, int]:
+        if self.request.retries == 0:
+            raise self.retry(countdown=1, max_retries=1)
+        return {"run": effect("retried", order_id)}
+
+    return app
+
+
+@dataclass
+class Running:
+    app: Celery
+    store: Store
+    prefix: str
+    counter: redis.Redis
+
+    def task(self, name: str) -> Any:
+        return self.app.tasks[f"modes.{name}"]
+
+    def runs(self, task: str, key: str) -> int:
+        return int(self.counter.get(effects_key(self.prefix, task, key)) or 0)
+
+
+@pytest.fixture(scope="module", params=STORE_KINDS)
+def worker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    """One worker (Redis broker) per store, for the module's tests, each on keys of its own."""
+    require_server("redis")
+    prefix = f"m{uuid.uuid4().hex[:10]}"
+    store = make_store(str(request.param), tmp_path_factory.mktemp("modes"), prefix)
+    app = modes_app(store=store, prefix=prefix)
+    try:
+        with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False, shutdown_timeout=20):
+            yield Running(app, store, prefix, redis.Redis.from_url(COUNTER_URL))
+    finally:
+        wipe(store)
+
+
+@pytest.fixture
+def order() -> str:
+    return f"o-{uuid.uuid4().hex}"
+
+
+# ---- until_done: one call per key until its run ends ------------------------------------------------
+
+
+def test_a_duplicate_while_the_call_waits_or_runs_gets_its_id_and_the_body_runs_once(
+    worker: Running, order: str
+) -> None:
+    run = worker.task("single")
+    # Given a call (its body holds 1 s), and a duplicate made at once (queued) and one while it runs
+    first = run.apply_async((order, 1.0))
+    queued = run.apply_async((order, 1.0))
+    wait_for(lambda: worker.runs("single", order) == 1, "the call to start")
+    running = run.apply_async((order, 1.0))
+    # Then both are handed the call's id and its outcome; the body ran once
+    assert queued.deduplicated and running.deduplicated
+    assert queued.id == running.id == first.id
+    assert first.get(timeout=GET) == queued.get(timeout=GET) == running.get(timeout=GET) == {"run": 1}
+    assert worker.runs("single", order) == 1
+
+
+def test_once_the_run_ended_the_key_is_free_and_nothing_is_replayed(worker: Running, order: str) -> None:
+    run = worker.task("single")
+    # Given a call whose run ended
+    first = run.apply_async((order,))
+    assert first.get(timeout=GET) == {"run": 1}
+    # When the same call is made again
+    again = run.apply_async((order,))
+    # Then it is a new call: it runs, under its own id, and the first handle still answers its own run
+    assert not again.deduplicated and again.id != first.id
+    assert again.get(timeout=GET) == {"run": 2}
+    assert first.get(timeout=GET) == {"run": 1}
+    assert worker.runs("single", order) == 2
+
+
+def test_a_run_that_failed_frees_the_key_and_its_failure_is_not_replayed(worker: Running, order: str) -> None:
+    run = worker.task("single")
+    # Given a call whose run failed for good
+    first = run.apply_async((order,), {"fail": True})
+    with pytest.raises(Declined, match="run 1 declined"):
+        first.get(timeout=GET)
+    # When the call is made again, then it runs (the failure was the run's, not the key's for a TTL)
+    assert run.apply_async((order,)).get(timeout=GET) == {"run": 2}
+
+
+def test_a_message_of_the_key_delivered_while_it_runs_is_answered_with_the_runs_outcome(
+    worker: Running, order: str
+) -> None:
+    run = worker.task("single")
+    # Given a call that runs, and a message of the same call sent by name (no producer claimed it)
+    first = run.apply_async((order, 1.0))
+    wait_for(lambda: worker.runs("single", order) == 1, "the call to start")
+    by_name = worker.app.send_task("modes.single", (order, 1.0), queue=worker.prefix)
+    # Then the message waits for the run and is answered with its outcome: the body ran once
+    assert by_name.get(timeout=GET) == first.get(timeout=GET) == {"run": 1}
+    assert worker.runs("single", order) == 1
+
+
+def test_a_retry_keeps_the_key_until_the_call_ends(worker: Running, order: str) -> None:
+    retried = worker.task("retried")
+    # Given a call that retried once (its retry waits 1 s in the broker)
+    first = retried.apply_async((order,))
+    wait_for(lambda: worker.app.backend.get_task_meta(first.id)["status"] == "RETRY", "the first attempt's retry")
+    # When the call is made again meanwhile, then it is handed the call's id: the key is still held
+    again = retried.apply_async((order,))
+    assert again.deduplicated and again.id == first.id
+    assert first.get(timeout=GET) == {"run": 1}
+    assert worker.runs("retried", order) == 1
+
+
+def test_a_duplicate_while_it_runs_raises_with_the_running_calls_id_when_the_policy_says_raise(
+    worker: Running, order: str
+) -> None:
+    raising = worker.task("raising")
+    first = raising.apply_async((order, 1.0))
+    with pytest.raises(DuplicateTaskError) as refused:
+        raising.apply_async((order, 1.0))
+    assert refused.value.task_id == first.id
+    assert first.get(timeout=GET) == {"run": 1}
+    # And once it ended, the next call runs
+    assert raising.apply_async((order,)).get(timeout=GET) == {"run": 2}
