@@ -185,6 +185,34 @@ def test_a_revoked_copy_of_a_running_task_never_frees_the_running_attempts_recor
     assert int(counter.get(effects_key(prefix, "shop.slow", key))) == 1
 
 
+def test_a_duplicates_link_lost_with_its_child_runs_when_the_requeued_message_comes_back(
+    workers, prefix, counter
+) -> None:
+    # Given a completed call, and a duplicate of it with a link (published anyway: the worker replays
+    # the outcome into the link) on an acks_late task whose message is requeued when its child is lost
+    from dying_link_shop import add_linked, armed
+
+    app = _producer(BROKERS["redis"], prefix)
+    linked = add_linked(app, prefix)
+    worker = workers(BROKERS["redis"], REDIS_URL, prefix, app="dying_link_shop")
+    key, tag = f"k-{uuid.uuid4().hex}", uuid.uuid4().hex
+    assert linked.apply_async((7,), idempotency_key=key).get(timeout=GET) == {"order": "7", "charged": 1}
+    # When the child answering the duplicate is SIGKILLed after the replay, before the link is sent
+    counter.set(armed(prefix, tag), 1)
+    duplicate = linked.apply_async((7,), idempotency_key=key, link=app.tasks["shop.noted"].si("x", tag))
+    assert duplicate.deduplicated
+    wait_for(lambda: not counter.exists(armed(prefix, tag)), "the child's death while sending the link")
+    # Then the requeued message (at least once, as plain Celery) sends the link: never lost. (Its
+    # fence is still held under the dead child's lease, so the copy ended quietly instead.)
+    links = effects_key(prefix, "shop.noted", tag)
+    deadline = time.monotonic() + 25  # past the task's 10 s lease too
+    while time.monotonic() < deadline and not counter.get(links):
+        time.sleep(0.1)
+    quiet = "a copy of a duplicate already answered" in worker.output()
+    assert int(counter.get(links) or 0) == 1, f"the link never ran (the redelivery ended quietly: {quiet})"
+    assert int(counter.get(effects_key(prefix, "shop.linked", key))) == 1
+
+
 # ---- the store is down on the worker ------------------------------------------------------------
 
 

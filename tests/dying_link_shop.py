@@ -1,0 +1,59 @@
+"""A ``celery worker`` app (tests/workers.py, ``app="dying_link_shop"``): tests/shop.py's app, built from
+the SHOP_* environment, with ``shop.linked`` (acks_late, requeued when its child is lost) and a child
+that SIGKILLs itself while it sends an armed link: after the worker replayed the key's outcome for a
+duplicate, before Celery has sent the duplicate's link (so before ``task_postrun``).
+
+A link ``shop.noted.si(task_id, tag)`` is armed by ``counter.set(armed(prefix, tag), 1)``; the first
+child that sends it takes the arm (DEL) and dies, so the redelivered message may send it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import redis
+from celery import signals
+from shop import COUNTER_URL, effects_key
+
+from celery_idem import IdempotentTask
+
+
+def armed(prefix: str, tag: str) -> str:
+    return f"dying-link:{prefix}:{tag}"
+
+
+def add_linked(app: Any, prefix: str) -> Any:
+    """``shop.linked`` on ``app``: counts its body, takes a link; acks_late, requeued on a lost child."""
+    counter = redis.Redis.from_url(COUNTER_URL)
+
+    @app.task(
+        base=IdempotentTask,
+        bind=True,
+        shared=False,
+        name="shop.linked",
+        acks_late=True,
+        reject_on_worker_lost=True,
+        idempotency={"lease_seconds": 10},
+    )
+    def linked(self: Any, order_id: int) -> dict[str, Any]:
+        counter.incr(effects_key(prefix, "shop.linked", self.request.idempotency_key))
+        return {"order": str(order_id), "charged": 1}
+
+    return linked
+
+
+if os.environ.get("SHOP_BROKER"):
+    from shop import app
+
+    _prefix = os.environ["SHOP_PREFIX"]
+    _counter = redis.Redis.from_url(COUNTER_URL)
+    add_linked(app, _prefix)
+
+    @signals.before_task_publish.connect(weak=False)
+    def _die_while_sending_an_armed_link(sender: Any = None, body: Any = None, **_: Any) -> None:
+        if sender != "shop.noted" or not isinstance(body, (tuple, list)) or len(body[0]) < 2:
+            return
+        if _counter.delete(armed(_prefix, str(body[0][1]))):
+            os.kill(os.getpid(), signal.SIGKILL)
