@@ -19,11 +19,13 @@ import pytest
 import redis
 import shop_worker
 from celery import signals
-from shop import effects_key
-from shop_worker import GET, Shop
+from conftest import POSTGRES_URL, require_server, wipe
+from shop import COUNTER_URL, effects_key, make_app
+from shop_worker import BACKEND, BROKERS, GET, Shop
 from shop_worker import until as _until
+from workers import Worker, wait_for
 
-from celery_idem import LockLostError, State
+from celery_idem import Idempotency, LockLostError, State
 
 shop = shop_worker.shop
 key = shop_worker.key
@@ -182,6 +184,35 @@ def test_a_copy_of_a_duplicate_carrying_a_link_runs_that_link_once(shop: Shop, k
     # Then the body ran once, and the duplicate's link once: a copy of a message is not another call
     assert shop.effects("charge", key) == 1
     assert int(shop.counter.get(links) or 0) == 1, "the link of the duplicate ran again for a copy of its message"
+
+
+def test_a_copy_of_a_duplicate_under_a_long_chosen_task_id_runs_its_link_once_on_postgresql(tmp_path) -> None:
+    # Given a worker on a PostgreSQL store, a completed call, and a duplicate of it with a link under a
+    # task id its caller chose: 250 characters (Celery takes any string; the main record keeps it whole)
+    require_server("postgresql")
+    prefix = f"c{uuid.uuid4().hex[:10]}"
+    worker = Worker(tmp_path, BROKERS["redis"], POSTGRES_URL, prefix)
+    app = make_app(broker=BROKERS["redis"], backend=BACKEND, store=POSTGRES_URL, prefix=prefix, queue=prefix)
+    try:
+        charge, add = app.tasks["shop.charge"], app.tasks["shop.add"]
+        order, key = int(uuid.uuid4().int % 10**9), f"k-{uuid.uuid4().hex}"
+        assert charge.apply_async((order, 70), idempotency_key=key).get(timeout=GET)["charged"] == 70
+        task_id = f"order-{order}-" + "x" * (250 - len(f"order-{order}-"))
+        duplicate = charge.apply_async((order, 70), idempotency_key=key, task_id=task_id, link=add.s(1))
+        assert duplicate.deduplicated and duplicate.id == task_id
+        links = effects_key(prefix, "shop.add", str(order))
+        counter = redis.Redis.from_url(COUNTER_URL)
+        wait_for(lambda: counter.get(links) is not None, "the duplicate's link")
+        # When a copy of the duplicate's message comes (its caller re-sending it under the same id)
+        charge.apply_async((order, 70), idempotency_key=key, task_id=task_id, link=add.s(1))
+        wait_for(lambda: "ends quietly" in worker.output() or int(counter.get(links) or 0) > 1, "the copy's end")
+        # Then the link ran once (the fence's key, the task id and a suffix, is too long for the SQL
+        # store's 255-character key column: its acquire fails as an "outage" and every copy replays)
+        assert int(counter.get(links) or 0) == 1, "the link ran again for a copy of its message"
+        assert int(counter.get(effects_key(prefix, "shop.charge", key))) == 1
+    finally:
+        worker.stop()
+        wipe(Idempotency.of(app).store)
 
 
 # ---- a body calling its own task ---------------------------------------------------------------------
