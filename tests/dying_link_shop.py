@@ -4,13 +4,16 @@ that SIGKILLs itself while it sends an armed link: after the worker replayed the
 duplicate, before Celery has sent the duplicate's link (so before ``task_postrun``).
 
 A link ``shop.noted.si(task_id, tag)`` is armed by ``counter.set(armed(prefix, tag), 1)``; the first
-child that sends it takes the arm (DEL) and dies, so the redelivered message may send it.
+child that sends it takes the arm (DEL) and dies, so the redelivered message may send it. Armed by
+``counter.set(held(prefix, tag), 1)`` instead, the sender says so (``holding(prefix, tag)``) and waits
+for ``go(prefix, tag)`` before it dies (with the threads pool: the whole worker).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Any
 
 import redis
@@ -22,6 +25,18 @@ from celery_idem import IdempotentTask
 
 def armed(prefix: str, tag: str) -> str:
     return f"dying-link:{prefix}:{tag}"
+
+
+def held(prefix: str, tag: str) -> str:
+    return f"dying-link:{prefix}:{tag}:held"
+
+
+def holding(prefix: str, tag: str) -> str:
+    return f"dying-link:{prefix}:{tag}:holding"
+
+
+def go(prefix: str, tag: str) -> str:
+    return f"dying-link:{prefix}:{tag}:go"
 
 
 def add_linked(app: Any, prefix: str) -> Any:
@@ -55,5 +70,12 @@ if os.environ.get("SHOP_BROKER"):
     def _die_while_sending_an_armed_link(sender: Any = None, body: Any = None, **_: Any) -> None:
         if sender != "shop.noted" or not isinstance(body, (tuple, list)) or len(body[0]) < 2:
             return
-        if _counter.delete(armed(_prefix, str(body[0][1]))):
+        tag = str(body[0][1])
+        if _counter.delete(held(_prefix, tag)):
+            _counter.set(holding(_prefix, tag), 1)
+            deadline = time.monotonic() + 60
+            while not _counter.exists(go(_prefix, tag)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if _counter.delete(armed(_prefix, tag)):
             os.kill(os.getpid(), signal.SIGKILL)
