@@ -6,7 +6,9 @@ duplicate, before Celery has sent the duplicate's link (so before ``task_postrun
 A link ``shop.noted.si(task_id, tag)`` is armed by ``counter.set(armed(prefix, tag), 1)``; the first
 child that sends it takes the arm (DEL) and dies, so the redelivered message may send it. Armed by
 ``counter.set(held(prefix, tag), 1)`` instead, the sender says so (``holding(prefix, tag)``) and waits
-for ``go(prefix, tag)`` before it dies (with the threads pool: the whole worker).
+for ``go(prefix, tag)`` before it dies (with the threads pool: the whole worker). ``shop.noted_once``
+is a link whose send fails once as the broker's would (kombu's OperationalError) when armed by
+``counter.set(refused(prefix, tag), 1)``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import redis
 from celery import signals
+from kombu.exceptions import OperationalError
 from shop import COUNTER_URL, effects_key
 
 from celery_idem import IdempotentTask
@@ -39,6 +42,10 @@ def go(prefix: str, tag: str) -> str:
     return f"dying-link:{prefix}:{tag}:go"
 
 
+def refused(prefix: str, tag: str) -> str:
+    return f"dying-link:{prefix}:{tag}:refused"
+
+
 def add_linked(app: Any, prefix: str) -> Any:
     """``shop.linked`` on ``app``: counts its body, takes a link; acks_late, requeued on a lost child."""
     counter = redis.Redis.from_url(COUNTER_URL)
@@ -55,6 +62,16 @@ def add_linked(app: Any, prefix: str) -> Any:
     def linked(self: Any, order_id: int) -> dict[str, Any]:
         counter.incr(effects_key(prefix, "shop.linked", self.request.idempotency_key))
         return {"order": str(order_id), "charged": 1}
+
+    class RefusedOnce(app.Task):  # type: ignore[name-defined,misc]
+        def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
+            if args and counter.delete(refused(prefix, str(args[-1]))):
+                raise OperationalError("the broker refused the message (injected)")
+            return super().apply_async(args, kwargs, **options)
+
+    @app.task(base=RefusedOnce, shared=False, name="shop.noted_once")
+    def noted_once(task_id: str, tag: str) -> None:
+        counter.incr(effects_key(prefix, "shop.noted_once", tag))
 
     return linked
 

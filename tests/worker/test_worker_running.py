@@ -19,7 +19,7 @@ import pytest
 import redis
 import shop_worker
 from celery import signals
-from conftest import POSTGRES_URL, require_server, wipe
+from conftest import POSTGRES_URL, REDIS_URL, require_server, wipe
 from shop import COUNTER_URL, effects_key, make_app
 from shop_worker import BACKEND, BROKERS, GET, Shop
 from shop_worker import until as _until
@@ -210,6 +210,40 @@ def test_a_copy_of_a_duplicate_under_a_long_chosen_task_id_runs_its_link_once_on
         # store's 255-character key column: its acquire fails as an "outage" and every copy replays)
         assert int(counter.get(links) or 0) == 1, "the link ran again for a copy of its message"
         assert int(counter.get(effects_key(prefix, "shop.charge", key))) == 1
+    finally:
+        worker.stop()
+        wipe(Idempotency.of(app).store)
+
+
+def test_a_duplicates_link_the_broker_refused_runs_when_its_message_is_sent_again(tmp_path) -> None:
+    # Given a completed call, and a duplicate of it with a link whose send the broker refuses once (Celery
+    # marks the duplicate FAILED with the broker's OperationalError: the link was never sent)
+    from dying_link_shop import add_linked, refused
+
+    require_server("redis")
+    prefix = f"c{uuid.uuid4().hex[:10]}"
+    worker = Worker(tmp_path, BROKERS["redis"], REDIS_URL, prefix, app="dying_link_shop")
+    app = make_app(broker=BROKERS["redis"], backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix)
+    linked = add_linked(app, prefix)
+    counter = redis.Redis.from_url(COUNTER_URL)
+    try:
+        key, tag = f"k-{uuid.uuid4().hex}", uuid.uuid4().hex
+        assert linked.apply_async((7,), idempotency_key=key).get(timeout=GET) == {"order": "7", "charged": 1}
+        counter.set(refused(prefix, tag), 1)
+        link = app.tasks["shop.noted_once"].si("x", tag)
+        duplicate = linked.apply_async((7,), idempotency_key=key, link=link)
+        wait_for(lambda: app.backend.get_task_meta(duplicate.id)["status"] == "FAILURE", "the failed link send")
+        assert not counter.exists(refused(prefix, tag))
+        assert "refused the message" in repr(app.backend.get_task_meta(duplicate.id)["result"])
+        # When its caller (or a dead-letter re-drive) sends that message again under its task id
+        app.send_task("shop.linked", (7,), task_id=duplicate.id, headers={"idempotency_key": key}, link=link)
+        # Then the link runs (once): its first send never happened, so the copy must not end quietly
+        links = effects_key(prefix, "shop.noted_once", tag)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not counter.get(links):
+            time.sleep(0.1)
+        quiet = "a copy of a duplicate already answered" in worker.output()
+        assert int(counter.get(links) or 0) == 1, f"the link was never sent (the copy ended quietly: {quiet})"
     finally:
         worker.stop()
         wipe(Idempotency.of(app).store)
