@@ -8,7 +8,9 @@ child that sends it takes the arm (DEL) and dies, so the redelivered message may
 ``counter.set(held(prefix, tag), 1)`` instead, the sender says so (``holding(prefix, tag)``) and waits
 for ``go(prefix, tag)`` before it dies (with the threads pool: the whole worker). ``shop.noted_once``
 is a link whose send fails once as the broker's would (kombu's OperationalError) when armed by
-``counter.set(refused(prefix, tag), 1)``.
+``counter.set(refused(prefix, tag), 1)``. Armed by ``counter.set(stalled(prefix, tag), 1)``, the
+sender says so (``holding``) and waits for ``go`` before it sends the link (a publish the broker
+holds up, as RabbitMQ does under a resource alarm); ``shop.linked_brief`` is ``shop.linked`` with a 1 s lease.
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ def go(prefix: str, tag: str) -> str:
     return f"dying-link:{prefix}:{tag}:go"
 
 
+def stalled(prefix: str, tag: str) -> str:
+    return f"dying-link:{prefix}:{tag}:stalled"
+
+
 def refused(prefix: str, tag: str) -> str:
     return f"dying-link:{prefix}:{tag}:refused"
 
@@ -73,6 +79,11 @@ def add_linked(app: Any, prefix: str) -> Any:
     def noted_once(task_id: str, tag: str) -> None:
         counter.incr(effects_key(prefix, "shop.noted_once", tag))
 
+    @app.task(base=IdempotentTask, bind=True, shared=False, name="shop.linked_brief", idempotency={"lease_seconds": 1})
+    def linked_brief(self: Any, order_id: int) -> dict[str, Any]:
+        counter.incr(effects_key(prefix, "shop.linked_brief", self.request.idempotency_key))
+        return {"order": str(order_id), "charged": 1}
+
     return linked
 
 
@@ -94,5 +105,10 @@ if os.environ.get("SHOP_BROKER"):
             while not _counter.exists(go(_prefix, tag)) and time.monotonic() < deadline:
                 time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)
+        if _counter.delete(stalled(_prefix, tag)):
+            _counter.set(holding(_prefix, tag), 1)
+            deadline = time.monotonic() + 60
+            while not _counter.exists(go(_prefix, tag)) and time.monotonic() < deadline:
+                time.sleep(0.05)
         if _counter.delete(armed(_prefix, tag)):
             os.kill(os.getpid(), signal.SIGKILL)

@@ -249,6 +249,45 @@ def test_a_duplicates_link_the_broker_refused_runs_when_its_message_is_sent_agai
         wipe(Idempotency.of(app).store)
 
 
+def test_a_copy_of_a_duplicate_whose_link_send_outlasts_the_lease_runs_that_link_once(tmp_path) -> None:
+    # Given a completed call (a task with a 1 s lease), and a duplicate of it with a link, whose worker
+    # process is held up sending the link (the broker holds the publish) past that lease
+    from dying_link_shop import add_linked, go, holding, stalled
+
+    from celery_idem.records import Identity
+
+    require_server("redis")
+    prefix = f"c{uuid.uuid4().hex[:10]}"
+    worker = Worker(tmp_path, BROKERS["redis"], REDIS_URL, prefix, app="dying_link_shop")
+    app = make_app(broker=BROKERS["redis"], backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix)
+    add_linked(app, prefix)
+    brief, idem = app.tasks["shop.linked_brief"], Idempotency.of(app)
+    counter = redis.Redis.from_url(COUNTER_URL)
+    try:
+        key, tag = f"k-{uuid.uuid4().hex}", uuid.uuid4().hex
+        assert brief.apply_async((7,), idempotency_key=key).get(timeout=GET) == {"order": "7", "charged": 1}
+        counter.set(stalled(prefix, tag), 1)
+        link = app.tasks["shop.noted"].si("x", tag)
+        duplicate = brief.apply_async((7,), idempotency_key=key, link=link)
+        wait_for(lambda: counter.exists(holding(prefix, tag)), "the duplicate held up sending its link")
+        fence = idem.store.get(Identity("", "shop.linked_brief", f"{duplicate.id} continuation"))
+        assert fence is not None and fence.lease_expires_at is not None
+        wait_for(lambda: idem.store.now() > fence.lease_expires_at + 0.5, "the fence's lease to pass")
+        # When a copy of the duplicate's message comes meanwhile (the first copy is alive, still sending)
+        app.send_task("shop.linked_brief", (7,), task_id=duplicate.id, headers={"idempotency_key": key}, link=link)
+        time.sleep(2)
+        counter.set(go(prefix, tag), 1)
+        # Then the link ran once: the first copy still held the fence, which no heartbeat kept
+        links = effects_key(prefix, "shop.noted", tag)
+        wait_for(lambda: counter.get(links) is not None, "the link")
+        time.sleep(2)
+        assert int(counter.get(links) or 0) == 1, "the link ran again for a copy of its message"
+    finally:
+        counter.set(go(prefix, tag), 1)
+        worker.stop()
+        wipe(idem.store)
+
+
 # ---- a body calling its own task ---------------------------------------------------------------------
 
 
