@@ -213,6 +213,35 @@ def test_a_duplicates_link_lost_with_its_child_runs_when_the_requeued_message_co
     assert int(counter.get(effects_key(prefix, "shop.linked", key))) == 1
 
 
+def test_a_duplicates_link_lost_with_its_whole_worker_runs_on_the_worker_rabbitmq_redelivers_it_to(
+    workers, prefix, counter
+) -> None:
+    # Given a completed call, and a duplicate of it with a link on an acks_late task, answered by a
+    # prefork worker on RabbitMQ that is about to send the link
+    from dying_link_shop import add_linked, held, holding
+
+    require_rabbitmq()
+    app = _producer(BROKERS["rabbitmq"], prefix)
+    linked = add_linked(app, prefix)
+    first = workers(BROKERS["rabbitmq"], REDIS_URL, prefix, app="dying_link_shop")
+    key, tag = f"k-{uuid.uuid4().hex}", uuid.uuid4().hex
+    assert linked.apply_async((7,), idempotency_key=key).get(timeout=GET) == {"order": "7", "charged": 1}
+    counter.set(held(prefix, tag), 1)
+    linked.apply_async((7,), idempotency_key=key, link=app.tasks["shop.noted"].si("x", tag))
+    wait_for(lambda: counter.exists(holding(prefix, tag)), "the duplicate about to send its link")
+    # When the whole worker is SIGKILLed (a node lost), and RabbitMQ redelivers the unacked message at
+    # once to the next worker
+    first.kill()
+    second = workers(BROKERS["rabbitmq"], REDIS_URL, prefix, app="dying_link_shop")
+    # Then the redelivered message sends the link (at least once, as plain Celery would)
+    links = effects_key(prefix, "shop.noted", tag)
+    deadline = time.monotonic() + 25  # past the task's 10 s lease too
+    while time.monotonic() < deadline and not counter.get(links):
+        time.sleep(0.1)
+    quiet = "a copy of a duplicate already answered" in second.output()
+    assert int(counter.get(links) or 0) == 1, f"the link never ran (the redelivery ended quietly: {quiet})"
+
+
 def test_a_duplicates_link_is_not_lost_when_a_concurrent_copy_ended_on_the_same_threads_worker(
     workers, prefix, counter
 ) -> None:
