@@ -11,6 +11,7 @@ the module); the store is Redis; executions are counted by the INCR each task bo
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any
@@ -286,6 +287,38 @@ def test_a_copy_of_a_duplicate_whose_link_send_outlasts_the_lease_runs_that_link
         counter.set(go(prefix, tag), 1)
         worker.stop()
         wipe(idem.store)
+
+
+def test_a_store_blip_at_the_continuation_fence_never_lets_a_copy_run_the_link_again(tmp_path) -> None:
+    # Given a worker (on_store_error="raise", the default: fail closed) whose store refuses one call, the
+    # first acquire of a duplicate's continuation fence, and a completed call
+    require_server("redis")
+    prefix = f"c{uuid.uuid4().hex[:10]}"
+    task_id = str(uuid.uuid4())
+    blip = [{"method": "acquire", "fault": "refused", "key": f"{task_id} continuation"}]
+    env = {"CELERY_IDEM_FAULTS": json.dumps(blip)}
+    worker = Worker(tmp_path, BROKERS["redis"], REDIS_URL, prefix, pool="threads", env=env)
+    app = make_app(broker=BROKERS["redis"], backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix)
+    counter = redis.Redis.from_url(COUNTER_URL)
+    try:
+        charge, add = app.tasks["shop.charge"], app.tasks["shop.add"]
+        order, key = int(uuid.uuid4().int % 10**9), f"k-{uuid.uuid4().hex}"
+        assert charge.apply_async((order, 70), idempotency_key=key).get(timeout=GET)["charged"] == 70
+        # When a duplicate with a link comes (the blip strikes at its fence), then a copy of its message
+        duplicate = charge.apply_async((order, 70), idempotency_key=key, task_id=task_id, link=add.s(1))
+        assert duplicate.deduplicated
+        links = effects_key(prefix, "shop.add", str(order))
+        wait_for(lambda: "could not fence its continuation" in worker.output(), "the blip at the fence")
+        time.sleep(1)
+        charge.apply_async((order, 70), idempotency_key=key, task_id=task_id, link=add.s(1))
+        wait_for(lambda: counter.get(links) is not None, "the link")
+        time.sleep(3)
+        # Then the link ran once: fail closed keeps a message the store could not fence, as it keeps
+        # one whose key it could not look up; it never runs it unfenced
+        assert int(counter.get(links) or 0) == 1, "the link ran again for a copy of its message"
+    finally:
+        worker.stop()
+        wipe(Idempotency.of(app).store)
 
 
 # ---- a body calling its own task ---------------------------------------------------------------------
