@@ -396,6 +396,33 @@ def test_stats_counts_the_records_of_each_state(cli: Cli) -> None:
     assert ["shop.charge", "3", "0", "2", "0"] in [line.split() for line in lines]
 
 
+def test_every_record_list_shows_after_a_duplicate_with_a_link_can_be_shown_and_forgotten(cli: Cli) -> None:
+    # Given one call of shop.charge answered by a worker, and one duplicate of it carrying a link (each
+    # message run as a worker's pool runs it: Celery's own Request)
+    from shop import make_app
+    from workers import execute_as_worker
+
+    app = make_app(broker=BROKER, backend=BACKEND, store=REDIS_URL, prefix=cli.prefix, queue=cli.prefix)
+    k, first, duplicate = key(), str(uuid.uuid4()), str(uuid.uuid4())
+    try:
+        execute_as_worker(app, "shop.charge", first, args=(1, 70), idempotency_key=k)
+        link = dict(app.tasks["shop.add"].s(1))
+        execute_as_worker(app, "shop.charge", duplicate, args=(1, 70), idempotency_key=k, callbacks=[link])
+        # When an operator lists the task's records and counts them
+        listed = cli.json("list", "--task", "shop.charge")
+        stats = cli.json("stats")
+    finally:
+        app.control.purge()  # the link's message, which no worker here takes
+        for task_id in (first, duplicate):
+            app.backend.forget(task_id)
+        app.close()
+    # Then what they see is the one call's record, which show and forget reach by its key
+    keys = [row["key"] for row in listed]
+    refused = {kept: cli("show", "--task", "shop.charge", kept).returncode for kept in keys}
+    assert all(code == 0 for code in refused.values()), f"listed records show cannot reach: {refused}"
+    assert stats["by_task"]["shop.charge"]["COMPLETED"] == 1, stats["by_task"]
+
+
 # ---- reconcile ------------------------------------------------------------------------------------
 
 

@@ -468,3 +468,35 @@ def test_every_panel_says_what_to_do_and_links_a_section_that_exists() -> None:
         assert "What to do" in description and links, f"{panel['title']}: no runbook link in its description"
         for page, anchor in links:
             assert anchor in _anchors(REPO / page), f"{panel['title']}: {page}#{anchor} is not a heading"
+
+
+def test_a_copy_of_a_message_that_ends_quietly_is_no_replay_whichever_message_it_copies() -> None:
+    # Given a completed call, and a duplicate of it carrying a link (each message run as a worker's pool
+    # runs it: Celery's own Request), replayed once into its link
+    from workers import execute_as_worker
+
+    from celery_idem import MemoryStore
+
+    app = Celery("metrics-copies", set_as_current=False, broker="memory://", backend="cache+memory://")
+    idem = Idempotency(app, store=MemoryStore())
+
+    @app.task(base=IdempotentTask, shared=False, name="metrics.charge")
+    def charge(order: int) -> int:
+        return order
+
+    @app.task(shared=False, name="metrics.noted")
+    def noted(value: int) -> None:
+        return None
+
+    app.finalize()
+    original, duplicate = str(uuid.uuid4()), str(uuid.uuid4())
+    execute_as_worker(app, charge.name, original, args=(1,), idempotency_key="k")
+    link = [dict(noted.s())]
+    execute_as_worker(app, charge.name, duplicate, args=(1,), idempotency_key="k", callbacks=link)
+    replays = idem.metrics()["replays"]
+    # When a copy of the original's message comes, then a copy of the duplicate's: both end quietly
+    execute_as_worker(app, charge.name, original, args=(1,), idempotency_key="k")
+    assert idem.metrics()["replays"] == replays  # the original's copy is no replay
+    execute_as_worker(app, charge.name, duplicate, args=(1,), idempotency_key="k", callbacks=link)
+    # Then neither is counted as a replay: nothing was replayed to anyone
+    assert idem.metrics()["replays"] == replays, "a copy of the duplicate that ended quietly counted as a replay"

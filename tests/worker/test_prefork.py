@@ -185,6 +185,107 @@ def test_a_revoked_copy_of_a_running_task_never_frees_the_running_attempts_recor
     assert int(counter.get(effects_key(prefix, "shop.slow", key))) == 1
 
 
+def test_a_duplicates_link_lost_with_its_child_runs_when_the_requeued_message_comes_back(
+    workers, prefix, counter
+) -> None:
+    # Given a completed call, and a duplicate of it with a link (published anyway: the worker replays
+    # the outcome into the link) on an acks_late task whose message is requeued when its child is lost
+    from dying_link_shop import add_linked, armed
+
+    app = _producer(BROKERS["redis"], prefix)
+    linked = add_linked(app, prefix)
+    worker = workers(BROKERS["redis"], REDIS_URL, prefix, app="dying_link_shop")
+    key, tag = f"k-{uuid.uuid4().hex}", uuid.uuid4().hex
+    assert linked.apply_async((7,), idempotency_key=key).get(timeout=GET) == {"order": "7", "charged": 1}
+    # When the child answering the duplicate is SIGKILLed after the replay, before the link is sent
+    counter.set(armed(prefix, tag), 1)
+    duplicate = linked.apply_async((7,), idempotency_key=key, link=app.tasks["shop.noted"].si("x", tag))
+    assert duplicate.deduplicated
+    wait_for(lambda: not counter.exists(armed(prefix, tag)), "the child's death while sending the link")
+    # Then the requeued message (at least once, as plain Celery) sends the link: never lost. (Its
+    # fence is still held under the dead child's lease, so the copy ended quietly instead.)
+    links = effects_key(prefix, "shop.noted", tag)
+    deadline = time.monotonic() + 25  # past the task's 10 s lease too
+    while time.monotonic() < deadline and not counter.get(links):
+        time.sleep(0.1)
+    quiet = "a copy of a duplicate already answered" in worker.output()
+    assert int(counter.get(links) or 0) == 1, f"the link never ran (the redelivery ended quietly: {quiet})"
+    assert int(counter.get(effects_key(prefix, "shop.linked", key))) == 1
+
+
+def test_a_duplicates_link_lost_with_its_whole_worker_runs_on_the_worker_rabbitmq_redelivers_it_to(
+    workers, prefix, counter
+) -> None:
+    # Given a completed call, and a duplicate of it with a link on an acks_late task, answered by a
+    # prefork worker on RabbitMQ that is about to send the link
+    from dying_link_shop import add_linked, held, holding
+
+    require_rabbitmq()
+    app = _producer(BROKERS["rabbitmq"], prefix)
+    linked = add_linked(app, prefix)
+    first = workers(BROKERS["rabbitmq"], REDIS_URL, prefix, app="dying_link_shop")
+    key, tag = f"k-{uuid.uuid4().hex}", uuid.uuid4().hex
+    assert linked.apply_async((7,), idempotency_key=key).get(timeout=GET) == {"order": "7", "charged": 1}
+    counter.set(held(prefix, tag), 1)
+    linked.apply_async((7,), idempotency_key=key, link=app.tasks["shop.noted"].si("x", tag))
+    wait_for(lambda: counter.exists(holding(prefix, tag)), "the duplicate about to send its link")
+    # When the whole worker is SIGKILLed (a node lost), and RabbitMQ redelivers the unacked message at
+    # once to the next worker
+    first.kill()
+    second = workers(BROKERS["rabbitmq"], REDIS_URL, prefix, app="dying_link_shop")
+    # Then the redelivered message sends the link (at least once, as plain Celery would)
+    links = effects_key(prefix, "shop.noted", tag)
+    deadline = time.monotonic() + 25  # past the task's 10 s lease too
+    while time.monotonic() < deadline and not counter.get(links):
+        time.sleep(0.1)
+    quiet = "a copy of a duplicate already answered" in second.output()
+    assert int(counter.get(links) or 0) == 1, f"the link never ran (the redelivery ended quietly: {quiet})"
+
+
+def test_a_duplicates_link_is_not_lost_when_a_concurrent_copy_ended_on_the_same_threads_worker(
+    workers, prefix, counter
+) -> None:
+    # Given a completed call, and a duplicate of it with a link, answered on a threads-pool worker (one
+    # process) that is about to send the link; a copy of the duplicate's message comes meanwhile, to
+    # the same process, and ends quietly (the fence is held)
+    from dying_link_shop import add_linked, go, held, holding
+
+    from celery_idem.records import Identity
+
+    require_rabbitmq()
+    app = _producer(BROKERS["rabbitmq"], prefix)
+    linked = add_linked(app, prefix)
+    first = workers(BROKERS["rabbitmq"], REDIS_URL, prefix, app="dying_link_shop", pool="threads", concurrency=4)
+    key, tag = f"k-{uuid.uuid4().hex}", uuid.uuid4().hex
+    assert linked.apply_async((7,), idempotency_key=key).get(timeout=GET) == {"order": "7", "charged": 1}
+    counter.set(held(prefix, tag), 1)
+    noted = app.tasks["shop.noted"].si("x", tag)
+    duplicate = linked.apply_async((7,), idempotency_key=key, link=noted)
+    wait_for(lambda: counter.exists(holding(prefix, tag)), "the duplicate about to send its link")
+    app.send_task("shop.linked", (7,), task_id=duplicate.id, headers={"idempotency_key": key}, link=noted, queue=prefix)
+    wait_for(lambda: "a copy of a duplicate already answered" in first.output(), "the copy's quiet end")
+    # When the worker dies before the link is sent (acks_late: RabbitMQ keeps the message), and the
+    # message comes to the next worker once the dead attempt's fence lease has run out
+    counter.set(go(prefix, tag), 1)
+    first.process.wait(timeout=30)
+    idem = Idempotency.of(app)
+    fence = idem.store.get(Identity("", "shop.linked", f"{duplicate.id} continuation"))
+    assert fence is not None
+    if fence.lease_expires_at is not None:
+        wait_for(lambda: idem.store.now() > fence.lease_expires_at, "the dead attempt's fence lease to run out")
+    second = workers(BROKERS["rabbitmq"], REDIS_URL, prefix, app="dying_link_shop")
+    # Then the redelivered message sends the link (at least once): the copy that ended quietly did not
+    # settle the fence for the attempt that was still sending it
+    links = effects_key(prefix, "shop.noted", tag)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not counter.get(links):
+        time.sleep(0.1)
+    quiet = "a copy of a duplicate already answered" in second.output()
+    assert int(counter.get(links) or 0) == 1, (
+        f"the link never ran: the fence was {fence.state.value} at the death; the redelivery ended quietly: {quiet}"
+    )
+
+
 # ---- the store is down on the worker ------------------------------------------------------------
 
 

@@ -11,6 +11,7 @@ the module); the store is Redis; executions are counted by the INCR each task bo
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any
@@ -19,11 +20,13 @@ import pytest
 import redis
 import shop_worker
 from celery import signals
-from shop import effects_key
-from shop_worker import GET, Shop
+from conftest import POSTGRES_URL, REDIS_URL, require_server, wipe
+from shop import COUNTER_URL, effects_key, make_app
+from shop_worker import BACKEND, BROKERS, GET, Shop
 from shop_worker import until as _until
+from workers import Worker, wait_for
 
-from celery_idem import LockLostError, State
+from celery_idem import Idempotency, LockLostError, State
 
 shop = shop_worker.shop
 key = shop_worker.key
@@ -182,6 +185,140 @@ def test_a_copy_of_a_duplicate_carrying_a_link_runs_that_link_once(shop: Shop, k
     # Then the body ran once, and the duplicate's link once: a copy of a message is not another call
     assert shop.effects("charge", key) == 1
     assert int(shop.counter.get(links) or 0) == 1, "the link of the duplicate ran again for a copy of its message"
+
+
+def test_a_copy_of_a_duplicate_under_a_long_chosen_task_id_runs_its_link_once_on_postgresql(tmp_path) -> None:
+    # Given a worker on a PostgreSQL store, a completed call, and a duplicate of it with a link under a
+    # task id its caller chose: 250 characters (Celery takes any string; the main record keeps it whole)
+    require_server("postgresql")
+    prefix = f"c{uuid.uuid4().hex[:10]}"
+    worker = Worker(tmp_path, BROKERS["redis"], POSTGRES_URL, prefix)
+    app = make_app(broker=BROKERS["redis"], backend=BACKEND, store=POSTGRES_URL, prefix=prefix, queue=prefix)
+    try:
+        charge, add = app.tasks["shop.charge"], app.tasks["shop.add"]
+        order, key = int(uuid.uuid4().int % 10**9), f"k-{uuid.uuid4().hex}"
+        assert charge.apply_async((order, 70), idempotency_key=key).get(timeout=GET)["charged"] == 70
+        task_id = f"order-{order}-" + "x" * (250 - len(f"order-{order}-"))
+        duplicate = charge.apply_async((order, 70), idempotency_key=key, task_id=task_id, link=add.s(1))
+        assert duplicate.deduplicated and duplicate.id == task_id
+        links = effects_key(prefix, "shop.add", str(order))
+        counter = redis.Redis.from_url(COUNTER_URL)
+        wait_for(lambda: counter.get(links) is not None, "the duplicate's link")
+        # When a copy of the duplicate's message comes (its caller re-sending it under the same id)
+        charge.apply_async((order, 70), idempotency_key=key, task_id=task_id, link=add.s(1))
+        wait_for(lambda: "ends quietly" in worker.output() or int(counter.get(links) or 0) > 1, "the copy's end")
+        # Then the link ran once (the fence's key, the task id and a suffix, is too long for the SQL
+        # store's 255-character key column: its acquire fails as an "outage" and every copy replays)
+        assert int(counter.get(links) or 0) == 1, "the link ran again for a copy of its message"
+        assert int(counter.get(effects_key(prefix, "shop.charge", key))) == 1
+    finally:
+        worker.stop()
+        wipe(Idempotency.of(app).store)
+
+
+def test_a_duplicates_link_the_broker_refused_runs_when_its_message_is_sent_again(tmp_path) -> None:
+    # Given a completed call, and a duplicate of it with a link whose send the broker refuses once (Celery
+    # marks the duplicate FAILED with the broker's OperationalError: the link was never sent)
+    from dying_link_shop import add_linked, refused
+
+    require_server("redis")
+    prefix = f"c{uuid.uuid4().hex[:10]}"
+    worker = Worker(tmp_path, BROKERS["redis"], REDIS_URL, prefix, app="dying_link_shop")
+    app = make_app(broker=BROKERS["redis"], backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix)
+    linked = add_linked(app, prefix)
+    counter = redis.Redis.from_url(COUNTER_URL)
+    try:
+        key, tag = f"k-{uuid.uuid4().hex}", uuid.uuid4().hex
+        assert linked.apply_async((7,), idempotency_key=key).get(timeout=GET) == {"order": "7", "charged": 1}
+        counter.set(refused(prefix, tag), 1)
+        link = app.tasks["shop.noted_once"].si("x", tag)
+        duplicate = linked.apply_async((7,), idempotency_key=key, link=link)
+        wait_for(lambda: app.backend.get_task_meta(duplicate.id)["status"] == "FAILURE", "the failed link send")
+        assert not counter.exists(refused(prefix, tag))
+        assert "refused the message" in repr(app.backend.get_task_meta(duplicate.id)["result"])
+        # When its caller (or a dead-letter re-drive) sends that message again under its task id
+        app.send_task("shop.linked", (7,), task_id=duplicate.id, headers={"idempotency_key": key}, link=link)
+        # Then the link runs (once): its first send never happened, so the copy must not end quietly
+        links = effects_key(prefix, "shop.noted_once", tag)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not counter.get(links):
+            time.sleep(0.1)
+        quiet = "a copy of a duplicate already answered" in worker.output()
+        assert int(counter.get(links) or 0) == 1, f"the link was never sent (the copy ended quietly: {quiet})"
+    finally:
+        worker.stop()
+        wipe(Idempotency.of(app).store)
+
+
+def test_a_copy_of_a_duplicate_whose_link_send_outlasts_the_lease_runs_that_link_once(tmp_path) -> None:
+    # Given a completed call (a task with a 1 s lease), and a duplicate of it with a link, whose worker
+    # process is held up sending the link (the broker holds the publish) past that lease
+    from dying_link_shop import add_linked, go, holding, stalled
+
+    from celery_idem.records import Identity
+
+    require_server("redis")
+    prefix = f"c{uuid.uuid4().hex[:10]}"
+    worker = Worker(tmp_path, BROKERS["redis"], REDIS_URL, prefix, app="dying_link_shop")
+    app = make_app(broker=BROKERS["redis"], backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix)
+    add_linked(app, prefix)
+    brief, idem = app.tasks["shop.linked_brief"], Idempotency.of(app)
+    counter = redis.Redis.from_url(COUNTER_URL)
+    try:
+        key, tag = f"k-{uuid.uuid4().hex}", uuid.uuid4().hex
+        assert brief.apply_async((7,), idempotency_key=key).get(timeout=GET) == {"order": "7", "charged": 1}
+        counter.set(stalled(prefix, tag), 1)
+        link = app.tasks["shop.noted"].si("x", tag)
+        duplicate = brief.apply_async((7,), idempotency_key=key, link=link)
+        wait_for(lambda: counter.exists(holding(prefix, tag)), "the duplicate held up sending its link")
+        fence = idem.store.get(Identity("", "shop.linked_brief", f"{duplicate.id} continuation"))
+        assert fence is not None and fence.lease_expires_at is not None
+        wait_for(lambda: idem.store.now() > fence.lease_expires_at + 0.5, "the fence's lease to pass")
+        # When a copy of the duplicate's message comes meanwhile (the first copy is alive, still sending)
+        app.send_task("shop.linked_brief", (7,), task_id=duplicate.id, headers={"idempotency_key": key}, link=link)
+        time.sleep(2)
+        counter.set(go(prefix, tag), 1)
+        # Then the link ran once: the first copy still held the fence, which no heartbeat kept
+        links = effects_key(prefix, "shop.noted", tag)
+        wait_for(lambda: counter.get(links) is not None, "the link")
+        time.sleep(2)
+        assert int(counter.get(links) or 0) == 1, "the link ran again for a copy of its message"
+    finally:
+        counter.set(go(prefix, tag), 1)
+        worker.stop()
+        wipe(idem.store)
+
+
+def test_a_store_blip_at_the_continuation_fence_never_lets_a_copy_run_the_link_again(tmp_path) -> None:
+    # Given a worker (on_store_error="raise", the default: fail closed) whose store refuses one call, the
+    # first acquire of a duplicate's continuation fence, and a completed call
+    require_server("redis")
+    prefix = f"c{uuid.uuid4().hex[:10]}"
+    task_id = str(uuid.uuid4())
+    blip = [{"method": "acquire", "fault": "refused", "key": f"{task_id} continuation"}]
+    env = {"CELERY_IDEM_FAULTS": json.dumps(blip)}
+    worker = Worker(tmp_path, BROKERS["redis"], REDIS_URL, prefix, pool="threads", env=env)
+    app = make_app(broker=BROKERS["redis"], backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix)
+    counter = redis.Redis.from_url(COUNTER_URL)
+    try:
+        charge, add = app.tasks["shop.charge"], app.tasks["shop.add"]
+        order, key = int(uuid.uuid4().int % 10**9), f"k-{uuid.uuid4().hex}"
+        assert charge.apply_async((order, 70), idempotency_key=key).get(timeout=GET)["charged"] == 70
+        # When a duplicate with a link comes (the blip strikes at its fence), then a copy of its message
+        duplicate = charge.apply_async((order, 70), idempotency_key=key, task_id=task_id, link=add.s(1))
+        assert duplicate.deduplicated
+        links = effects_key(prefix, "shop.add", str(order))
+        wait_for(lambda: "could not fence its continuation" in worker.output(), "the blip at the fence")
+        time.sleep(1)
+        charge.apply_async((order, 70), idempotency_key=key, task_id=task_id, link=add.s(1))
+        wait_for(lambda: counter.get(links) is not None, "the link")
+        time.sleep(3)
+        # Then the link ran once: fail closed keeps a message the store could not fence, as it keeps
+        # one whose key it could not look up; it never runs it unfenced
+        assert int(counter.get(links) or 0) == 1, "the link ran again for a copy of its message"
+    finally:
+        worker.stop()
+        wipe(Idempotency.of(app).store)
 
 
 # ---- a body calling its own task ---------------------------------------------------------------------
