@@ -71,7 +71,8 @@ def replay(
     owner: str,
     republish: Republish,
 ) -> Any:
-    """The settled ``record``'s outcome for the running message, into its continuation once.
+    """The settled ``record``'s outcome for the running message (counted as a replay), into its
+    continuation once.
 
     Raises:
         Ignore: a copy of a duplicate whose continuation another copy applied (or waits to).
@@ -81,6 +82,7 @@ def replay(
     request = task.request
     task_id = request.id
     if request.is_eager or record.task_id == task_id or not _continues(request):
+        idem.count("replays")
         return idem.replay(record)
     fence, policy = Identity("", FENCES, task_id), calls.policy
     wait = BusyWait(task, fence, policy, lambda: idem.store, republish, idem.count)
@@ -97,6 +99,7 @@ def replay(
             )
         except StoreUnavailableError as exc:
             if idem.proceed_unprotected("acquire", fence, task_id):
+                idem.count("replays")
                 return idem.replay(record)
             if outage.gives_up(request, exc):
                 raise
@@ -111,6 +114,7 @@ def replay(
     held_here = _Held(idem, owner, idem.heartbeat.add(idem.store, fence, owner, policy.lease_seconds))
     with _lock:
         _held[task_id, threading.get_ident()] = held_here
+    idem.count("replays")  # a copy that ended quietly above replayed nothing
     try:
         return idem.replay(record)
     except BaseException as exc:

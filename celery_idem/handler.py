@@ -138,7 +138,6 @@ class Handler(TaskCalls):
             if answer is Answer.REPLAY:
                 if (quiet := wait.replayed(record)) is not None:
                     raise quiet
-                self.idem.count("replays")
                 return continuations.replay(self, self.idem, record, args, kwargs, owner, self.republish)
             if answer is Answer.REFUSE:
                 if fp != record.fingerprint and same_call(self, record, args, kwargs):
