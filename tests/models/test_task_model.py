@@ -45,24 +45,28 @@ from hypothesis import HealthCheck, Phase, seed, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test, invariant, precondition, rule
 from model_harness import SCALE, SEED, SHRINK
+from sqlalchemy import orm
 from task_model import (
     GET_BOUND_SECONDS,
     SETTINGS_SUMMARY,
     Execution,
     Handle,
     Kill,
+    OutboxRow,
     World,
     allowed_answers,
     answer_problem,
     continuation_problems,
     error_problem,
+    joined_ledger_problems,
     ledger_problems,
     lost_calls,
+    outbox_problems,
     parse_executions,
     problems_of_executions,
     redeliveries,
 )
-from task_model_app import BROKER, FAIL_MODES, LEASE, LIVENESS, PENDING, RELEASES, TTL, Basket
+from task_model_app import BROKER, FAIL_MODES, LEASE, LIVENESS, PENDING, RELAY_DIES, RELEASES, TTL, Basket
 
 from celery_idem import Idempotency, StoreUnavailableError
 from celery_idem.records import Identity, State
@@ -88,14 +92,22 @@ HOWS = (
     "ledger",
     "eager",
     "fails",
+    # transactions: staged in the outbox (published at commit, or by the relay), rolled back; the
+    # ledger joined to the body's own transaction, committed or rolled back
+    "outbox",
+    "outbox_relayed",
+    "outbox_rollback",
+    "tx_commit",
+    "tx_rollback",
 )
 KEYS, HOLDS = st.integers(0, 2), st.sampled_from([0.0, 0.3, 1.5])
 TASK_OF = {"moving": "tm.moving", "ledger": "tm.ledger_pay", "tagged": "tm.tagged", "fails": "tm.flaky"}
+TASK_OF.update({"tx_commit": "tm.ledger_tx", "tx_rollback": "tm.ledger_tx"})
 TAGS = ["gift", "fragile", "express", "oversize", "priority", "wrap", "insured"]
 # Errors a call may answer with, by how it was made (anything else is a problem).
 CALL_ERRORS = {"StoreUnavailableError"}
 # Errors a body raises, by task: judged against the attempts that raised them (error_problem).
-BODY_ERRORS = {"tm.flaky": ("Declined", "Flaky", "Retry")}
+BODY_ERRORS = {"tm.flaky": ("Declined", "Flaky", "Retry"), "tm.ledger_tx": ("RolledBack",)}
 # Errors a handle may answer with once the world is quiet, by how the call was made.
 QUIET_ERRORS = {"ignore_result": {"RecordGoneError"}, "eager": {"DuplicateTaskError", "StoreUnavailableError"}}
 
@@ -115,6 +127,9 @@ class TaskLevel(RuleBasedStateMachine):
         # task id -> (task, args, kwargs, queue, continuation tag) of every message sent by apply_async
         self.sent: dict[str, tuple[str, tuple[Any, ...], dict[str, Any], str, str | None]] = {}
         self.revoked: set[str] = set()  # task ids revoked
+        self.rolled_back: set[str] = set()  # task ids staged in an outbox whose transaction rolled back
+        self.relays: list[float] = []  # when relay passes ran (an outbox call is published then)
+        self.tx_modes: dict[str, set[str]] = {}  # tm.ledger_tx: each key's calls' modes
 
     # ---- helpers
 
@@ -150,12 +165,18 @@ class TaskLevel(RuleBasedStateMachine):
 
     def make_call(self, n: int, how: str, hold: float, release: str = RELEASES[0]) -> None:
         """A call from a producer of ``release`` (the other producer process runs the first)."""
+        if how.startswith("outbox"):
+            self.outbox_call(n, how, hold, release)
+            return
         world, key = self.world, self.world.key(n)
         task = world.apps[release].tasks[TASK_OF.get(how, "tm.pay")]
         amount = 999 if how == "mismatch" else 100 + n
         args, kwargs = (n, amount), ({"hold": hold} if task.name != "tm.moving" else {"heavy": world.heavy})
         if task.name == "tm.flaky":
             kwargs["mode"] = FAIL_MODES[n]  # a key fails one way, whoever calls it
+        if task.name == "tm.ledger_tx":
+            kwargs["mode"] = how.removeprefix("tx_")
+            self.tx_modes.setdefault(key, set()).add(kwargs["mode"])
         options: dict[str, Any] = {"idempotency_key": key}
         extra: dict[str, Any] = {}
         self.note(f"call {how} key={key} amount={amount} hold={hold} ({release})")
@@ -212,6 +233,48 @@ class TaskLevel(RuleBasedStateMachine):
         # The message of the body: a chain's handle names its last step, whose message is the continuation's
         sent_id = extra.get("head_id", result.id)
         self.sent[sent_id] = (task.name, args, kwargs, options.get("queue", world.queue), extra.get("tag"))
+
+    # ---- transactions: the transactional outbox (its calls and its relay)
+
+    def outbox_call(self, n: int, how: str, hold: float, release: str) -> None:
+        """``tm.pay`` staged in the outbox inside a transaction on the business database, which
+        commits (``outbox``: published at once by this process; ``outbox_relayed``: that publish
+        skipped, as if the process died right after its commit, so the relay publishes it) or rolls
+        back (``outbox_rollback``: the call must never run)."""
+        world, key, amount = self.world, self.world.key(n), 100 + n
+        task = world.apps[release].tasks["tm.pay"]
+        outbox = world.outbox
+        outbox.publish_on_commit = how == "outbox"
+        self.note(f"call {how} key={key} amount={amount} hold={hold} ({release})")
+        at = time.time()
+        try:
+            with orm.Session(outbox.engine) as session:
+                result = outbox.apply_async(session, task, (n, amount), {"hold": hold}, idempotency_key=key)
+                if how == "outbox_rollback":
+                    session.rollback()
+                else:
+                    session.commit()
+        except Exception as exc:  # noqa: BLE001 - judged by class
+            self.call_failed(how, exc, (task.name, key, amount))
+            return
+        if how == "outbox_rollback":
+            self.rolled_back.add(result.id)
+            self.note(f"  -> rolled back ({result.id[:8]})")
+            return
+        self.handle(how, task.name, key, amount, result, at)
+
+    @precondition(lambda self: any(h.how.startswith("outbox") for h in self.handles))
+    @rule(dies=st.sampled_from((None, *RELAY_DIES)))
+    def relay(self, dies: str | None) -> None:
+        """A relay pass in a process of its own, SIGKILLed at a step of its pass (or not)."""
+        self.note(f"relay{f' (SIGKILLed {dies})' if dies else ''}")
+        self.relays.append(time.time())
+        self.note(self.world.relay(dies))
+        self.relays.append(time.time())
+
+    def published_at(self, handle: Handle) -> list[float]:
+        """When an outbox call's message may have been published: at a relay pass after it."""
+        return [at for at in self.relays if at >= handle.at] if handle.how.startswith("outbox") else []
 
     def tagged(self, n: int, at: float) -> None:
         """The same key-less pydantic call from both producers, whose hash seeds differ."""
@@ -364,6 +427,8 @@ class TaskLevel(RuleBasedStateMachine):
             allowed = QUIET_ERRORS.get(handle.how, set()) | ({"StoreUnavailableError"} if not quiet else set())
             if self.revoked & set(handle.own_ids):
                 allowed = allowed | {"TaskRevokedError"}
+            if name in self.dead_letter_errors(handle):
+                allowed = allowed | {name}  # its row is dead with this error: the operator sees it there
             if self.other_arguments_used(handle):
                 # A copy delivered after its call's TTL (the broker's visibility timeout here is longer)
                 # meets the key held by other arguments: refused, never run (docs/choosing-ttls.md).
@@ -376,7 +441,8 @@ class TaskLevel(RuleBasedStateMachine):
         self.note(f"get {handle.label}: {value} ({took:.1f}s)")
         if handle.key is None and isinstance(value, dict):
             handle.key = value.get("key")
-        problem = answer_problem(handle, value, self.world.executions(), redeliveries(handle, self.world.kills))
+        moments = redeliveries(handle, self.world.kills) + self.published_at(handle)
+        problem = answer_problem(handle, value, self.world.executions(), moments)
         if problem:
             self.problems.append(problem)
         return True
@@ -393,7 +459,15 @@ class TaskLevel(RuleBasedStateMachine):
         tags = [h.tag for h in self.handles if h.tag]
         found += continuation_problems(world.continuations(tags), set(), quiet=False)
         found += ledger_problems(world.payments())
+        found += outbox_problems(world.outbox_rows(), self.rolled_back, world.executions(), quiet=False)
         self.fail_with([*self.problems, *found])
+
+    def dead_letter_errors(self, handle: Handle) -> set[str]:
+        """The error classes the outbox's dead letter holds for the handle's task id."""
+        if not handle.how.startswith("outbox"):
+            return set()
+        rows = self.world.outbox_rows()
+        return {str(r.last_error).partition(":")[0] for r in rows if r.task_id == handle.id and r.dead}
 
     def fail_with(self, found: list[str]) -> None:
         if found:
@@ -422,8 +496,19 @@ class TaskLevel(RuleBasedStateMachine):
         world = self.world
         self.note("quiet: the cut over, every queue consumed")
         world.settle_down()
+        if any(h.how.startswith("outbox") for h in self.handles):
+            self.relays.append(time.time())
+            for note in world.last_relay():
+                self.note(note)
+            self.relays.append(time.time())
         succeeded: set[str] = set()
         for handle in self.handles:
+            if "AmbiguousRelay" in self.dead_letter_errors(handle):
+                # Refused as ambiguous: its row is dead with the reason, for its operator to decide
+                # (docs/guides/outbox.md), and its handle has no answer until then.
+                handle.seen = "dead letter"
+                self.note(f"{handle.label}: its outbox row is dead (AmbiguousRelay)")
+                continue
             if self.look(handle, timeout=GET_BOUND_SECONDS, quiet=True) and handle.tag:
                 succeeded.add(handle.tag)
         tags = [h.tag for h in self.handles if h.tag]
@@ -457,6 +542,10 @@ class TaskLevel(RuleBasedStateMachine):
         found += problems_of_executions(world.executions(), world.kills)
         found += ledger_problems(world.payments())
         found += lost_calls(self.handles, world.executions())
+        found += outbox_problems(world.outbox_rows(), self.rolled_back, world.executions(), quiet=True)
+        paid = {f"tx:{h.key}" for h in self.handles if h.task == "tm.ledger_tx" and h.seen == "value"}
+        modes = {f"tx:{key}": modes for key, modes in self.tx_modes.items()}
+        found += joined_ledger_problems(world.payments(), modes, paid)
         if VERBOSE:
             print(f"\n{world.kind} history {world.history}:\n  " + "\n  ".join(self.steps))
         self.fail_with([*self.problems, *found])
@@ -605,6 +694,24 @@ def test_a_continuation_twice_or_never_is_a_problem() -> None:
     assert ledger_problems({"k": 2}) and not ledger_problems({"k": 1})
 
 
+def test_a_rolled_back_outbox_call_that_ran_or_a_row_left_behind_is_a_problem() -> None:
+    ran = [_run("rb", 0.0, 1.0, 1)]
+    assert outbox_problems([], {"rb"}, ran, quiet=False)  # a rolled-back call ran
+    assert outbox_problems([OutboxRow("rb", False, 0, None)], {"rb"}, [], quiet=False)  # its row stayed
+    assert not outbox_problems([OutboxRow("c", False, 0, None)], {"rb"}, [], quiet=False)  # not quiet yet
+    assert outbox_problems([OutboxRow("c", False, 2, "ConnectionError: down")], set(), [], quiet=True)
+    assert outbox_problems([OutboxRow("c", True, 1, None)], set(), [], quiet=True)  # dead, no reason
+    assert not outbox_problems([OutboxRow("c", True, 1, "AmbiguousRelay: ...")], set(), [], quiet=True)
+
+
+def test_a_joined_payment_rolled_back_that_stayed_or_a_committed_one_missing_is_a_problem() -> None:
+    modes = {"tx:a": {"rollback"}, "tx:b": {"rollback", "commit"}}
+    assert joined_ledger_problems({"tx:a": 1}, modes, set())  # rolled back, yet paid
+    assert joined_ledger_problems({}, modes, {"tx:b"})  # answered with a value, never paid
+    assert joined_ledger_problems({"tx:b": 2}, modes, {"tx:b"})
+    assert not joined_ledger_problems({"tx:b": 1}, modes, {"tx:b"})  # rolled back, then paid once
+
+
 # ---- histories the model found, kept ------------------------------------------------------------------
 
 # Each: the steps (rule name, arguments) of a history the model found, replayed on a fresh TaskLevel
@@ -690,6 +797,35 @@ REGRESSIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("wait", {"seconds": 1.0}),
         ("call", {"n": 2, "how": "send_task", "hold": 0.0}),
         ("call", {"n": 1, "how": "apply_async", "hold": 0.0}),
+    ],
+    # Transactions (issue 27), the outbox: calls staged in transactions that commit (published at
+    # commit, or left to the relay) and one that rolls back, its key then staged again; relay passes
+    # SIGKILLed after the claim (before the message reaches the broker), after the publish (before the
+    # row is settled) and before the first claim, each followed by a later pass within the key's TTL.
+    "outbox-commits-a-rollback-and-relays-killed-at-each-step": [
+        ("call", {"n": 0, "how": "outbox", "hold": 0.3}),
+        ("call", {"n": 1, "how": "outbox_relayed", "hold": 0.0}),
+        ("call", {"n": 2, "how": "outbox_rollback", "hold": 0.0}),
+        ("relay", {"dies": "before_publish"}),
+        ("call", {"n": 2, "how": "outbox_relayed", "hold": 0.0, "release": "v2"}),
+        ("relay", {"dies": "after_publish"}),
+        ("relay", {"dies": "before_claim"}),
+        ("relay", {"dies": None}),
+    ],
+    # Transactions (issue 27), the ledger joined to the body's own transaction: a payment rolled back
+    # then its key paid, a pool child SIGKILLed between run_once and the commit (the one running it is
+    # preferred, on either worker), and a duplicate of the call that was killed.
+    "ledger-joined-commits-rollbacks-and-a-kill-between": [
+        ("call", {"n": 0, "how": "tx_rollback", "hold": 0.0}),
+        ("call", {"n": 1, "how": "tx_commit", "hold": 1.5}),
+        ("wait", {"seconds": 0.3}),
+        ("kill_child", {"w": 0}),
+        ("kill_child", {"w": 1}),
+        ("call", {"n": 0, "how": "tx_commit", "hold": 0.0}),
+        ("call", {"n": 1, "how": "tx_commit", "hold": 0.0}),
+        ("call", {"n": 2, "how": "tx_rollback", "hold": 0.3}),
+        ("wait", {"seconds": 1.0}),
+        ("call", {"n": 2, "how": "tx_commit", "hold": 0.0, "release": "v2"}),
     ],
 }
 
