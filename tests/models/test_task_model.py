@@ -6,23 +6,33 @@ A hypothesis state machine (``TaskLevel``) draws each history from steps: calls 
 ``send_task`` by name, from a producer process with another hash seed, a key-less pydantic call
 from both producers, with ``ignore_result``, a ``countdown``, to a queue with no consumer yet,
 other arguments under a used key, a task that replaces itself onto another queue, a ledger
-payment, a body that fails permanently, retryably or by ``self.retry`` with other arguments), each
-from a producer of either release of the app, a worker restarted onto a release (a deploy, or a
-rollback) while messages of the other wait, a revoke (queued, on a countdown, running; with and
+payment, a body that fails permanently, retryably or by ``self.retry`` with other arguments, and
+transactions: a call staged in the SQLAlchemy outbox inside a PostgreSQL transaction that commits
+(published by this process at commit, or left to the relay) or rolls back, a payment through the
+ledger's ``run_once`` joined to a transaction its body opened and then commits or rolls back, and
+``apply_async_on_commit`` inside a Django transaction that commits or rolls back), each from a
+producer of either release of the app, relay passes in a process of their own SIGKILLed at a step
+of their pass (before the claim, before the publish, after the publish and before the rows are
+settled), a worker restarted onto a release (a deploy, or a rollback) while messages of the other
+wait, a revoke (queued, on a countdown, running; with and
 without ``terminate=True``), a copy of a message already sent (a redelivery: the same task id, its
 link included), a pool child SIGKILLed (another worker recycles its children every 2 tasks), a
 whole worker SIGKILLed and replaced under a new name, the store link cut, time passing past leases
 and TTLs, reconcile runs, and ``get()`` on any handle ever returned.
 
 After every step: no key's body ran twice within a TTL window (unless a kill may have kept the
-first run's outcome from the store), no continuation ran twice, no ledger key paid twice. When the
-history ends the world is made quiet (the cut over, every queue consumed) and: every handle's
+first run's outcome from the store), no continuation ran twice, no ledger key paid twice, no call
+staged in a transaction that rolled back ran or left an outbox row. When the history ends the
+world is made quiet (the cut over, every queue consumed) and: every handle's
 ``get()`` returns its own call's outcome (tests/task_model.py ``allowed_answers``, or a failure an
 attempt of its call raised) or a clear error within a bound; no call is lost (each ran, was
 answered as a duplicate, or was refused with an error its caller sees), across a deploy and while
 the store was down too; every continuation of a call that succeeded ran exactly once; and once the
 leases and the holders' liveness have run out, one reconcile leaves no record PENDING or
-IN_PROGRESS.
+IN_PROGRESS; after a last relay pass every outbox row is gone (published) or dead with the reason its
+operator reads (a call whose row is dead as ``AmbiguousRelay`` waits for that operator, by design);
+a joined payment whose every call rolled back left no business row, and a key a joined payment
+answered with a value has exactly one.
 
 Size: CI runs ``EXAMPLES`` histories of ``STEPS`` steps per store (Redis and PostgreSQL);
 ``CELERY_IDEM_MODEL_SCALE=100`` runs 100 times as many; ``CELERY_IDEM_MODEL_SEED`` another seed.
