@@ -42,6 +42,7 @@ from task_model_app import (
     LEDGER_URL,
     LIVENESS,
     PENDING,
+    RELAY_LEASE,
     RELEASES,
     STORE_TIMEOUT,
     TTL,
@@ -51,6 +52,7 @@ from task_model_app import (
     drop_tables,
     exec_log,
     make_app,
+    outbox_of,
     payments,
 )
 
@@ -87,10 +89,11 @@ class Execution:
     error: str | None = None  # the class it failed with (then ``end`` is None)
     failed: float | None = None  # when
     final: bool = False  # its failure is the stored outcome of its key (a permanent one)
+    answered: float | None = None  # when the ledger answered it with a committed outcome (no effect of its own)
 
     @property
     def running(self) -> bool:
-        return self.end is None and self.failed is None
+        return self.end is None and self.failed is None and self.answered is None
 
     @property
     def settled(self) -> float | None:
@@ -135,6 +138,16 @@ class Handle:
         return f"{self.label}[{self.how} {self.task} key={self.key} amount={self.amount} id={self.id[:8]}{flag}]"
 
 
+@dataclass
+class OutboxRow:
+    """A row of the model's outbox table: a staged call not published yet, or dead."""
+
+    task_id: str
+    dead: bool
+    attempts: int
+    last_error: str | None
+
+
 def parse_executions(lines: list[bytes]) -> list[Execution]:
     """The execution log as executions: each ``end`` line closes its ``start`` (same task id and pid)."""
     executions: list[Execution] = []
@@ -151,6 +164,8 @@ def parse_executions(lines: list[bytes]) -> list[Execution]:
                 continue
             if "failed" in line:
                 found.failed, found.error, found.final = line["failed"], line["error"], line["final"]
+            elif "answered" in line:
+                found.answered = line["answered"]
             else:
                 found.end, found.run = line["end"], line["run"]
     return executions
@@ -301,6 +316,48 @@ def continuation_problems(counts: dict[str, int], heads_succeeded: set[str], qui
 def ledger_problems(rows: dict[str, int]) -> list[str]:
     """One payment per key, whatever ran: the ledger keeps one row per identity for good."""
     return [f"ledger key {key}: {n} payments" for key, n in rows.items() if n > 1]
+
+
+def outbox_problems(
+    rows: list[OutboxRow], rolled_back: set[str], executions: list[Execution], quiet: bool
+) -> list[str]:
+    """The transactional outbox: a call staged in a transaction that rolled back never runs and leaves
+    no row; once the world is quiet (a last relay pass after the leases ran out), every row a commit
+    left is gone (published) or dead with the reason its operator reads (``last_error``). That a
+    committed call runs once, or is answered as a duplicate, is judged from its handle as any call's."""
+    found = [
+        f"outbox: task {e.task_id[:8]} ran, its transaction rolled back" for e in executions if e.task_id in rolled_back
+    ]
+    found += [
+        f"outbox: a row for task {r.task_id[:8]}, whose transaction rolled back"
+        for r in rows
+        if r.task_id in rolled_back
+    ]
+    if quiet:
+        found += [
+            f"outbox: row of task {r.task_id[:8]} neither sent nor dead with a reason (dead {r.dead}, "
+            f"attempts {r.attempts}, last error {r.last_error!r})"
+            for r in rows
+            if not (r.dead and r.last_error)
+        ]
+    return found
+
+
+def joined_ledger_problems(rows: dict[str, int], modes: dict[str, set[str]], paid: set[str]) -> list[str]:
+    """The ledger joined to a transaction the body opened (tm.ledger_tx; rows keyed ``tx:<key>``): a
+    key whose every call rolled back has no payment; a key a call answered with a value (it committed)
+    has exactly one. ``modes``: each key's calls' modes; ``paid``: the keys answered with a value."""
+    found = [
+        f"ledger_tx key {key}: {rows.get(key, 0)} payments, its calls all rolled back"
+        for key, m in modes.items()
+        if m == {"rollback"} and rows.get(key, 0)
+    ]
+    found += [
+        f"ledger_tx key {key}: {rows.get(key, 0)} payments, a call was answered with its value"
+        for key in paid
+        if rows.get(key, 0) != 1
+    ]
+    return found
 
 
 # ---- the world -----------------------------------------------------------------------------------------
@@ -455,6 +512,7 @@ class World:
         self.app = self.apps[RELEASES[0]]
         self.counter = redis.Redis.from_url(COUNTER_URL)
         self.engine = sa.create_engine(LEDGER_URL, poolclass=sa.pool.NullPool)
+        self.outbox = outbox_of(self.prefix)
         self.workers: list[WorkerProcess] = []
         self.releases: list[str] = []  # each worker's release
         self.producer = Producer(self.env)
@@ -602,6 +660,44 @@ class World:
                 return
             time.sleep(0.2)
 
+    # ---- transactions (the outbox's relay, the rows it leaves, the joined ledger's payments)
+
+    def relay(self, dies: str | None) -> str:
+        """One relay pass in a process of its own, SIGKILLed where ``dies`` says (task_model_app.py)."""
+        done = subprocess.run(
+            [sys.executable, "task_model_app.py", "relay"],
+            cwd=TESTS,
+            env={**self.env, "TM_RELAY_DIES": dies or ""},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if done.returncode not in (0, -signal.SIGKILL):
+            raise AssertionError(f"the relay process failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        said = "killed" if done.returncode else done.stdout.strip()
+        return f"  relay pass{f' dying {dies}' if dies else ''}: {said}"
+
+    def last_relay(self, bound: float = 30.0) -> list[str]:
+        """Once the world is quiet: relay passes in this process until no row is due or leased (their
+        leases and backoffs moved back, as time would), so every row ends published or dead."""
+        t, notes = self.outbox.table, []
+        deadline = time.monotonic() + bound
+        while time.monotonic() < deadline:
+            with self.outbox.engine.begin() as connection:
+                connection.execute(sa.update(t).where(t.c.dead.is_(False)).values(available_at=0.0))
+            report = self.outbox.relay(self.app)
+            notes.append(f"last relay pass: {report}")
+            if not any(not row.dead for row in self.outbox_rows()):
+                break
+            time.sleep(RELAY_LEASE)
+        return notes
+
+    def outbox_rows(self) -> list[OutboxRow]:
+        t = self.outbox.table
+        with self.outbox.engine.connect() as connection:
+            found = connection.execute(sa.select(t.c.task_id, t.c.dead, t.c.attempts, t.c.last_error)).all()
+        return [OutboxRow(str(r.task_id), bool(r.dead), int(r.attempts), r.last_error) for r in found]
+
     def close(self) -> None:
         for worker in self.workers:
             worker.stop()
@@ -612,6 +708,7 @@ class World:
             self.counter.delete(*keys)
         drop_tables(self.prefix)
         self.engine.dispose()
+        self.outbox.engine.dispose()
 
 
 SETTINGS_SUMMARY = (

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -29,9 +30,11 @@ import sqlalchemy as sa
 from addresses import REDIS_BACKEND_URL, REDIS_BROKER_URL, REDIS_COUNTER_URL
 from celery import Celery
 from pydantic import BaseModel
+from sqlalchemy import orm
 
 from celery_idem import Idempotency, IdempotentTask, PermanentError, RetryableError
 from celery_idem.ledger import Ledger
+from celery_idem.outbox import SQLOutbox, staging
 
 COUNTER_URL = REDIS_COUNTER_URL
 BROKER = REDIS_BROKER_URL
@@ -214,6 +217,7 @@ def make_app(*, store: Any, prefix: str, queue: str, release: str = "v1") -> Cel
         counter.incr(continuation_key(prefix, tag))
         return value
 
+    transactional_tasks(app, prefix, ledger, started, failed)
     return app
 
 
@@ -221,6 +225,7 @@ def create_tables(prefix: str) -> None:
     engine = sa.create_engine(LEDGER_URL, poolclass=sa.pool.NullPool)
     payments(prefix).create(engine, checkfirst=True)
     Ledger(engine, table_name=f"tm_ledger_{prefix}").create_schema()
+    outbox_of(prefix).create_schema()
     engine.dispose()
 
 
@@ -229,6 +234,7 @@ def drop_tables(prefix: str) -> None:
     with engine.begin() as connection:
         connection.exec_driver_sql(f'DROP TABLE IF EXISTS "tm_payments_{prefix}"')
         connection.exec_driver_sql(f'DROP TABLE IF EXISTS "tm_ledger_{prefix}"')
+        connection.exec_driver_sql(f'DROP TABLE IF EXISTS "tm_outbox_{prefix}"')
     engine.dispose()
 
 
@@ -255,6 +261,95 @@ def _produce(app: Celery) -> None:
         print(json.dumps(answer), flush=True)
 
 
+# ---- transactions (issue 27): the transactional outbox, and the ledger joined to the body's own
+# transaction. Kept in a block of their own: the model draws them as call forms (tests/models/test_task_model.py).
+
+RELAY_LEASE = 1.0  # seconds a relay's rows stay its own: a dead relay's are due again this soon
+# Where `python task_model_app.py relay` SIGKILLs itself in its pass (TM_RELAY_DIES), as
+# tests/outbox_shop.py's relay does: after taking the rows and before the first claim, after the claim
+# and before the message reaches the broker, after the publish and before the pass settles its rows.
+RELAY_DIES = ("before_claim", "before_publish", "after_publish")
+# How tm.ledger_tx's body ends the transaction it opened and joined run_once to (not in the fingerprint:
+# a call that rolled back and one that commits are the same call, and the first leaves the key free).
+TX_MODES = ("commit", "rollback")
+
+
+class RolledBack(RetryableError):
+    """tm.ledger_tx's body rolled back the transaction its payment was in: the key is freed."""
+
+
+def outbox_of(prefix: str) -> SQLOutbox:
+    """The model's outbox: a table beside the ledger's, on the business database (PostgreSQL)."""
+    engine = sa.create_engine(LEDGER_URL, poolclass=sa.pool.NullPool)
+    return SQLOutbox(engine, table_name=f"tm_outbox_{prefix}", lease_seconds=RELAY_LEASE)
+
+
+def transactional_tasks(app: Celery, prefix: str, ledger: Ledger, started: Any, failed: Any) -> None:
+    """``tm.ledger_tx``: a payment through ``run_once`` joined to a transaction the body opened; the
+    body holds (a kill lands between run_once and the commit), then commits or rolls back by
+    ``mode``. Its business row's key is ``tx:<key>``, beside tm.ledger_pay's in the payments table.
+    Its end is logged after the commit, and an execution the ledger answered with a committed
+    outcome (``fn`` not run) is logged as ``answered``: it made no payment and returned another's."""
+    counter, table = redis.Redis.from_url(COUNTER_URL), payments(prefix)
+
+    def log_end(task: Any, key: str, value: dict[str, Any], paid: bool) -> dict[str, Any]:
+        line = {"key": key, "task_id": task.request.id, "pid": os.getpid(), "task": task.name}
+        line.update({"end": time.time(), "run": value["run"]} if paid else {"answered": time.time()})
+        counter.rpush(exec_log(prefix), json.dumps(line))
+        return value
+
+    @app.task(
+        name="tm.ledger_tx", idempotency={"key_args": ["order", "amount"]}, shared=False, base=IdempotentTask, bind=True
+    )
+    def ledger_tx(self: Any, order: int, amount: int, mode: str, hold: float = 0.0) -> dict[str, Any]:
+        key, _ = started(self)
+        paid: list[bool] = []
+
+        def charge(session: Any) -> dict[str, Any]:
+            session.execute(table.insert().values(key=f"tx:{key}", amount=amount))
+            paid.append(True)
+            run = int(counter.incr(f"tm:{prefix}:runs:{self.name}:{key}"))
+            return {"key": key, "amount": amount, "task_id": self.request.id, "run": run}
+
+        with orm.Session(ledger.engine) as session:
+            value = dict(ledger.run_once(self, charge, session=session))
+            time.sleep(hold)  # between run_once and the end of the transaction: a kill lands here
+            if mode == "rollback":
+                session.rollback()
+                raise failed(self, key, RolledBack(f"order {order}: its transaction rolled back"), final=False)
+            session.commit()
+        return log_end(self, key, value, bool(paid))
+
+
+def _relay_dying(app: Celery, when: str) -> None:
+    """Make this relay process SIGKILL itself at ``when`` in its first row (tests/outbox_shop.py's way)."""
+    die = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
+    if when == "before_claim":
+        staging.relay_call = lambda *args, **kwargs: die()  # type: ignore[assignment]
+    elif when == "after_publish":
+        relay_call = staging.relay_call
+
+        def published_then_die(*args: Any, **kwargs: Any) -> Any:
+            relay_call(*args, **kwargs)
+            die()
+
+        staging.relay_call = published_then_die  # type: ignore[assignment]
+    elif when == "before_publish":
+        for task in app.tasks.values():
+            if isinstance(task, IdempotentTask):
+                task._send = lambda *args, **kwargs: die()  # type: ignore[method-assign]
+    else:
+        raise SystemExit(f"TM_RELAY_DIES={when!r}: one of {RELAY_DIES}")
+
+
+def _relay(app: Celery, prefix: str) -> None:
+    """One relay pass (``python task_model_app.py relay``), dying where TM_RELAY_DIES says."""
+    if os.environ.get("TM_RELAY_DIES"):
+        _relay_dying(app, os.environ["TM_RELAY_DIES"])
+    report = outbox_of(prefix).relay(app)
+    print(json.dumps({"published": len(report.published), "failed": report.failed, "dead": report.dead}))
+
+
 if os.environ.get("TM_PREFIX"):
     app = make_app(
         store=os.environ["TM_STORE"],
@@ -265,3 +360,5 @@ if os.environ.get("TM_PREFIX"):
 
 if __name__ == "__main__" and sys.argv[1:] == ["produce"]:
     _produce(app)
+if __name__ == "__main__" and sys.argv[1:] == ["relay"]:
+    _relay(app, os.environ["TM_PREFIX"])

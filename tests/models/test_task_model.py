@@ -6,23 +6,33 @@ A hypothesis state machine (``TaskLevel``) draws each history from steps: calls 
 ``send_task`` by name, from a producer process with another hash seed, a key-less pydantic call
 from both producers, with ``ignore_result``, a ``countdown``, to a queue with no consumer yet,
 other arguments under a used key, a task that replaces itself onto another queue, a ledger
-payment, a body that fails permanently, retryably or by ``self.retry`` with other arguments), each
-from a producer of either release of the app, a worker restarted onto a release (a deploy, or a
-rollback) while messages of the other wait, a revoke (queued, on a countdown, running; with and
+payment, a body that fails permanently, retryably or by ``self.retry`` with other arguments, and
+transactions: a call staged in the SQLAlchemy outbox inside a PostgreSQL transaction that commits
+(published by this process at commit, or left to the relay) or rolls back, a payment through the
+ledger's ``run_once`` joined to a transaction its body opened and then commits or rolls back, and
+``apply_async_on_commit`` inside a Django transaction that commits or rolls back), each from a
+producer of either release of the app, relay passes in a process of their own SIGKILLed at a step
+of their pass (before the claim, before the publish, after the publish and before the rows are
+settled), a worker restarted onto a release (a deploy, or a rollback) while messages of the other
+wait, a revoke (queued, on a countdown, running; with and
 without ``terminate=True``), a copy of a message already sent (a redelivery: the same task id, its
 link included), a pool child SIGKILLed (another worker recycles its children every 2 tasks), a
 whole worker SIGKILLed and replaced under a new name, the store link cut, time passing past leases
 and TTLs, reconcile runs, and ``get()`` on any handle ever returned.
 
 After every step: no key's body ran twice within a TTL window (unless a kill may have kept the
-first run's outcome from the store), no continuation ran twice, no ledger key paid twice. When the
-history ends the world is made quiet (the cut over, every queue consumed) and: every handle's
+first run's outcome from the store), no continuation ran twice, no ledger key paid twice, no call
+staged in a transaction that rolled back ran or left an outbox row. When the history ends the
+world is made quiet (the cut over, every queue consumed) and: every handle's
 ``get()`` returns its own call's outcome (tests/task_model.py ``allowed_answers``, or a failure an
 attempt of its call raised) or a clear error within a bound; no call is lost (each ran, was
 answered as a duplicate, or was refused with an error its caller sees), across a deploy and while
 the store was down too; every continuation of a call that succeeded ran exactly once; and once the
 leases and the holders' liveness have run out, one reconcile leaves no record PENDING or
-IN_PROGRESS.
+IN_PROGRESS; after a last relay pass every outbox row is gone (published) or dead with the reason its
+operator reads (a call whose row is dead as ``AmbiguousRelay`` waits for that operator, by design);
+a joined payment whose every call rolled back left no business row, and a key a joined payment
+answered with a value has exactly one.
 
 Size: CI runs ``EXAMPLES`` histories of ``STEPS`` steps per store (Redis and PostgreSQL);
 ``CELERY_IDEM_MODEL_SCALE=100`` runs 100 times as many; ``CELERY_IDEM_MODEL_SEED`` another seed.
@@ -45,24 +55,28 @@ from hypothesis import HealthCheck, Phase, seed, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test, invariant, precondition, rule
 from model_harness import SCALE, SEED, SHRINK
+from sqlalchemy import orm
 from task_model import (
     GET_BOUND_SECONDS,
     SETTINGS_SUMMARY,
     Execution,
     Handle,
     Kill,
+    OutboxRow,
     World,
     allowed_answers,
     answer_problem,
     continuation_problems,
     error_problem,
+    joined_ledger_problems,
     ledger_problems,
     lost_calls,
+    outbox_problems,
     parse_executions,
     problems_of_executions,
     redeliveries,
 )
-from task_model_app import BROKER, FAIL_MODES, LEASE, LIVENESS, PENDING, RELEASES, TTL, Basket
+from task_model_app import BROKER, FAIL_MODES, LEASE, LIVENESS, PENDING, RELAY_DIES, RELEASES, TTL, Basket
 
 from celery_idem import Idempotency, StoreUnavailableError
 from celery_idem.records import Identity, State
@@ -88,14 +102,25 @@ HOWS = (
     "ledger",
     "eager",
     "fails",
+    # transactions: staged in the outbox (published at commit, or by the relay), rolled back; the
+    # ledger joined to the body's own transaction, committed or rolled back
+    "outbox",
+    "outbox_relayed",
+    "outbox_rollback",
+    "tx_commit",
+    "tx_rollback",
+    # delay_on_commit inside a Django transaction that commits or rolls back
+    "on_commit",
+    "on_commit_rollback",
 )
 KEYS, HOLDS = st.integers(0, 2), st.sampled_from([0.0, 0.3, 1.5])
 TASK_OF = {"moving": "tm.moving", "ledger": "tm.ledger_pay", "tagged": "tm.tagged", "fails": "tm.flaky"}
+TASK_OF.update({"tx_commit": "tm.ledger_tx", "tx_rollback": "tm.ledger_tx"})
 TAGS = ["gift", "fragile", "express", "oversize", "priority", "wrap", "insured"]
 # Errors a call may answer with, by how it was made (anything else is a problem).
 CALL_ERRORS = {"StoreUnavailableError"}
 # Errors a body raises, by task: judged against the attempts that raised them (error_problem).
-BODY_ERRORS = {"tm.flaky": ("Declined", "Flaky", "Retry")}
+BODY_ERRORS = {"tm.flaky": ("Declined", "Flaky", "Retry"), "tm.ledger_tx": ("RolledBack",)}
 # Errors a handle may answer with once the world is quiet, by how the call was made.
 QUIET_ERRORS = {"ignore_result": {"RecordGoneError"}, "eager": {"DuplicateTaskError", "StoreUnavailableError"}}
 
@@ -115,6 +140,9 @@ class TaskLevel(RuleBasedStateMachine):
         # task id -> (task, args, kwargs, queue, continuation tag) of every message sent by apply_async
         self.sent: dict[str, tuple[str, tuple[Any, ...], dict[str, Any], str, str | None]] = {}
         self.revoked: set[str] = set()  # task ids revoked
+        self.rolled_back: set[str] = set()  # task ids staged in an outbox whose transaction rolled back
+        self.relays: list[float] = []  # when relay passes ran (an outbox call is published then)
+        self.tx_modes: dict[str, set[str]] = {}  # tm.ledger_tx: each key's calls' modes
 
     # ---- helpers
 
@@ -150,12 +178,21 @@ class TaskLevel(RuleBasedStateMachine):
 
     def make_call(self, n: int, how: str, hold: float, release: str = RELEASES[0]) -> None:
         """A call from a producer of ``release`` (the other producer process runs the first)."""
+        if how.startswith("outbox"):
+            self.outbox_call(n, how, hold, release)
+            return
+        if how.startswith("on_commit"):
+            self.on_commit_call(n, how, hold, release)
+            return
         world, key = self.world, self.world.key(n)
         task = world.apps[release].tasks[TASK_OF.get(how, "tm.pay")]
         amount = 999 if how == "mismatch" else 100 + n
         args, kwargs = (n, amount), ({"hold": hold} if task.name != "tm.moving" else {"heavy": world.heavy})
         if task.name == "tm.flaky":
             kwargs["mode"] = FAIL_MODES[n]  # a key fails one way, whoever calls it
+        if task.name == "tm.ledger_tx":
+            kwargs["mode"] = how.removeprefix("tx_")
+            self.tx_modes.setdefault(key, set()).add(kwargs["mode"])
         options: dict[str, Any] = {"idempotency_key": key}
         extra: dict[str, Any] = {}
         self.note(f"call {how} key={key} amount={amount} hold={hold} ({release})")
@@ -212,6 +249,79 @@ class TaskLevel(RuleBasedStateMachine):
         # The message of the body: a chain's handle names its last step, whose message is the continuation's
         sent_id = extra.get("head_id", result.id)
         self.sent[sent_id] = (task.name, args, kwargs, options.get("queue", world.queue), extra.get("tag"))
+
+    # ---- transactions: the transactional outbox (its calls and its relay)
+
+    def outbox_call(self, n: int, how: str, hold: float, release: str) -> None:
+        """``tm.pay`` staged in the outbox inside a transaction on the business database, which
+        commits (``outbox``: published at once by this process; ``outbox_relayed``: that publish
+        skipped, as if the process died right after its commit, so the relay publishes it) or rolls
+        back (``outbox_rollback``: the call must never run)."""
+        world, key, amount = self.world, self.world.key(n), 100 + n
+        task = world.apps[release].tasks["tm.pay"]
+        outbox = world.outbox
+        outbox.publish_on_commit = how == "outbox"
+        self.note(f"call {how} key={key} amount={amount} hold={hold} ({release})")
+        at = time.time()
+        try:
+            with orm.Session(outbox.engine) as session:
+                result = outbox.apply_async(session, task, (n, amount), {"hold": hold}, idempotency_key=key)
+                if how == "outbox_rollback":
+                    session.rollback()
+                else:
+                    session.commit()
+        except Exception as exc:  # noqa: BLE001 - judged by class
+            self.call_failed(how, exc, (task.name, key, amount))
+            return
+        if how == "outbox_rollback":
+            self.rolled_back.add(result.id)
+            self.note(f"  -> rolled back ({result.id[:8]})")
+            return
+        self.handle(how, task.name, key, amount, result, at)
+
+    @precondition(lambda self: any(h.how.startswith("outbox") for h in self.handles))
+    @rule(dies=st.sampled_from((None, *RELAY_DIES)))
+    def relay(self, dies: str | None) -> None:
+        """A relay pass in a process of its own, SIGKILLed at a step of its pass (or not)."""
+        self.note(f"relay{f' (SIGKILLed {dies})' if dies else ''}")
+        self.relays.append(time.time())
+        self.note(self.world.relay(dies))
+        self.relays.append(time.time())
+
+    def published_at(self, handle: Handle) -> list[float]:
+        """When an outbox call's message may have been published: at a relay pass after it."""
+        return [at for at in self.relays if at >= handle.at] if handle.how.startswith("outbox") else []
+
+    # ---- transactions: delay_on_commit in a Django transaction
+
+    def on_commit_call(self, n: int, how: str, hold: float, release: str) -> None:
+        """``tm.pay`` through ``apply_async_on_commit`` inside ``transaction.atomic()`` on Django's
+        default database, which commits (the call is claimed and published then) or rolls back
+        (``on_commit_rollback``: nothing is published, ever). Django is configured by
+        tests/django_project.py, the one configuration every Django test module imports (so the
+        modules an xdist worker runs after this one see the settings they expect), on first use:
+        about 5 s once per process, for its databases' migrations."""
+        import django_project  # noqa: F401 - configures Django (once per process)
+        from django.db import transaction
+
+        world, key, amount = self.world, self.world.key(n), 100 + n
+        task = world.apps[release].tasks["tm.pay"]
+        self.note(f"call {how} key={key} amount={amount} hold={hold} ({release})")
+        at = time.time()
+        with transaction.atomic():
+            deferred = task.apply_async_on_commit((n, amount), {"hold": hold}, idempotency_key=key)
+            if how == "on_commit_rollback":
+                transaction.set_rollback(True)
+        if how == "on_commit_rollback":
+            self.note(f"  -> rolled back: {deferred!r}")
+            if deferred.result is not None or deferred.error is not None:
+                self.problems.append(f"{how} key={key}: a call whose transaction rolled back was published")
+            return
+        if deferred.error is not None:
+            self.call_failed(how, deferred.error, (task.name, key, amount))
+            return
+        self.handle(how, task.name, key, amount, deferred.result, at)
+        self.sent[deferred.result.id] = (task.name, (n, amount), {"hold": hold}, world.queue, None)
 
     def tagged(self, n: int, at: float) -> None:
         """The same key-less pydantic call from both producers, whose hash seeds differ."""
@@ -364,6 +474,8 @@ class TaskLevel(RuleBasedStateMachine):
             allowed = QUIET_ERRORS.get(handle.how, set()) | ({"StoreUnavailableError"} if not quiet else set())
             if self.revoked & set(handle.own_ids):
                 allowed = allowed | {"TaskRevokedError"}
+            if name in self.dead_letter_errors(handle):
+                allowed = allowed | {name}  # its row is dead with this error: the operator sees it there
             if self.other_arguments_used(handle):
                 # A copy delivered after its call's TTL (the broker's visibility timeout here is longer)
                 # meets the key held by other arguments: refused, never run (docs/choosing-ttls.md).
@@ -376,7 +488,8 @@ class TaskLevel(RuleBasedStateMachine):
         self.note(f"get {handle.label}: {value} ({took:.1f}s)")
         if handle.key is None and isinstance(value, dict):
             handle.key = value.get("key")
-        problem = answer_problem(handle, value, self.world.executions(), redeliveries(handle, self.world.kills))
+        moments = redeliveries(handle, self.world.kills) + self.published_at(handle)
+        problem = answer_problem(handle, value, self.world.executions(), moments)
         if problem:
             self.problems.append(problem)
         return True
@@ -393,7 +506,15 @@ class TaskLevel(RuleBasedStateMachine):
         tags = [h.tag for h in self.handles if h.tag]
         found += continuation_problems(world.continuations(tags), set(), quiet=False)
         found += ledger_problems(world.payments())
+        found += outbox_problems(world.outbox_rows(), self.rolled_back, world.executions(), quiet=False)
         self.fail_with([*self.problems, *found])
+
+    def dead_letter_errors(self, handle: Handle) -> set[str]:
+        """The error classes the outbox's dead letter holds for the handle's task id."""
+        if not handle.how.startswith("outbox"):
+            return set()
+        rows = self.world.outbox_rows()
+        return {str(r.last_error).partition(":")[0] for r in rows if r.task_id == handle.id and r.dead}
 
     def fail_with(self, found: list[str]) -> None:
         if found:
@@ -422,8 +543,19 @@ class TaskLevel(RuleBasedStateMachine):
         world = self.world
         self.note("quiet: the cut over, every queue consumed")
         world.settle_down()
+        if any(h.how.startswith("outbox") for h in self.handles):
+            self.relays.append(time.time())
+            for note in world.last_relay():
+                self.note(note)
+            self.relays.append(time.time())
         succeeded: set[str] = set()
         for handle in self.handles:
+            if "AmbiguousRelay" in self.dead_letter_errors(handle):
+                # Refused as ambiguous: its row is dead with the reason, for its operator to decide
+                # (docs/guides/outbox.md), and its handle has no answer until then.
+                handle.seen = "dead letter"
+                self.note(f"{handle.label}: its outbox row is dead (AmbiguousRelay)")
+                continue
             if self.look(handle, timeout=GET_BOUND_SECONDS, quiet=True) and handle.tag:
                 succeeded.add(handle.tag)
         tags = [h.tag for h in self.handles if h.tag]
@@ -457,6 +589,10 @@ class TaskLevel(RuleBasedStateMachine):
         found += problems_of_executions(world.executions(), world.kills)
         found += ledger_problems(world.payments())
         found += lost_calls(self.handles, world.executions())
+        found += outbox_problems(world.outbox_rows(), self.rolled_back, world.executions(), quiet=True)
+        paid = {f"tx:{h.key}" for h in self.handles if h.task == "tm.ledger_tx" and h.seen == "value"}
+        modes = {f"tx:{key}": modes for key, modes in self.tx_modes.items()}
+        found += joined_ledger_problems(world.payments(), modes, paid)
         if VERBOSE:
             print(f"\n{world.kind} history {world.history}:\n  " + "\n  ".join(self.steps))
         self.fail_with([*self.problems, *found])
@@ -605,6 +741,24 @@ def test_a_continuation_twice_or_never_is_a_problem() -> None:
     assert ledger_problems({"k": 2}) and not ledger_problems({"k": 1})
 
 
+def test_a_rolled_back_outbox_call_that_ran_or_a_row_left_behind_is_a_problem() -> None:
+    ran = [_run("rb", 0.0, 1.0, 1)]
+    assert outbox_problems([], {"rb"}, ran, quiet=False)  # a rolled-back call ran
+    assert outbox_problems([OutboxRow("rb", False, 0, None)], {"rb"}, [], quiet=False)  # its row stayed
+    assert not outbox_problems([OutboxRow("c", False, 0, None)], {"rb"}, [], quiet=False)  # not quiet yet
+    assert outbox_problems([OutboxRow("c", False, 2, "ConnectionError: down")], set(), [], quiet=True)
+    assert outbox_problems([OutboxRow("c", True, 1, None)], set(), [], quiet=True)  # dead, no reason
+    assert not outbox_problems([OutboxRow("c", True, 1, "AmbiguousRelay: ...")], set(), [], quiet=True)
+
+
+def test_a_joined_payment_rolled_back_that_stayed_or_a_committed_one_missing_is_a_problem() -> None:
+    modes = {"tx:a": {"rollback"}, "tx:b": {"rollback", "commit"}}
+    assert joined_ledger_problems({"tx:a": 1}, modes, set())  # rolled back, yet paid
+    assert joined_ledger_problems({}, modes, {"tx:b"})  # answered with a value, never paid
+    assert joined_ledger_problems({"tx:b": 2}, modes, {"tx:b"})
+    assert not joined_ledger_problems({"tx:b": 1}, modes, {"tx:b"})  # rolled back, then paid once
+
+
 # ---- histories the model found, kept ------------------------------------------------------------------
 
 # Each: the steps (rule name, arguments) of a history the model found, replayed on a fresh TaskLevel
@@ -691,6 +845,42 @@ REGRESSIONS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         ("wait", {"seconds": 1.0}),
         ("call", {"n": 2, "how": "send_task", "hold": 0.0}),
         ("call", {"n": 1, "how": "apply_async", "hold": 0.0}),
+    ],
+    # Transactions (issue 27), the outbox: calls staged in transactions that commit (published at
+    # commit, or left to the relay) and one that rolls back, its key then staged again; relay passes
+    # SIGKILLed after the claim (before the message reaches the broker), after the publish (before the
+    # row is settled) and before the first claim, each followed by a later pass (the last one's when the
+    # history ends) within the key's TTL.
+    "outbox-commits-a-rollback-and-relays-killed-at-each-step": [
+        ("call", {"n": 0, "how": "outbox", "hold": 0.3}),
+        ("call", {"n": 1, "how": "outbox_relayed", "hold": 0.0}),
+        ("call", {"n": 2, "how": "outbox_rollback", "hold": 0.0}),
+        ("relay", {"dies": "before_publish"}),
+        ("call", {"n": 2, "how": "outbox_relayed", "hold": 0.0, "release": "v2"}),
+        ("relay", {"dies": "after_publish"}),
+        ("relay", {"dies": "before_claim"}),
+    ],
+    # Transactions (issue 27), the ledger joined to the body's own transaction: a payment rolled back
+    # then its key paid, a pool child SIGKILLed between run_once and the commit (the one running it is
+    # preferred, on either worker), and a duplicate of the call that was killed.
+    "ledger-joined-commits-rollbacks-and-a-kill-between": [
+        ("call", {"n": 0, "how": "tx_rollback", "hold": 0.0}),
+        ("call", {"n": 1, "how": "tx_commit", "hold": 1.5}),
+        ("wait", {"seconds": 0.3}),
+        ("kill_child", {"w": 0}),
+        ("kill_child", {"w": 1}),
+        ("call", {"n": 0, "how": "tx_commit", "hold": 0.0}),
+        ("call", {"n": 1, "how": "tx_commit", "hold": 0.0, "release": "v2"}),
+    ],
+    # Transactions (issue 27), delay_on_commit: a call in a Django transaction that rolls back (never
+    # published), its key then called in one that commits, a duplicate while it runs, and a copy.
+    "on-commit-a-rollback-then-commits": [
+        ("call", {"n": 0, "how": "on_commit_rollback", "hold": 0.0}),
+        ("call", {"n": 0, "how": "on_commit", "hold": 0.3}),
+        ("call", {"n": 1, "how": "on_commit", "hold": 0.0, "release": "v2"}),
+        ("call", {"n": 0, "how": "on_commit", "hold": 0.0}),
+        ("redeliver", {"i": 0}),
+        ("call", {"n": 1, "how": "on_commit_rollback", "hold": 0.0}),
     ],
 }
 
