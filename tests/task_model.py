@@ -1,7 +1,8 @@
 """The world the task-level model (tests/models/test_task_model.py) acts on, and the invariants it checks.
 
 A :class:`World` is real infrastructure: two ``celery worker`` subprocesses (prefork; one recycles
-its children every 2 tasks), a Redis broker and result backend, a store (Redis or PostgreSQL)
+its children every 2 tasks), a broker (Redis, or RabbitMQ with quorum queues), a Redis result
+backend, a store (Redis or PostgreSQL)
 reached through a TCP proxy that can cut the link, a second producer subprocess with another hash
 seed, and the test process as the first producer. Its steps are what users and the infrastructure
 do: calls in every form (from producers of two releases), copies of messages, kills, worker

@@ -9,7 +9,12 @@ and one at the end (``end``), and the body returns ``{"key", "amount", "task_id"
 Two releases of the app (``RELEASES``) run side by side across a deploy: ``release="v2"`` is the
 next release of ``tm.pay``, a backward-compatible change (DESIGN §2, "Across releases"): a parameter
 with a default added (and named in ``key_args``), other policy fields and time limits. A worker
-subprocess builds the release its ``TM_RELEASE`` names.
+subprocess builds the release its ``TM_RELEASE`` names, on the broker its ``TM_BROKER`` names (a
+Redis one, or RabbitMQ with quorum queues behind topic exchanges: :func:`broker_conf`).
+
+Bodies that fail: ``tm.flaky`` (by key: permanent, retryable, ``self.retry``), ``tm.backoff``
+(``autoretry_for`` with ``retry_backoff``), ``tm.ledger_fails`` (its ledger ``fn`` raises);
+``tm.limited`` runs past the time limits its calls carry.
 
 ``python task_model_app.py produce`` is the second producer: it reads one JSON command a line on
 stdin and answers one JSON line (run under another ``PYTHONHASHSEED``: a fingerprint is a function of

@@ -6,19 +6,28 @@ A hypothesis state machine (``TaskLevel``) draws each history from steps: calls 
 ``send_task`` by name, from a producer process with another hash seed, a key-less pydantic call
 from both producers, with ``ignore_result``, a ``countdown``, to a queue with no consumer yet,
 other arguments under a used key, a task that replaces itself onto another queue, a ledger
-payment, a body that fails permanently, retryably or by ``self.retry`` with other arguments), each
-from a producer of either release of the app, a worker restarted onto a release (a deploy, or a
-rollback) while messages of the other wait, a revoke (queued, on a countdown, running; with and
-without ``terminate=True``), a copy of a message already sent (a redelivery: the same task id, its
-link included), a pool child SIGKILLed (another worker recycles its children every 2 tasks), a
-whole worker SIGKILLed and replaced under a new name, the store link cut, time passing past leases
-and TTLs, reconcile runs, and ``get()`` on any handle ever returned.
+payment), bodies that fail (permanently, retryably, by ``self.retry`` with other arguments, by
+``autoretry_for`` with ``retry_backoff`` failing one, two or three attempts against
+``max_retries=2``, and inside the ledger's ``fn``, for good or retryably once), calls with time
+limits (a soft one under the lease, a hard one alone under it, both over it with a body that
+ignores its soft limit until the hard one kills its pool child), each from a producer of either
+release of the app, a worker restarted onto a release (a deploy, or a rollback) while messages of
+the other wait, a revoke (queued, on a countdown, running; with and without ``terminate=True``;
+and of a call that replaced itself, at once or once its replacement runs), a copy of a message
+already sent (a redelivery: the same task id, its link and time limits included), a pool child
+SIGKILLed (another worker recycles its children every 2 tasks), a whole worker SIGKILLed and
+replaced under a new name, the store link cut, time passing past leases and TTLs, reconcile runs,
+and ``get()`` on any handle ever returned. The Redis store's world runs on a Redis broker, the
+PostgreSQL store's on RabbitMQ laid out as docs/guides/production.md recommends (quorum queues
+with a delivery limit behind topic exchanges, native delayed delivery for countdowns: a dead
+worker's unacked messages come back at once there, a copy is a re-publish under the same task id).
 
-After every step: no key's body ran twice within a TTL window (unless a kill may have kept the
-first run's outcome from the store), no continuation ran twice, no ledger key paid twice. When the
-history ends the world is made quiet (the cut over, every queue consumed) and: every handle's
-``get()`` returns its own call's outcome (tests/task_model.py ``allowed_answers``, or a failure an
-attempt of its call raised) or a clear error within a bound; no call is lost (each ran, was
+After every step: no key's body ran twice within a TTL window (unless a kill, a hard time limit's
+included, may have kept the first run's outcome from the store), no continuation ran twice, no
+ledger key paid twice. When the history ends the world is made quiet (the cut over, every queue
+consumed) and: every handle's ``get()`` returns its own call's outcome (tests/task_model.py
+``allowed_answers``, or a failure an attempt of its call raised, a hard time limit's
+``TimeLimitExceeded`` included) or a clear error within a bound; no call is lost (each ran, was
 answered as a duplicate, or was refused with an error its caller sees), across a deploy and while
 the store was down too; every continuation of a call that succeeded ran exactly once; and once the
 leases and the holders' liveness have run out, one reconcile leaves no record PENDING or
@@ -26,7 +35,8 @@ IN_PROGRESS.
 
 Size: CI runs ``EXAMPLES`` histories of ``STEPS`` steps per store (Redis and PostgreSQL);
 ``CELERY_IDEM_MODEL_SCALE=100`` runs 100 times as many; ``CELERY_IDEM_MODEL_SEED`` another seed.
-A history that failed is kept below as a regression test (``REGRESSIONS``), replayed step by step.
+A history that failed is kept below as a regression test (``REGRESSIONS``), replayed step by step
+(in the Redis world, or the one ``REGRESSION_WORLDS`` names).
 """
 
 from __future__ import annotations
