@@ -34,7 +34,8 @@ leases and the holders' liveness have run out, one reconcile leaves no record PE
 IN_PROGRESS.
 
 Size: CI runs ``EXAMPLES`` histories of ``STEPS`` steps per store (Redis and PostgreSQL);
-``CELERY_IDEM_MODEL_SCALE=100`` runs 100 times as many; ``CELERY_IDEM_MODEL_SEED`` another seed.
+``CELERY_IDEM_MODEL_SCALE=100`` runs 100 times as many; ``CELERY_IDEM_MODEL_SEED`` another seed;
+``CELERY_IDEM_MODEL_HOWS=backoff,limits`` draws only the call forms it names.
 A history that failed is kept below as a regression test (``REGRESSIONS``), replayed step by step
 (in the Redis world, or the one ``REGRESSION_WORLDS`` names).
 """
@@ -113,6 +114,8 @@ HOWS = (
     "ledger_fails",
     "limits",
 )
+# CELERY_IDEM_MODEL_HOWS=backoff,limits,... draws only these call forms (to explore a few at length)
+HOWS = tuple(os.environ["CELERY_IDEM_MODEL_HOWS"].split(",")) if os.environ.get("CELERY_IDEM_MODEL_HOWS") else HOWS
 KEYS, HOLDS = st.integers(0, 2), st.sampled_from([0.0, 0.3, 1.5])
 TASK_OF = {
     "moving": "tm.moving",
