@@ -1,7 +1,8 @@
 """The world the task-level model (tests/models/test_task_model.py) acts on, and the invariants it checks.
 
 A :class:`World` is real infrastructure: two ``celery worker`` subprocesses (prefork; one recycles
-its children every 2 tasks), a Redis broker and result backend, a store (Redis or PostgreSQL)
+its children every 2 tasks), a broker (Redis, or RabbitMQ with quorum queues), a Redis result
+backend, a store (Redis or PostgreSQL)
 reached through a TCP proxy that can cut the link, a second producer subprocess with another hash
 seed, and the test process as the first producer. Its steps are what users and the infrastructure
 do: calls in every form (from producers of two releases), copies of messages, kills, worker
@@ -32,16 +33,18 @@ from typing import Any
 
 import redis
 import sqlalchemy as sa
+from kombu import Connection
 from proxy import Proxy
 from task_model_app import (
     BACKEND,
-    BROKER,
+    BROKERS,
     BUSY_WAIT,
     COUNTER_URL,
     LEASE,
     LEDGER_URL,
     LIVENESS,
     PENDING,
+    RABBITMQ_RETURN,
     RELAY_LEASE,
     RELEASES,
     STORE_TIMEOUT,
@@ -54,6 +57,7 @@ from task_model_app import (
     make_app,
     outbox_of,
     payments,
+    quorum_queue,
 )
 
 from celery_idem import Idempotency
@@ -90,6 +94,7 @@ class Execution:
     failed: float | None = None  # when
     final: bool = False  # its failure is the stored outcome of its key (a permanent one)
     answered: float | None = None  # when the ledger answered it with a committed outcome (no effect of its own)
+    hard: float | None = None  # the call's hard time limit, if it had one: past it, the pool kills it
 
     @property
     def running(self) -> bool:
@@ -156,6 +161,7 @@ def parse_executions(lines: list[bytes]) -> list[Execution]:
         line = json.loads(raw)
         if "start" in line:
             execution = Execution(line["task"], line["key"], line["task_id"], line["pid"], line["start"])
+            execution.hard = line.get("hard")
             executions.append(execution)
             open_[(line["task_id"], line["pid"])] = execution
         else:
@@ -204,14 +210,15 @@ def problems_of_executions(executions: list[Execution], kills: list[Kill], ttl: 
     return found
 
 
-def redeliveries(handle: Handle, kills: list[Kill]) -> list[float]:
+def redeliveries(handle: Handle, kills: list[Kill], visibility: float = VISIBILITY) -> list[float]:
     """When the broker may have delivered ``handle``'s message again: a kill after its publish may
     have taken it, and it comes back at once (a pool child's, rejected) or after the visibility
-    timeout (a whole worker's; the restore runs a second or two later)."""
+    timeout (a whole worker's on Redis; the restore runs a second or two later; on RabbitMQ,
+    ``visibility`` is the moment the broker takes to see the dead worker's channel closed)."""
     found = []
     for kill in kills:
         if kill.requeues and kill.at >= handle.at:
-            found += [kill.at, kill.at + VISIBILITY, kill.at + VISIBILITY + 2.0]
+            found += [kill.at, kill.at + visibility, kill.at + visibility + 2.0]
     return found
 
 
@@ -295,13 +302,21 @@ def error_problem(handle: Handle, error: str, executions: list[Execution]) -> st
     an attempt of its own task id failed with it (a retryable failure frees the key, and the caller
     of that attempt sees it; never Celery's ``Retry``, whose retry answers), or it is a permanent
     failure whose stored outcome may answer the call (:func:`allowed_answers`)."""
-    own = [e for e in executions if e.task_id in handle.own_ids and e.error == error and error != "Retry"]
+    own = [e for e in executions if e.task_id in handle.own_ids and _failed_with(e, error) and error != "Retry"]
     if own or any(e.error == error for e in allowed_answers(handle, executions)):
         return None
     shown = ", ".join(_shown(e) for e in allowed_answers(handle, executions)) or "none"
     return (
         f"{handle} published at {handle.at:.2f}: raised {error}, which answers none of its attempts; allowed: {shown}"
     )
+
+
+def _failed_with(execution: Execution, error: str) -> bool:
+    """Whether ``execution`` ended with ``error``: logged by its body, or (TimeLimitExceeded, which
+    its parent reports) killed by its hard time limit, never to log its end."""
+    if error == "TimeLimitExceeded":
+        return execution.hard is not None and execution.running
+    return execution.error == error
 
 
 def continuation_problems(counts: dict[str, int], heads_succeeded: set[str], quiet: bool) -> list[str]:
@@ -484,8 +499,11 @@ class Producer:
 class World:
     """Everything one store kind's histories run on; :meth:`begin` starts a history on fresh keys."""
 
-    def __init__(self, kind: str, tmp: Path, redis_url: str, postgres_url: str) -> None:
-        self.kind, self.tmp = kind, tmp
+    def __init__(self, kind: str, tmp: Path, redis_url: str, postgres_url: str, broker: str = "redis") -> None:
+        self.kind, self.tmp, self.broker = kind, tmp, broker
+        self.broker_url = BROKERS[broker]
+        # How long after a whole worker's death the broker may deliver what it held again
+        self.visibility = VISIBILITY if broker == "redis" else RABBITMQ_RETURN
         self.prefix = f"tm{uuid.uuid4().hex[:8]}"
         self.queue, self.heavy = self.prefix, f"{self.prefix}-heavy"
         if kind == "redis":
@@ -502,11 +520,14 @@ class World:
             "TM_STORE": self.store_url,
             "TM_PREFIX": self.prefix,
             "TM_QUEUE": self.queue,
+            "TM_BROKER": self.broker_url,
             "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")]),
         }
         # The test process is a producer of every release (the first one's app runs the rest)
         self.apps = {
-            release: make_app(store=self.store_url, prefix=self.prefix, queue=self.queue, release=release)
+            release: make_app(
+                store=self.store_url, prefix=self.prefix, queue=self.queue, release=release, broker=self.broker_url
+            )
             for release in RELEASES
         }
         self.app = self.apps[RELEASES[0]]
@@ -519,6 +540,8 @@ class World:
         self.kills: list[Kill] = []
         self.history = 0
         self.idle = ""
+        self.idles: list[str] = []  # every history's idle queue (deleted from RabbitMQ at the end)
+        self.limit_killed: set[tuple[str, int]] = set()  # (task id, pid) of bodies a hard time limit killed
         self.outage_until = 0.0
         self.had_outage = False
         self.cuts = 0
@@ -606,6 +629,8 @@ class World:
             self.producer.send("ping", [], {}, {})
         self.history += 1
         self.idle = f"{self.prefix}-idle{self.history}"
+        self.idles.append(self.idle)
+        self.limit_killed = set()
         self.kills = []
         self.had_outage = False
         self.counter.delete(exec_log(self.prefix))
@@ -639,9 +664,33 @@ class World:
             rows = connection.execute(sa.select(table.c.key, sa.func.count()).group_by(table.c.key)).all()
         return {str(key): int(n) for key, n in rows}
 
+    def idle_destination(self) -> Any:
+        """What ``queue=`` names the idle queue by: on RabbitMQ, a quorum queue like the others."""
+        return self.idle if self.broker == "redis" else quorum_queue(self.idle)
+
     def consume_idle(self) -> None:
         """The queue nobody consumed gets a consumer (the first worker)."""
-        self.app.control.add_consumer(self.idle, destination=[self.workers[0].name], reply=True, timeout=5)
+        declared: dict[str, Any] = {}
+        if self.broker != "redis":
+            queue = quorum_queue(self.idle)
+            declared = {
+                "exchange": self.idle,
+                "exchange_type": "topic",
+                "routing_key": self.idle,
+                "options": {"queue_arguments": queue.queue_arguments},
+            }
+        self.app.control.add_consumer(self.idle, destination=[self.workers[0].name], reply=True, timeout=5, **declared)
+
+    def hard_limit_kills(self) -> None:
+        """Bodies past their hard time limit were killed by their pool (its parent reports
+        TimeLimitExceeded and acks the message: nothing comes back): noted as kills."""
+        now = time.time()
+        for e in self.executions():
+            if e.hard is not None and e.running and now > e.start + e.hard + 1.0:
+                if (e.task_id, e.pid) not in self.limit_killed:
+                    self.limit_killed.add((e.task_id, e.pid))
+                    what = f"hard time limit of {e.task_id[:8]}"
+                    self.kills.append(Kill(e.start + e.hard, frozenset({e.pid}), what, requeues=False))
 
     def settle_down(self) -> None:
         """Wait out any cut, and give every queue a consumer."""
@@ -651,10 +700,11 @@ class World:
     def drain(self, bound: float = 60.0) -> None:
         """Wait until the broker has delivered again what killed workers held (their visibility
         timeout) and no body runs, so that what is judged next is the world at rest."""
-        redelivered = max((kill.at for kill in self.kills if kill.requeues), default=0.0) + VISIBILITY + 1.0
-        killed = {pid for kill in self.kills for pid in kill.pids}
+        redelivered = max((kill.at for kill in self.kills if kill.requeues), default=0.0) + self.visibility + 1.0
         deadline = time.monotonic() + bound
         while time.monotonic() < deadline:
+            self.hard_limit_kills()
+            killed = {pid for kill in self.kills for pid in kill.pids}
             running = [e for e in self.executions() if e.running and e.pid not in killed]
             if time.time() >= redelivered and not running:
                 return
@@ -709,9 +759,22 @@ class World:
         drop_tables(self.prefix)
         self.engine.dispose()
         self.outbox.engine.dispose()
+        if self.broker != "redis":
+            with Connection(self.broker_url) as connection:
+                channel = connection.default_channel
+                for name in [self.queue, self.heavy, *self.idles]:
+                    channel.queue_delete(name)
+                    channel.exchange_delete(name)
+
+    def summary(self) -> str:
+        return f"{SETTINGS_SUMMARY}; broker {self.broker_url}" + (
+            f" (quorum queues, x-delivery-limit, native delayed delivery; returned at once, {self.visibility}s slack)"
+            if self.broker != "redis"
+            else ""
+        )
 
 
 SETTINGS_SUMMARY = (
     f"lease {LEASE}s, TTL {TTL}s, pending {PENDING}s, busy wait {BUSY_WAIT}s, liveness {LIVENESS}s, "
-    f"store timeout {STORE_TIMEOUT}s, visibility {VISIBILITY}s; broker {BROKER}, backend {BACKEND}"
+    f"store timeout {STORE_TIMEOUT}s, visibility {VISIBILITY}s (a Redis broker); backend {BACKEND}"
 )

@@ -9,7 +9,12 @@ and one at the end (``end``), and the body returns ``{"key", "amount", "task_id"
 Two releases of the app (``RELEASES``) run side by side across a deploy: ``release="v2"`` is the
 next release of ``tm.pay``, a backward-compatible change (DESIGN §2, "Across releases"): a parameter
 with a default added (and named in ``key_args``), other policy fields and time limits. A worker
-subprocess builds the release its ``TM_RELEASE`` names.
+subprocess builds the release its ``TM_RELEASE`` names, on the broker its ``TM_BROKER`` names (a
+Redis one, or RabbitMQ with quorum queues behind topic exchanges: :func:`broker_conf`).
+
+Bodies that fail: ``tm.flaky`` (by key: permanent, retryable, ``self.retry``), ``tm.backoff``
+(``autoretry_for`` with ``retry_backoff``), ``tm.ledger_fails`` (its ledger ``fn`` raises);
+``tm.limited`` runs past the time limits its calls carry.
 
 ``python task_model_app.py produce`` is the second producer: it reads one JSON command a line on
 stdin and answers one JSON line (run under another ``PYTHONHASHSEED``: a fingerprint is a function of
@@ -27,8 +32,10 @@ from typing import Any
 
 import redis
 import sqlalchemy as sa
-from addresses import REDIS_BACKEND_URL, REDIS_BROKER_URL, REDIS_COUNTER_URL
+from addresses import RABBITMQ_URL, REDIS_BACKEND_URL, REDIS_BROKER_URL, REDIS_COUNTER_URL
 from celery import Celery
+from celery.exceptions import SoftTimeLimitExceeded
+from kombu import Exchange, Queue
 from pydantic import BaseModel
 from sqlalchemy import orm
 
@@ -38,6 +45,7 @@ from celery_idem.outbox import SQLOutbox, staging
 
 COUNTER_URL = REDIS_COUNTER_URL
 BROKER = REDIS_BROKER_URL
+BROKERS = {"redis": REDIS_BROKER_URL, "rabbitmq": RABBITMQ_URL}
 BACKEND = REDIS_BACKEND_URL
 LEDGER_URL = os.environ.get("CELERY_IDEM_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
@@ -49,11 +57,47 @@ BUSY_WAIT = 3.0
 LIVENESS = 2.0
 STORE_TIMEOUT = 1.0
 VISIBILITY = 8.0  # a message unacked this long goes back to the queue (a redelivered copy)
+# On RabbitMQ an unacked message goes back when its channel closes (its worker died): at once, give
+# or take the broker noticing the closed connection.
+RABBITMQ_RETURN = 2.0
+DELIVERY_LIMIT = 20  # x-delivery-limit of the quorum queues (RabbitMQ 4's default; set here on 3.x)
 RELEASES = ("v1", "v2")
 
 
 # How tm.flaky's body fails, by the call's order number (so a key always fails the same way)
 FAIL_MODES = ("permanent", "retryable", "retry")
+
+
+# tm.backoff fails this many first attempts (autoretry_for, retry_backoff, max_retries=2), by key
+BACKOFF_FAILS = (1, 2, 3)
+# tm.ledger_fails raises inside the ledger's fn, by key: for good, or retryably on the key's first try
+LEDGER_FAIL_MODES = ("permanent", "retryable", "permanent")
+# tm.limited's (soft, hard) time limits per call, by key: under the lease (2 s), the hard one alone,
+# and both over it, the body ignoring its soft limit (the heartbeat renews the lease meanwhile)
+LIMITS: tuple[tuple[float | None, float], ...] = ((1.0, 1.5), (None, 1.0), (2.5, 3.5))
+
+
+def quorum_queue(name: str) -> Queue:
+    """A queue as docs/guides/production.md lays it out on RabbitMQ: a quorum queue with a delivery
+    limit behind a topic exchange (so that Celery's native delayed delivery carries countdowns)."""
+    arguments = {"x-queue-type": "quorum", "x-delivery-limit": DELIVERY_LIMIT}
+    return Queue(name, Exchange(name, type="topic"), routing_key=name, queue_arguments=arguments)
+
+
+def broker_conf(broker: str, queues: list[str]) -> dict[str, Any]:
+    """The broker settings of an app whose broker URL is ``broker`` and whose queues are ``queues``."""
+    if broker.startswith("amqp"):
+        return {
+            "task_queues": [quorum_queue(name) for name in queues],
+            "broker_transport_options": {"confirm_publish": True},
+        }
+    return {
+        "broker_transport_options": {
+            "visibility_timeout": VISIBILITY,
+            "unacked_restore_interval": 1,
+            "unacked_restore_throttle": 1,
+        }
+    }
 
 
 class Declined(PermanentError):
@@ -90,8 +134,8 @@ def payments(prefix: str) -> sa.Table:
     )
 
 
-def make_app(*, store: Any, prefix: str, queue: str, release: str = "v1") -> Celery:
-    app = Celery("tm", broker=BROKER, backend=BACKEND, set_as_current=False)
+def make_app(*, store: Any, prefix: str, queue: str, release: str = "v1", broker: str = BROKER) -> Celery:
+    app = Celery("tm", broker=broker, backend=BACKEND, set_as_current=False)
     app.conf.update(
         task_default_queue=queue,
         worker_prefetch_multiplier=1,
@@ -100,11 +144,7 @@ def make_app(*, store: Any, prefix: str, queue: str, release: str = "v1") -> Cel
         result_expires=600,
         task_acks_late=True,
         task_reject_on_worker_lost=True,
-        broker_transport_options={
-            "visibility_timeout": VISIBILITY,
-            "unacked_restore_interval": 1,
-            "unacked_restore_throttle": 1,
-        },
+        **broker_conf(broker, [queue, f"{queue}-heavy"]),
     )
     engine = sa.create_engine(LEDGER_URL, poolclass=sa.pool.NullPool)
     ledger = Ledger(engine, table_name=f"tm_ledger_{prefix}")
@@ -129,6 +169,9 @@ def make_app(*, store: Any, prefix: str, queue: str, release: str = "v1") -> Cel
         at = time.time()
         line = {"key": key, "task_id": task.request.id, "pid": os.getpid(), "start": at, "task": task.name}
         line["release"] = release
+        hard = (task.request.timelimit or (None, None))[0]
+        if hard:
+            line["hard"] = hard  # the call's hard time limit: the pool kills the body past it
         counter.rpush(exec_log(prefix), json.dumps(line))
         return key, at
 
@@ -168,12 +211,12 @@ def make_app(*, store: Any, prefix: str, queue: str, release: str = "v1") -> Cel
             return ended(self, key, amount)
 
     @task(name="tm.moving", idempotency={"key_args": ["order", "amount"]}, **options)
-    def moving(self: Any, order: int, amount: int, heavy: str = "") -> Any:
+    def moving(self: Any, order: int, amount: int, heavy: str = "", hold: float = 0.0) -> Any:
         """Moves itself to the big-memory queue first (replace with the same call), then pays."""
         if heavy and (self.request.delivery_info or {}).get("routing_key") != heavy:
-            raise self.replace(self.s(order, amount, heavy).set(queue=heavy))
+            raise self.replace(self.s(order, amount, heavy, hold).set(queue=heavy))
         key, _ = started(self)
-        time.sleep(0.2)
+        time.sleep(0.2 + hold)
         return ended(self, key, amount)
 
     @task(name="tm.ledger_pay", idempotency={"key_args": ["order", "amount"]}, **options)
@@ -186,6 +229,52 @@ def make_app(*, store: Any, prefix: str, queue: str, release: str = "v1") -> Cel
             return ended(self, key, amount)
 
         return dict(ledger.run_once(self, charge))
+
+    @task(name="tm.ledger_fails", idempotency={"key_args": ["order", "amount", "mode"]}, **options)
+    def ledger_fails(self: Any, order: int, amount: int, mode: str, hold: float = 0.0) -> dict[str, Any]:
+        """A ledger payment whose ``fn`` raises after its business write (rolled back with it): by
+        ``mode``, ``permanent`` (Declined, every time) or ``retryable`` (Flaky on the key's first
+        try, then it pays)."""
+        key, _ = started(self)
+        time.sleep(hold)
+
+        def charge(session: Any) -> dict[str, Any]:
+            session.execute(table.insert().values(key=key, amount=amount))
+            if mode == "permanent":
+                raise failed(self, key, Declined(f"order {order} declined"), final=True)
+            if mode == "retryable" and counter.incr(f"tm:{prefix}:tries:{key}") == 1:
+                raise failed(self, key, Flaky(f"order {order}: try again"), final=False)
+            return ended(self, key, amount)
+
+        return dict(ledger.run_once(self, charge))
+
+    retried: dict[str, Any] = {"retry_backoff": 1, "retry_backoff_max": 4, "retry_jitter": False, "max_retries": 2}
+    retried.update(autoretry_for=(Flaky,), idempotency={"key_args": ["order", "amount"]})
+
+    @task(name="tm.backoff", **retried, **options)
+    def backoff(self: Any, order: int, amount: int, fails: int = 1, hold: float = 0.0) -> dict[str, Any]:
+        """Fails its first ``fails`` attempts retryably; ``autoretry_for`` retries it after 1 s, then
+        2 s (``retry_backoff``, no jitter), at most twice: with ``fails=3`` the last attempt's Flaky
+        is its caller's answer."""
+        key, _ = started(self)
+        time.sleep(hold)
+        if self.request.retries < fails:
+            raise failed(self, key, Flaky(f"order {order}: attempt {self.request.retries} failed"), final=False)
+        return ended(self, key, amount)
+
+    @task(name="tm.limited", idempotency={"key_args": ["order", "amount"]}, **options)
+    def limited(self: Any, order: int, amount: int, hold: float = 0.0, stubborn: bool = False) -> dict[str, Any]:
+        """Called with time limits (``LIMITS``); sleeps ``hold``. Its soft limit is its error
+        (SoftTimeLimitExceeded, retryable), unless ``stubborn``: it sleeps on until the hard one
+        kills its process."""
+        key, _ = started(self)
+        try:
+            time.sleep(hold)
+        except SoftTimeLimitExceeded as exc:
+            if not stubborn:
+                raise failed(self, key, exc, final=False) from None
+            time.sleep(hold)
+        return ended(self, key, amount)
 
     @task(name="tm.flaky", idempotency={"key_args": ["order", "amount", "mode"]}, **options)
     def flaky(self: Any, order: int, amount: int, mode: str, hold: float = 0.0) -> dict[str, Any]:
@@ -356,6 +445,7 @@ if os.environ.get("TM_PREFIX"):
         prefix=os.environ["TM_PREFIX"],
         queue=os.environ["TM_QUEUE"],
         release=os.environ.get("TM_RELEASE", "v1"),
+        broker=os.environ.get("TM_BROKER", BROKER),
     )
 
 if __name__ == "__main__" and sys.argv[1:] == ["produce"]:

@@ -1,9 +1,12 @@
 """The SQL store's own sessions on MySQL/MariaDB, whatever the engine it was given: they count rows
 matched (the store judges its conditional writes by them), take any character (utf8mb4), and stay
-READ COMMITTED after a caller's transaction of their own on ``store.engine``."""
+READ COMMITTED after a caller's transaction of their own on ``store.engine``. On PostgreSQL: a
+process forked after the store was used (a prefork pool's child, started when one is recycled or
+killed) opens connections of its own, never the parent's pooled ones."""
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -12,10 +15,11 @@ from urllib.parse import urlsplit
 import pymysql
 import pytest
 import sqlalchemy as sa
-from conftest import MARIADB_DATABASE, MARIADB_URL, require_server
+from conftest import MARIADB_DATABASE, MARIADB_URL, POSTGRES_URL, require_server
 
 from celery_idem import ConfigurationError
 from celery_idem.records import Decision, ErrorInfo, Identity
+from celery_idem.stores import store_from_url
 from celery_idem.stores.sql import SQLStore
 
 FP = "f" * 64
@@ -93,5 +97,32 @@ def test_a_callers_transaction_at_another_isolation_level_leaves_the_stores_sess
             levels.add(connection.exec_driver_sql("SELECT @@tx_isolation").scalar())
             connection.close()
         assert levels == {"READ-COMMITTED"}
+    finally:
+        store.close()
+
+
+def test_children_forked_after_the_store_was_used_open_their_own_connections() -> None:
+    """Found by the task-level model (a prefork worker on PostgreSQL whose children are recycled): two
+    children forked after the parent's first store call shared its pooled connection, breaking it
+    for all three; the parent's revoke hook then could not release a revoked call's claim."""
+    require_server("postgresql")
+    store = store_from_url(POSTGRES_URL, key_prefix=f"f{uuid.uuid4().hex[:10]}")
+    try:
+        store.ping()  # the parent's pool now holds a connection (a worker pings its store when ready)
+        children = []
+        for _ in range(2):
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - the child
+                failed = 0
+                for _ in range(100):
+                    try:
+                        store.ping()
+                    except Exception:  # noqa: BLE001 - counted
+                        failed += 1
+                os._exit(min(failed, 100))
+            children.append(pid)
+        failures = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children]
+        assert failures == [0, 0], f"store calls failed in the children: {failures}"
+        store.ping()  # and the parent's connection still works
     finally:
         store.close()

@@ -16,8 +16,11 @@ few times; past that it is an outage, never an answer.
 
 from __future__ import annotations
 
+import functools
+import os
 import re
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from contextvars import ContextVar
@@ -59,6 +62,14 @@ how that connection runs a statement. Its statements then commit or roll back wi
 
 
 # How a statement's answer is read (the ``fetch`` of :meth:`SQLBase._run`).
+
+
+def _own_pool_after_fork(ref: weakref.ref[SQLBase]) -> None:
+    """In a forked child: forget the parent's pooled connections without closing them (they are the
+    parent's; SQLAlchemy's recipe for os.fork), so the child opens its own."""
+    store = ref()
+    if store is not None:
+        store.engine.dispose(close=False)
 
 
 def one(result: Answer) -> Any:
@@ -135,6 +146,10 @@ class SQLBase(Statements, Store):
         if len(key_prefix) > 64:
             raise ConfigurationError(f"key_prefix must be at most 64 characters for SQLStore; got {len(key_prefix)}")
         self.engine = private_engine(engine, self.timeout_seconds)  # in autocommit mode
+        # A process forked after this one used the store (a prefork pool's child, started when one is
+        # recycled or killed) must not share its pooled connections: two processes on one socket
+        # break it for both (the parent's revoke and kill hooks then fail). It starts a pool of its own.
+        os.register_at_fork(after_in_child=functools.partial(_own_pool_after_fork, weakref.ref(self)))
         self._deadline = self.timeout_seconds + _DEADLINE_MARGIN_SECONDS
         self.metadata = sa.MetaData()
         self.table = records_table(self.metadata, table_name)
