@@ -378,7 +378,7 @@ class TaskLevel(RuleBasedStateMachine):
             self.call_failed(how, deferred.error, (task.name, key, amount))
             return
         self.handle(how, task.name, key, amount, deferred.result, at)
-        self.sent[deferred.result.id] = (task.name, (n, amount), {"hold": hold}, world.queue, None)
+        self.sent[deferred.result.id] = (task.name, (n, amount), {"hold": hold}, world.queue, None, {})
 
     def tagged(self, n: int, at: float) -> None:
         """The same key-less pydantic call from both producers, whose hash seeds differ."""
