@@ -7,7 +7,8 @@ a :class:`celery_idem.DuplicateTaskError`), ``lock_expiry`` is ``pending_timeout
 a call that has not started holds its key; a running call holds it by its lease, which the heartbeat
 renews). App settings: ``singleton_raise_on_duplicate``, ``singleton_lock_expiry``,
 ``singleton_backend_url`` and ``singleton_key_prefix`` (the store this module builds when the app
-configures none: the Redis result backend, else the Redis broker, as celery-singleton picks);
+configures none: the Redis result backend, else the Redis broker, as celery-singleton picks; an eager
+app with neither gets celery-idem's eager default, ``memory://``);
 ``singleton_backend_class`` only as celery-singleton's own Redis backend, ``singleton_backend_kwargs``
 not at all (a :class:`~celery_idem.errors.ConfigurationError` at the task's first call says so).
 What behaves differently, on purpose, is listed in docs/migration.md ("From celery-singleton").
@@ -147,6 +148,8 @@ def _install_store(app: Any) -> None:
             )
         return
     url = conf.get("singleton_backend_url") or _zero_configuration_url(app)
+    if url is None:
+        return  # eager, with no Redis: celery-idem's own default, memory://
     keywords: dict[str, Any] = {}
     if settings is not None:  # an Idempotency(app, ...) without a store: keep what it was given
         keywords = {name: getattr(settings, name) for name in settings.model_fields_set}
@@ -155,12 +158,14 @@ def _install_store(app: Any) -> None:
     Idempotency(app, **{**keywords, "store": url})
 
 
-def _zero_configuration_url(app: Any) -> str:
+def _zero_configuration_url(app: Any) -> str | None:
     conf = app.conf
     for setting in ("result_backend", "broker_url"):
         url = conf.get(setting)
         if isinstance(url, str) and url.partition("://")[0].lower() in _REDIS_SCHEMES:
             return url
+    if conf.get("task_always_eager"):
+        return None
     schemes = {s: str(conf.get(s) or "none").partition("://")[0] for s in ("result_backend", "broker_url")}
     raise ConfigurationError(
         f"celery_idem.compat.singleton needs a store for app {app.main!r}, and neither its result backend "

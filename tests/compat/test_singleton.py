@@ -470,3 +470,28 @@ def test_app_settings_map_onto_the_policy_and_the_store() -> None:
     policy = idem.policy_for(task)
     assert (policy.mode, policy.on_duplicate, policy.pending_timeout_seconds) == ("until_done", "raise", 90)
     assert idem.settings.store == "redis://127.0.0.1:6379/13" and idem.settings.key_prefix == "LOCKS_"
+
+
+def test_an_app_store_of_its_own_is_used_and_a_clashing_key_prefix_refused() -> None:
+    app = _app(broker_url="redis://127.0.0.1:6379/14", idempotency_store="memory://", singleton_key_prefix="LOCKS_")
+    with pytest.raises(ConfigurationError, match="set idempotency_key_prefix instead"):
+        app.tasks["s.run"].delay("x")
+    app = _app(broker_url="redis://127.0.0.1:6379/14", idempotency_store="memory://")
+    assert Idempotency.of(app.tasks["s.run"].app).settings.store == "memory://"  # the app's, not the broker's
+
+
+def test_an_idempotency_installed_without_a_store_keeps_its_settings_and_gets_the_zero_configuration_store() -> None:
+    app = Celery(f"settings{uuid.uuid4().hex[:6]}", broker="redis://127.0.0.1:6379/14", set_as_current=False)
+    Idempotency(app, lease_seconds=12)
+
+    @app.task(shared=False, base=compat.Singleton, name="s.run")
+    def run(order_id: str) -> str:
+        return order_id
+
+    settings = Idempotency.of(app.tasks["s.run"].app).settings
+    assert (settings.store, settings.lease_seconds) == ("redis://127.0.0.1:6379/14", 12)
+
+
+def test_duplicate_task_error_is_built_as_celery_singleton_builds_it() -> None:
+    error = compat.DuplicateTaskError("Attempted to queue a duplicate of task ID abc", "abc")
+    assert error.task_id == "abc" and isinstance(error, celery_idem.DuplicateTaskError)
