@@ -72,6 +72,21 @@ def modes_app(*, store: Store, prefix: str) -> Celery:
             raise self.retry(countdown=1, max_retries=1)
         return {"run": effect("retried", order_id)}
 
+    @app.task(
+        shared=False,
+        base=IdempotentTask,
+        name="modes.patient",
+        idempotency={**single, "on_busy": "retry", "lease_seconds": 2.0},
+    )
+    def patient(order_id: str, hold: float = 0.0) -> dict[str, int]:
+        n = effect("patient", order_id)
+        time.sleep(hold)
+        return {"run": n}
+
+    @app.task(shared=False, name="modes.after")
+    def after(value: Any, order_id: str) -> None:
+        effect("after", order_id)
+
     return app
 
 
@@ -187,3 +202,61 @@ def test_a_duplicate_while_it_runs_raises_with_the_running_calls_id_when_the_pol
     assert first.get(timeout=GET) == {"run": 1}
     # And once it ended, the next call runs
     assert raising.apply_async((order,)).get(timeout=GET) == {"run": 2}
+
+
+# ---- found by the attack on issue 28 (modes): each fails on the current code ------------------------
+
+
+def test_a_duplicate_with_a_link_made_while_the_call_runs_never_runs_the_body_again(
+    worker: Running, order: str
+) -> None:
+    run, after = worker.task("single"), worker.task("after")
+    # Given a call that runs (1 s), and a duplicate made meanwhile that carries a link (published
+    # anyway for its continuation) and is delivered once the run ended (its countdown)
+    first = run.apply_async((order, 1.0))
+    wait_for(lambda: worker.runs("single", order) == 1, "the call to start")
+    linked = run.apply_async((order, 1.0), countdown=2, link=after.s(order))
+    assert linked.deduplicated
+    assert first.get(timeout=GET) == {"run": 1}
+    # Then the duplicate call, made while the key was held, is answered by that run: its link gets
+    # the run's value, and the body ran once for the two calls (docs/modes.md: "one call per key
+    # from its publish to the end of its run"; a duplicate gets the running call's id)
+    wait_for(lambda: worker.runs("after", order) == 1, "the duplicate's link to run")
+    assert linked.get(timeout=GET) == {"run": 1}
+    assert worker.runs("single", order) == 1
+
+
+def test_a_copy_of_an_ended_calls_message_neither_runs_it_again_nor_rewrites_its_result(
+    worker: Running, order: str
+) -> None:
+    run, after = worker.task("single"), worker.task("after")
+    # Given a call with a link whose run ended (its link ran once)
+    first = run.apply_async((order,), link=after.s(order))
+    assert first.get(timeout=GET) == {"run": 1}
+    wait_for(lambda: worker.runs("after", order) == 1, "the link to run")
+    # When a copy of its message comes (a broker's redelivery, the caller sending it again by name)
+    worker.app.send_task("modes.single", (order,), task_id=first.id, queue=worker.prefix, link=after.s(order))
+    time.sleep(2)
+    # Then the copy ends quietly (DESIGN §3 "One continuation per call"; docs/modes.md: "the handle
+    # of an earlier call still answers its own run"): no second run, no second link, same result
+    assert worker.runs("single", order) == 1
+    assert worker.runs("after", order) == 1
+    assert first.get(timeout=GET) == {"run": 1}
+
+
+def test_a_message_sent_back_to_the_broker_to_wait_does_not_keep_the_outcome_for_new_calls(
+    worker: Running, order: str
+) -> None:
+    patient = worker.task("patient")
+    # Given a call that runs (1 s), and a message of the key sent by name meanwhile, which is BUSY
+    # and goes back to the broker (on_busy="retry") to be answered with the run's outcome
+    first = patient.apply_async((order, 1.0))
+    wait_for(lambda: worker.runs("patient", order) == 1, "the call to start")
+    by_name = worker.app.send_task("modes.patient", (order, 1.0), queue=worker.prefix)
+    assert first.get(timeout=GET) == by_name.get(timeout=GET) == {"run": 1}
+    # When a new call is made past the window docs/modes.md admits (2 + 2 x store timeout seconds)
+    time.sleep(2 + 2 * worker.store.timeout_seconds + 1)
+    again = patient.apply_async((order,))
+    # Then it is a new call: it runs (nothing is replayed after the end)
+    assert not again.deduplicated
+    assert again.get(timeout=GET) == {"run": 2}
