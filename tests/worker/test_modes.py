@@ -260,3 +260,20 @@ def test_a_message_sent_back_to_the_broker_to_wait_does_not_keep_the_outcome_for
     # Then it is a new call: it runs (nothing is replayed after the end)
     assert not again.deduplicated
     assert again.get(timeout=GET) == {"run": 2}
+
+
+def test_a_copy_of_a_duplicates_message_does_not_run_its_continuation_again(worker: Running, order: str) -> None:
+    run, after = worker.task("single"), worker.task("after")
+    # Given a call that runs (1 s), and a duplicate with a link delivered meanwhile: it waits for the
+    # run and replays its outcome into the link, once
+    first = run.apply_async((order, 1.0))
+    wait_for(lambda: worker.runs("single", order) == 1, "the call to start")
+    linked = run.apply_async((order, 1.0), link=after.s(order))
+    assert first.get(timeout=GET) == linked.get(timeout=GET) == {"run": 1}
+    wait_for(lambda: worker.runs("after", order) == 1, "the duplicate's link to run")
+    # When a copy of the duplicate's message comes (a redelivery, the caller sending it again)
+    worker.app.send_task("modes.single", (order, 1.0), task_id=linked.id, queue=worker.prefix, link=after.s(order))
+    time.sleep(3)
+    # Then the copy ends quietly (its continuation's fence is settled): the link ran once, the body once
+    assert worker.runs("after", order) == 1
+    assert worker.runs("single", order) == 1
