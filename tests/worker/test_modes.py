@@ -277,3 +277,42 @@ def test_a_copy_of_a_duplicates_message_does_not_run_its_continuation_again(work
     # Then the copy ends quietly (its continuation's fence is settled): the link ran once, the body once
     assert worker.runs("after", order) == 1
     assert worker.runs("single", order) == 1
+
+
+def test_a_call_with_other_arguments_just_after_the_end_runs_and_is_not_refused(worker: Running, order: str) -> None:
+    run = worker.task("single")
+    # Given a call that runs (1 s), and a message of the key sent by name meanwhile that waits for it
+    # in the worker and is answered with its outcome
+    first = run.apply_async((order, 1.0), idempotency_key=order)
+    wait_for(lambda: worker.runs("single", order) == 1, "the call to start")
+    by_name = worker.app.send_task(
+        "modes.single", (order, 1.0), queue=worker.prefix, headers={"idempotency_key": order}
+    )
+    assert first.get(timeout=GET) == by_name.get(timeout=GET) == {"run": 1}
+    # When a call with other arguments is made under the key once the run ended, then it runs: the key
+    # is free (docs/modes.md: other arguments are refused "while the key is held")
+    other = f"{order}-other"
+    assert run.apply_async((other,), idempotency_key=order).get(timeout=GET) == {"run": 1}
+    assert worker.runs("single", other) == 1
+
+
+def test_a_record_kept_by_the_idempotent_mode_is_not_replayed_once_the_task_is_until_done(
+    worker: Running, order: str
+) -> None:
+    # Given the task's previous release (mode idempotent, the default) ran the call: its record is
+    # kept for ttl_seconds (an eager call of that release, on the same store)
+    old = Celery("modes-old", set_as_current=False)
+    old.conf.update(task_always_eager=True, task_store_eager_result=False)
+    Idempotency(old, store=worker.store, key_prefix=worker.prefix)
+    counter = redis.Redis.from_url(COUNTER_URL)
+
+    @old.task(shared=False, base=IdempotentTask, name="modes.single", idempotency={"key_args": ["order_id"]})
+    def run_before(order_id: str, hold: float = 0.0, fail: bool = False) -> dict[str, int]:
+        return {"run": int(counter.incr(effects_key(worker.prefix, "single", order_id)))}
+
+    assert run_before.apply_async((order,)).get() == {"run": 1}
+    # When the release that makes the task until_done is called with the same call after that run ended
+    again = worker.task("single").apply_async((order,))
+    # Then it runs: nothing is replayed after the end (docs/modes.md), whichever release ran the end
+    assert not again.deduplicated
+    assert again.get(timeout=GET) == {"run": 2}
