@@ -83,6 +83,12 @@ def modes_app(*, store: Store, prefix: str) -> Celery:
         time.sleep(hold)
         return {"run": n}
 
+    @app.task(shared=False, base=IdempotentTask, name="modes.silent", ignore_result=True, idempotency=single)
+    def silent(order_id: str, hold: float = 0.0) -> dict[str, int]:
+        n = effect("silent", order_id)
+        time.sleep(hold)
+        return {"run": n}
+
     @app.task(shared=False, name="modes.after")
     def after(value: Any, order_id: str) -> None:
         effect("after", order_id)
@@ -316,3 +322,17 @@ def test_a_record_kept_by_the_idempotent_mode_is_not_replayed_once_the_task_is_u
     # Then it runs: nothing is replayed after the end (docs/modes.md), whichever release ran the end
     assert not again.deduplicated
     assert again.get(timeout=GET) == {"run": 2}
+
+
+def test_the_handle_of_a_call_that_keeps_no_result_in_the_backend_answers_its_run(worker: Running, order: str) -> None:
+    silent = worker.task("silent")
+    # Given a call of an until_done task with ignore_result=True (accepted: only results="store" is
+    # refused), and a duplicate made while it runs
+    first = silent.apply_async((order, 1.0))
+    wait_for(lambda: worker.runs("silent", order) == 1, "the call to start")
+    duplicate = silent.apply_async((order, 1.0))
+    assert duplicate.deduplicated and duplicate.id == first.id
+    # Then both handles answer the run's outcome (DESIGN §1: ".get() returns the stored outcome even
+    # when the result backend has none (ignore_result=True)"), not RecordGoneError or a timeout
+    assert first.get(timeout=GET) == {"run": 1}
+    assert duplicate.get(timeout=GET) == {"run": 1}
