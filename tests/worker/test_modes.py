@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,7 +28,7 @@ from shop import COUNTER_URL, effects_key
 from shop_worker import BACKEND, BROKERS, GET
 from workers import wait_for
 
-from celery_idem import DuplicateTaskError, Idempotency, IdempotentTask, PermanentError
+from celery_idem import DuplicateTaskError, Idempotency, IdempotentTask, PermanentError, State, store_from_url
 from celery_idem.stores import Store
 
 
@@ -336,3 +337,42 @@ def test_the_handle_of_a_call_that_keeps_no_result_in_the_backend_answers_its_ru
     # when the result backend has none (ignore_result=True)"), not RecordGoneError or a timeout
     assert first.get(timeout=GET) == {"run": 1}
     assert duplicate.get(timeout=GET) == {"run": 1}
+
+
+@pytest.mark.slow
+def test_a_call_whose_whole_worker_died_is_requeued_by_the_reconciler_in_until_done_too(
+    tmp_path: Path, order: str
+) -> None:
+    from conftest import REDIS_URL
+    from shop import make_app
+    from workers import Worker
+
+    # Given the shop app in mode until_done (the app's default), whose shop.requeued says
+    # stale_action="requeue" (acks_late: on Redis, a dead worker's message comes back after an hour)
+    require_server("redis")
+    prefix = f"m{uuid.uuid4().hex[:10]}"
+    settings: dict[str, Any] = {"mode": "until_done", "inspect_timeout_seconds": 1.0}
+    app = make_app(broker=BROKERS["redis"], backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix, **settings)
+    idem = Idempotency.of(app)
+    counter = redis.Redis.from_url(COUNTER_URL)
+    doomed = Worker(tmp_path, BROKERS["redis"], REDIS_URL, prefix, **settings)
+    restarted = None
+    try:
+        result = app.tasks["shop.requeued"].apply_async((7,), idempotency_key=order)
+        wait_for(lambda: counter.get(effects_key(prefix, "shop.requeued.started", order)), "the stuck attempt")
+        # When its whole worker is killed mid-body, and comes back under its node name (provably dead)
+        doomed.kill()
+        stale = idem.get("shop.requeued", order)
+        assert stale is not None and stale.state is State.IN_PROGRESS
+        restarted = Worker(tmp_path, BROKERS["redis"], REDIS_URL, prefix, name=doomed.name, **settings)
+        time.sleep(max(0.0, stale.lease_expires_at - time.time()) + 0.2)
+        report = idem.reconcile()
+        # Then the reconciler finds the dead attempt and delivers the call again, as in every mode
+        # (DESIGN §7: "the reconciler ... the same for every mode"); the call runs once more
+        assert report.requeued == 1, report
+        assert result.get(timeout=GET)["amount"] == 7
+    finally:
+        doomed.stop()
+        if restarted is not None:
+            restarted.stop()
+        wipe(store_from_url(REDIS_URL, key_prefix=prefix))
