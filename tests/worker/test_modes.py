@@ -376,3 +376,19 @@ def test_a_call_whose_whole_worker_died_is_requeued_by_the_reconciler_in_until_d
         if restarted is not None:
             restarted.stop()
         wipe(store_from_url(REDIS_URL, key_prefix=prefix))
+
+
+def test_a_message_by_name_while_the_call_waits_in_the_queue_does_not_make_the_body_run_twice(
+    worker: Running, order: str
+) -> None:
+    run = worker.task("single")
+    # Given a call waiting in the queue (its countdown: 2 s), which holds the key from its publish
+    first = run.apply_async((order,), countdown=2)
+    # When a message of the same call is sent by name meanwhile (no producer claimed it) and runs
+    by_name = worker.app.send_task("modes.single", (order,), queue=worker.prefix)
+    assert by_name.get(timeout=GET) == {"run": 1}
+    # Then the queued call is answered by that run (as in the idempotent mode), or the message waited
+    # for the call: either way one run for the two, not one each (docs/modes.md: "one call per key
+    # from its publish to the end of its run")
+    first.get(timeout=GET)
+    assert worker.runs("single", order) == 1
