@@ -392,3 +392,15 @@ def test_a_message_by_name_while_the_call_waits_in_the_queue_does_not_make_the_b
     # from its publish to the end of its run")
     first.get(timeout=GET)
     assert worker.runs("single", order) == 1
+
+
+def test_a_call_made_as_soon_as_the_previous_ones_handle_answered_runs(worker: Running, order: str) -> None:
+    run = worker.task("single")
+    # Given calls made one after the other, each as soon as the previous call's handle answered
+    # (get() answers from the store the moment the run's record settles)
+    answers = []
+    for _ in range(20):
+        handle = run.apply_async((order,))
+        answers.append((handle.deduplicated, handle.get(timeout=GET)))
+    # Then each is a new call and runs: the run before it had ended (nothing is replayed after the end)
+    assert answers == [(False, {"run": n}) for n in range(1, 21)]
