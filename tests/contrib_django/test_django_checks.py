@@ -231,3 +231,15 @@ def test_checks_survive_a_task_with_many_backoff_retries(project: Any) -> None:
     except OverflowError as exc:
         pytest.fail(f"manage.py check crashed: {exc!r}")
     assert "celery_idem.W012" in found
+
+
+# Found by the attack on issue 28 (modes): fails on the current code.
+def test_an_until_done_task_with_celerys_default_retries_is_no_warning(project: Any) -> None:
+    from celery_idem import Idempotency, IdempotentTask
+
+    app = project(IDEMPOTENCY_STORE="redis://localhost:6379/2")
+    Idempotency(app)
+    # Celery's defaults: max_retries=3, default_retry_delay=180. In until_done a retry keeps the key
+    # (PENDING while it is queued) and no TTL applies to it: raising ttl_seconds changes nothing.
+    app.task(name="djshop.single", base=IdempotentTask, idempotency={"mode": "until_done"}, shared=False)(_noop)
+    assert [m.msg for m in checks.run_checks(tags=["celery_idem"])] == []

@@ -469,3 +469,52 @@ def test_a_row_refused_as_ambiguous_then_given_back_is_sent_on_the_next_pass_and
         running.stop()
     assert outbox_shop.effects(prefix, 20) == outbox_shop.publishes(prefix, handle.id) == 1
     assert rows(outbox) == []
+
+
+# Found by the attack on issue 28 (modes): fails on the current code.
+@on("sqlite")
+def test_an_until_done_call_whose_relay_died_before_its_claim_is_published_and_runs_once(
+    db: str, prefix: str, tmp_path: Path
+) -> None:
+    require_server("redis")
+    app, outbox = outbox_shop.make(
+        broker=BROKER,
+        backend=BACKEND,
+        store=REDIS_URL,
+        prefix=prefix,
+        queue=prefix,
+        db=db,
+        table=f"outbox_{prefix}",
+        mode="until_done",
+    )
+    outbox.create_schema()
+    try:
+        outbox.publish_on_commit = False
+        # Given a call of an until_done task staged, whose relay died before it claimed or published it
+        handle = stage(outbox, app, 18, 1800, key="order-18")
+        died = relay_process(db, prefix, dies="before_claim")
+        assert died.returncode == -9, died.stderr
+        assert Idempotency.of(app).store.get(handle.identity) is None  # never claimed
+        # When the next relay takes the row (the dead relay took it a moment ago, not a TTL ago)
+        published = relay_after_the_lease(outbox, app)
+        # Then it publishes the call, which runs once (an until_done key's TTL is no horizon of a
+        # call: its record is gone a millisecond after every run, so "no record past the TTL" says
+        # nothing of whether this call ran)
+        assert len(published) == 1, rows(outbox)
+        running = Worker(
+            tmp_path,
+            BROKER,
+            REDIS_URL,
+            prefix,
+            app="outbox_shop",
+            pool="threads",
+            env=env(db, prefix),
+            mode="until_done",
+        )
+        try:
+            assert handle.get(timeout=30) == {"order_id": 18, "charged": 1800}
+        finally:
+            running.stop()
+        assert outbox_shop.effects(prefix, 18) == 1
+    finally:
+        Idempotency.of(app).store.close()

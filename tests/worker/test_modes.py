@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,7 +28,7 @@ from shop import COUNTER_URL, effects_key
 from shop_worker import BACKEND, BROKERS, GET
 from workers import wait_for
 
-from celery_idem import DuplicateTaskError, Idempotency, IdempotentTask, PermanentError
+from celery_idem import DuplicateTaskError, Idempotency, IdempotentTask, PermanentError, State, store_from_url
 from celery_idem.stores import Store
 
 
@@ -71,6 +72,27 @@ def modes_app(*, store: Store, prefix: str) -> Celery:
         if self.request.retries == 0:
             raise self.retry(countdown=1, max_retries=1)
         return {"run": effect("retried", order_id)}
+
+    @app.task(
+        shared=False,
+        base=IdempotentTask,
+        name="modes.patient",
+        idempotency={**single, "on_busy": "retry", "lease_seconds": 2.0},
+    )
+    def patient(order_id: str, hold: float = 0.0) -> dict[str, int]:
+        n = effect("patient", order_id)
+        time.sleep(hold)
+        return {"run": n}
+
+    @app.task(shared=False, base=IdempotentTask, name="modes.silent", ignore_result=True, idempotency=single)
+    def silent(order_id: str, hold: float = 0.0) -> dict[str, int]:
+        n = effect("silent", order_id)
+        time.sleep(hold)
+        return {"run": n}
+
+    @app.task(shared=False, name="modes.after")
+    def after(value: Any, order_id: str) -> None:
+        effect("after", order_id)
 
     return app
 
@@ -187,3 +209,200 @@ def test_a_duplicate_while_it_runs_raises_with_the_running_calls_id_when_the_pol
     assert first.get(timeout=GET) == {"run": 1}
     # And once it ended, the next call runs
     assert raising.apply_async((order,)).get(timeout=GET) == {"run": 2}
+
+
+# ---- found by the attack on issue 28 (modes): each fails on the current code ------------------------
+
+
+def test_a_duplicate_with_a_link_made_while_the_call_runs_never_runs_the_body_again(
+    worker: Running, order: str
+) -> None:
+    run, after = worker.task("single"), worker.task("after")
+    # Given a call that runs (1 s), and a duplicate made meanwhile that carries a link (published
+    # anyway for its continuation) and is delivered once the run ended (its countdown)
+    first = run.apply_async((order, 1.0))
+    wait_for(lambda: worker.runs("single", order) == 1, "the call to start")
+    linked = run.apply_async((order, 1.0), countdown=2, link=after.s(order))
+    assert linked.deduplicated
+    assert first.get(timeout=GET) == {"run": 1}
+    # Then the duplicate call, made while the key was held, is answered by that run: its link gets
+    # the run's value, and the body ran once for the two calls (docs/modes.md: "one call per key
+    # from its publish to the end of its run"; a duplicate gets the running call's id)
+    wait_for(lambda: worker.runs("after", order) == 1, "the duplicate's link to run")
+    assert linked.get(timeout=GET) == {"run": 1}
+    assert worker.runs("single", order) == 1
+
+
+def test_a_copy_of_an_ended_calls_message_neither_runs_it_again_nor_rewrites_its_result(
+    worker: Running, order: str
+) -> None:
+    run, after = worker.task("single"), worker.task("after")
+    # Given a call with a link whose run ended (its link ran once)
+    first = run.apply_async((order,), link=after.s(order))
+    assert first.get(timeout=GET) == {"run": 1}
+    wait_for(lambda: worker.runs("after", order) == 1, "the link to run")
+    # When a copy of its message comes (a broker's redelivery, the caller sending it again by name)
+    worker.app.send_task("modes.single", (order,), task_id=first.id, queue=worker.prefix, link=after.s(order))
+    time.sleep(2)
+    # Then the copy ends quietly (DESIGN §3 "One continuation per call"; docs/modes.md: "the handle
+    # of an earlier call still answers its own run"): no second run, no second link, same result
+    assert worker.runs("single", order) == 1
+    assert worker.runs("after", order) == 1
+    assert first.get(timeout=GET) == {"run": 1}
+
+
+def test_a_message_sent_back_to_the_broker_to_wait_does_not_keep_the_outcome_for_new_calls(
+    worker: Running, order: str
+) -> None:
+    patient = worker.task("patient")
+    # Given a call that runs (1 s), and a message of the key sent by name meanwhile, which is BUSY
+    # and goes back to the broker (on_busy="retry") to be answered with the run's outcome
+    first = patient.apply_async((order, 1.0))
+    wait_for(lambda: worker.runs("patient", order) == 1, "the call to start")
+    by_name = worker.app.send_task("modes.patient", (order, 1.0), queue=worker.prefix)
+    assert first.get(timeout=GET) == by_name.get(timeout=GET) == {"run": 1}
+    # When a new call is made past the window docs/modes.md admits (2 + 2 x store timeout seconds)
+    time.sleep(2 + 2 * worker.store.timeout_seconds + 1)
+    again = patient.apply_async((order,))
+    # Then it is a new call: it runs (nothing is replayed after the end)
+    kept = Idempotency.of(worker.app).get("modes.patient", again.idempotency_key)
+    lingers = None if kept is None else kept.expires_at - worker.store.now()
+    assert not again.deduplicated, f"the ended run's record is kept {lingers:.0f} s more"
+    assert again.get(timeout=GET) == {"run": 2}
+
+
+def test_a_copy_of_a_duplicates_message_does_not_run_its_continuation_again(worker: Running, order: str) -> None:
+    run, after = worker.task("single"), worker.task("after")
+    # Given a call that runs (1 s), and a duplicate with a link delivered meanwhile: it waits for the
+    # run and replays its outcome into the link, once
+    first = run.apply_async((order, 1.0))
+    wait_for(lambda: worker.runs("single", order) == 1, "the call to start")
+    linked = run.apply_async((order, 1.0), link=after.s(order))
+    assert first.get(timeout=GET) == linked.get(timeout=GET) == {"run": 1}
+    wait_for(lambda: worker.runs("after", order) == 1, "the duplicate's link to run")
+    # When a copy of the duplicate's message comes (a redelivery, the caller sending it again)
+    worker.app.send_task("modes.single", (order, 1.0), task_id=linked.id, queue=worker.prefix, link=after.s(order))
+    time.sleep(3)
+    # Then the copy ends quietly (its continuation's fence is settled): the link ran once, the body once
+    assert worker.runs("after", order) == 1
+    assert worker.runs("single", order) == 1
+
+
+def test_a_call_with_other_arguments_just_after_the_end_runs_and_is_not_refused(worker: Running, order: str) -> None:
+    run = worker.task("single")
+    # Given a call that runs (1 s), and a message of the key sent by name meanwhile that waits for it
+    # in the worker and is answered with its outcome
+    first = run.apply_async((order, 1.0), idempotency_key=order)
+    wait_for(lambda: worker.runs("single", order) == 1, "the call to start")
+    by_name = worker.app.send_task(
+        "modes.single", (order, 1.0), queue=worker.prefix, headers={"idempotency_key": order}
+    )
+    assert first.get(timeout=GET) == by_name.get(timeout=GET) == {"run": 1}
+    # When a call with other arguments is made under the key once the run ended, then it runs: the key
+    # is free (docs/modes.md: other arguments are refused "while the key is held")
+    other = f"{order}-other"
+    assert run.apply_async((other,), idempotency_key=order).get(timeout=GET) == {"run": 1}
+    assert worker.runs("single", other) == 1
+
+
+def test_a_record_kept_by_the_idempotent_mode_is_not_replayed_once_the_task_is_until_done(
+    worker: Running, order: str
+) -> None:
+    # Given the task's previous release (mode idempotent, the default) ran the call: its record is
+    # kept for ttl_seconds (an eager call of that release, on the same store)
+    old = Celery("modes-old", set_as_current=False)
+    old.conf.update(task_always_eager=True, task_store_eager_result=False)
+    Idempotency(old, store=worker.store, key_prefix=worker.prefix)
+    counter = redis.Redis.from_url(COUNTER_URL)
+
+    @old.task(shared=False, base=IdempotentTask, name="modes.single", idempotency={"key_args": ["order_id"]})
+    def run_before(order_id: str, hold: float = 0.0, fail: bool = False) -> dict[str, int]:
+        return {"run": int(counter.incr(effects_key(worker.prefix, "single", order_id)))}
+
+    assert run_before.apply_async((order,)).get() == {"run": 1}
+    # When the release that makes the task until_done is called with the same call after that run ended
+    again = worker.task("single").apply_async((order,))
+    # Then it runs: nothing is replayed after the end (docs/modes.md), whichever release ran the end
+    assert not again.deduplicated
+    assert again.get(timeout=GET) == {"run": 2}
+
+
+def test_the_handle_of_a_call_that_keeps_no_result_in_the_backend_answers_its_run(worker: Running, order: str) -> None:
+    silent = worker.task("silent")
+    # Given a call of an until_done task with ignore_result=True (accepted: only results="store" is
+    # refused), and a duplicate made while it runs
+    first = silent.apply_async((order, 1.0))
+    wait_for(lambda: worker.runs("silent", order) == 1, "the call to start")
+    duplicate = silent.apply_async((order, 1.0))
+    assert duplicate.deduplicated and duplicate.id == first.id
+    # Then both handles answer the run's outcome (DESIGN §1: ".get() returns the stored outcome even
+    # when the result backend has none (ignore_result=True)"), not RecordGoneError or a timeout
+    assert first.get(timeout=GET) == {"run": 1}
+    assert duplicate.get(timeout=GET) == {"run": 1}
+
+
+@pytest.mark.slow
+def test_a_call_whose_whole_worker_died_is_requeued_by_the_reconciler_in_until_done_too(
+    tmp_path: Path, order: str
+) -> None:
+    from conftest import REDIS_URL
+    from shop import make_app
+    from workers import Worker
+
+    # Given the shop app in mode until_done (the app's default), whose shop.requeued says
+    # stale_action="requeue" (acks_late: on Redis, a dead worker's message comes back after an hour)
+    require_server("redis")
+    prefix = f"m{uuid.uuid4().hex[:10]}"
+    settings: dict[str, Any] = {"mode": "until_done", "inspect_timeout_seconds": 1.0}
+    app = make_app(broker=BROKERS["redis"], backend=BACKEND, store=REDIS_URL, prefix=prefix, queue=prefix, **settings)
+    idem = Idempotency.of(app)
+    counter = redis.Redis.from_url(COUNTER_URL)
+    doomed = Worker(tmp_path, BROKERS["redis"], REDIS_URL, prefix, **settings)
+    restarted = None
+    try:
+        result = app.tasks["shop.requeued"].apply_async((7,), idempotency_key=order)
+        wait_for(lambda: counter.get(effects_key(prefix, "shop.requeued.started", order)), "the stuck attempt")
+        # When its whole worker is killed mid-body, and comes back under its node name (provably dead)
+        doomed.kill()
+        stale = idem.get("shop.requeued", order)
+        assert stale is not None and stale.state is State.IN_PROGRESS
+        restarted = Worker(tmp_path, BROKERS["redis"], REDIS_URL, prefix, name=doomed.name, **settings)
+        time.sleep(max(0.0, stale.lease_expires_at - time.time()) + 0.2)
+        report = idem.reconcile()
+        # Then the reconciler finds the dead attempt and delivers the call again, as in every mode
+        # (DESIGN §7: "the reconciler ... the same for every mode"); the call runs once more
+        assert report.requeued == 1, report
+        assert result.get(timeout=GET)["amount"] == 7
+    finally:
+        doomed.stop()
+        if restarted is not None:
+            restarted.stop()
+        wipe(store_from_url(REDIS_URL, key_prefix=prefix))
+
+
+def test_a_message_by_name_while_the_call_waits_in_the_queue_does_not_make_the_body_run_twice(
+    worker: Running, order: str
+) -> None:
+    run = worker.task("single")
+    # Given a call waiting in the queue (its countdown: 2 s), which holds the key from its publish
+    first = run.apply_async((order,), countdown=2)
+    # When a message of the same call is sent by name meanwhile (no producer claimed it) and runs
+    by_name = worker.app.send_task("modes.single", (order,), queue=worker.prefix)
+    assert by_name.get(timeout=GET) == {"run": 1}
+    # Then the queued call is answered by that run (as in the idempotent mode), or the message waited
+    # for the call: either way one run for the two, not one each (docs/modes.md: "one call per key
+    # from its publish to the end of its run")
+    first.get(timeout=GET)
+    assert worker.runs("single", order) == 1
+
+
+def test_a_call_made_as_soon_as_the_previous_ones_handle_answered_runs(worker: Running, order: str) -> None:
+    run = worker.task("single")
+    # Given calls made one after the other, each as soon as the previous call's handle answered
+    # (get() answers from the store the moment the run's record settles)
+    answers = []
+    for _ in range(20):
+        handle = run.apply_async((order,))
+        answers.append((handle.deduplicated, handle.get(timeout=GET)))
+    # Then each is a new call and runs: the run before it had ended (nothing is replayed after the end)
+    assert answers == [(False, {"run": n}) for n in range(1, 21)]
