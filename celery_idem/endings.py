@@ -8,7 +8,7 @@ endings matrix (``tests/endings.py``, run through real workers) names the ending
 rows, and a test holds the two together: a new ending is a row of both.
 
 A mode (DESIGN §7) is an ``after`` table (which step each ending takes), a ``duplicate`` table
-(what a duplicate gets) and a record lifetime (how long a settled record lives): the state machine,
+(what a duplicate gets) and whether a settled record answers new calls: the state machine,
 the stores, leases, fencing, the reconciler and outage handling are the same for every mode.
 :data:`IDEMPOTENT` (the default) and :data:`UNTIL_DONE` exist; a task picks one by its policy's
 ``mode`` (:data:`MODES`).
@@ -29,7 +29,6 @@ __all__ = [
     "HARD_KILLS",
     "IDEMPOTENT",
     "MODES",
-    "RUN_ONLY_SECONDS",
     "UNTIL_DONE",
     "Answer",
     "Ending",
@@ -37,10 +36,6 @@ __all__ = [
     "Step",
     "ending_of",
 ]
-
-# The lifetime of a settled record in a mode that keeps no outcome: the store takes positive TTLs
-# only, and a millisecond is the unit of Redis's PX and of the SQL stores' timeouts.
-RUN_ONLY_SECONDS = 0.001
 
 # What the worker's parent reports (task_failure) when the process that ran the body is gone.
 HARD_KILLS: tuple[type[BaseException], ...] = (WorkerLostError, TimeLimitExceeded)
@@ -87,12 +82,10 @@ class Mode:
     name: str
     after: Mapping[Ending, Step]
     duplicate: Mapping[Decision, Answer]
-    keeps_outcome: bool = True  # a settled record lives ttl_seconds; else only until the run's waiters look
-
-    def lifetime(self, ttl_seconds: float) -> float:
-        """How long a record lives once settled (what the store is given as its TTL). A BUSY waiter
-        keeps it until its next look, whatever this says (stores/base.py, ``next_look_seconds``)."""
-        return ttl_seconds if self.keeps_outcome else RUN_ONLY_SECONDS
+    # Whether a settled record answers new calls (REPLAY). Either way it is kept ttl_seconds for the
+    # messages of the run that ended (copies, duplicates carrying a continuation, waiters) and the
+    # reconciler; a mode that keeps no outcome lets a new call's claim take it (settled_is_free).
+    keeps_outcome: bool = True
 
     def __post_init__(self) -> None:
         missing = [e.name for e in Ending if e not in self.after]
@@ -122,9 +115,8 @@ IDEMPOTENT = Mode(
 
 # celery-singleton's (and celery-once's default): one call per key from its publish to the end of its
 # run. The same steps as the idempotent mode (a retry or a replacement keeps the key, a failure
-# frees it), but a settled record lives only for the duplicates that waited on the run: a message
-# of the key delivered while the call ran is answered with its outcome (or a duplicate call with its
-# id); one after it ended is a new call and runs.
+# frees it), and its settled records are kept as long, but for the run's own messages only: a call
+# made after the run ended claims the key afresh and runs.
 UNTIL_DONE = Mode("until_done", after=IDEMPOTENT.after, duplicate=IDEMPOTENT.duplicate, keeps_outcome=False)
 
 MODES: Mapping[str, Mode] = MappingProxyType({mode.name: mode for mode in (IDEMPOTENT, UNTIL_DONE)})

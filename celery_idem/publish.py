@@ -116,6 +116,8 @@ def publish(
             ttl_seconds=policy.ttl_seconds,
             owner=claim_token,
             call=calls.kept_call(args, kwargs, options),
+            # A mode that keeps no outcome for new calls: its ended run's record is this call's to take.
+            settled_is_free=not calls.mode.keeps_outcome,
         )
 
     try:

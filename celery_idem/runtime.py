@@ -149,8 +149,6 @@ class Runtime:
                 policy = self.settings.policy(merged)
             except ValidationError as exc:
                 raise invalid_settings(f"idempotency policy of task {task.name!r}", exc) from None
-            # The mode's record lifetime is the TTL every store call of the task gives.
-            policy = policy.model_copy(update={"ttl_seconds": MODES[policy.mode].lifetime(policy.ttl_seconds)})
             self._policies[task.name] = policy
         return policy
 

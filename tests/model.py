@@ -116,9 +116,12 @@ class Model:
         ttl_seconds: float,
         owner: str,
         call: bytes | None = None,
+        settled_is_free: bool = False,
     ) -> Answer:
         lease, ttl = pending_seconds, ttl_seconds
         held = self._live(identity)
+        if held is not None and settled_is_free and held.state.settled:
+            held = None  # kept for its ended run's messages only: a new call of such a mode takes it
         if held is not None:
             if held.fingerprint != fingerprint:  # compared first: in every state, an expired lease too
                 return Answer(Decision.MISMATCH, held)

@@ -99,6 +99,16 @@ def random_op(rng: random.Random, identities: tuple[Identity, ...], *, with_time
     take = {"ttl_seconds": rng.choice(TTLS), "owner": owner, "call": rng.choice(CALLS)}
     choices: list[Callable[[], Op]] = [
         lambda: op("claim", i, rng.choice(FINGERPRINTS), task_id, pending_seconds=rng.choice(LEASES), **take),
+        # the claim of a mode that keeps no outcome for new calls (until_done): a settled record is free
+        lambda: op(
+            "claim",
+            i,
+            rng.choice(FINGERPRINTS),
+            task_id,
+            pending_seconds=rng.choice(LEASES),
+            settled_is_free=True,
+            **take,
+        ),
         lambda: op(
             "acquire",
             i,

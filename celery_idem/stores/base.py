@@ -54,14 +54,19 @@ class Store(StoreUpkeep):
         ttl_seconds: float,
         owner: str | None = None,
         call: bytes | None = None,
+        settled_is_free: bool = False,
     ) -> Transition:
         """Producer side, before publishing: NEW, DUPLICATE, REPLAY or MISMATCH (with the record).
 
         ``call`` (the serialized arguments) is kept on the record for the reconciler to requeue.
+        ``settled_is_free``: a settled record is taken as if absent (NEW), whatever its arguments: the
+        claim of a mode that hands no outcome to new calls (``until_done``), whose settled records are
+        kept for the messages of the run that ended (copies, duplicates carrying a continuation,
+        waiters) and for the reconciler, never for a new call.
         """
         lease, ttl = positive("pending_seconds", pending_seconds), positive("ttl_seconds", ttl_seconds)
         with self._guard("claim", identity):
-            return self._claim(identity, fingerprint, task_id, owner or new_token(), lease, ttl, call)
+            return self._claim(identity, fingerprint, task_id, owner or new_token(), lease, ttl, call, settled_is_free)
 
     def acquire(
         self,
@@ -211,6 +216,7 @@ class Store(StoreUpkeep):
         lease: float,
         ttl: float,
         call: bytes | None,
+        settled_is_free: bool,
     ) -> Transition: ...
 
     @abstractmethod

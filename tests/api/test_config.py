@@ -191,16 +191,17 @@ def test_a_mode_that_keeps_no_outcome_with_results_in_the_store_only_is_refused(
     assert "use results='both'" in str(excinfo.value)
 
 
-def test_a_task_in_a_mode_that_keeps_no_outcome_names_its_records_lifetime_not_the_ttl() -> None:
-    # until_done keeps a settled record only for the duplicates that waited on its run
+def test_a_task_in_a_mode_that_keeps_no_outcome_keeps_its_records_ttl_for_its_runs_own_messages() -> None:
+    # until_done hands no outcome to new calls, but keeps a settled record ttl_seconds for the ended
+    # run's copies, its duplicates carrying a continuation, its waiters and the reconciler
     app = eager_app()
     idem = Idempotency(app, store=MemoryStore(), ttl_seconds=600)
 
     @app.task(shared=False, base=IdempotentTask, name="t.single", idempotency={"mode": "until_done"})
     def single() -> None: ...
 
-    assert idem.policy_for(single).ttl_seconds == 0.001
-    assert idem.policy_for(counting_task(app, [])).ttl_seconds == 600
+    assert idem.policy_for(single).ttl_seconds == 600
+    assert idem.mode_for(single).keeps_outcome is False
 
 
 def test_policy_with_an_invalid_override_is_refused() -> None:

@@ -116,9 +116,24 @@ class StoreMatchesModel(RuleBasedStateMachine):
         held = [r for r in held if fence == "task_id" or r.owner != MINTED]
         return held[n % len(held)] if held else None
 
-    @rule(i=identities, fp=fingerprints, task_id=task_ids, pending=leases, ttl=ttls, owner=owners, call=calls)
-    def claim(self, i: Identity, fp: str, task_id: str, pending: float, ttl: float, owner: str, call: Any) -> None:
-        self.step(op("claim", i, fp, task_id, pending_seconds=pending, ttl_seconds=ttl, owner=owner, call=call))
+    @rule(
+        i=identities,
+        fp=fingerprints,
+        task_id=task_ids,
+        pending=leases,
+        ttl=ttls,
+        owner=owners,
+        call=calls,
+        free=st.booleans(),
+    )
+    def claim(
+        self, i: Identity, fp: str, task_id: str, pending: float, ttl: float, owner: str, call: Any, free: bool
+    ) -> None:
+        # free: the claim of a mode that keeps no outcome for new calls (settled_is_free)
+        options = {"settled_is_free": True} if free else {}
+        self.step(
+            op("claim", i, fp, task_id, pending_seconds=pending, ttl_seconds=ttl, owner=owner, call=call, **options)
+        )
 
     @rule(
         i=identities,
@@ -373,12 +388,13 @@ class CheckThenSetClaims(MemoryStore):
         lease: float,
         ttl: float,
         call: bytes | None,
+        settled_is_free: bool,
     ) -> Any:
         if self.get(identity) is None:
             time.sleep(0.05)
             with self._lock:
                 self._by_identity.pop(identity, None)
-        return super()._claim(identity, fingerprint, task_id, owner, lease, ttl, call)
+        return super()._claim(identity, fingerprint, task_id, owner, lease, ttl, call, settled_is_free)
 
 
 def test_the_checker_rejects_a_check_then_set_claim() -> None:

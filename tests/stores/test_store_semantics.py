@@ -146,6 +146,43 @@ def test_claim_after_ttl_is_free_for_a_new_payload(store: Store, clock) -> None:
     assert t.record is not None and t.record.result is None and t.record.fingerprint == OTHER_FP
 
 
+def free_claim(store: Store, fp: str = FP, task_id: str = "task-2") -> Transition:
+    """A claim of a mode that keeps no outcome for new calls (``until_done``)."""
+    return store.claim(ID, fp, task_id, pending_seconds=PENDING_S, ttl_seconds=TTL_S, settled_is_free=True)
+
+
+@pytest.mark.parametrize("fp", [FP, OTHER_FP])
+@pytest.mark.parametrize("state", [State.COMPLETED, State.FAILED])
+def test_a_claim_to_which_settled_is_free_takes_a_settled_record_whatever_its_arguments(
+    store: Store, clock, state: State, fp: str
+) -> None:
+    # Given a settled record (kept for its run's own messages)
+    settle(store, state)
+    # When a new call's claim of a mode that keeps no outcome comes
+    t = free_claim(store, fp=fp)
+    # Then it takes the key: a fresh PENDING record of its own, nothing of the ended run's outcome
+    assert t.decision is Decision.NEW
+    assert t.record is not None and t.record.task_id == "task-2" and t.record.fingerprint == fp
+    record = store.get(ID)
+    assert record is not None and record.state is State.PENDING and record.task_id == "task-2"
+    assert record.result is None and record.error is None and record.attempt == 0
+    assert record.lease_expires_at == pytest.approx(clock() + PENDING_S, abs=1e-3)
+    # and a later claim of the same kind is a duplicate of it while it is live
+    assert free_claim(store, task_id="task-3").decision is (Decision.DUPLICATE if fp == FP else Decision.MISMATCH)
+
+
+@pytest.mark.parametrize("state", [State.PENDING, State.IN_PROGRESS])
+def test_a_claim_to_which_settled_is_free_still_meets_a_live_record(store: Store, state: State) -> None:
+    if state is State.PENDING:
+        claim(store)
+    else:
+        running(store)
+    before = snapshot(store)
+    assert free_claim(store).decision is Decision.DUPLICATE
+    assert free_claim(store, fp=OTHER_FP).decision is Decision.MISMATCH
+    assert snapshot(store) == before
+
+
 # ---- acquire ----------------------------------------------------------------------------------
 
 

@@ -23,11 +23,12 @@ class MemoryStore(MemoryRecords):
         lease: float,
         ttl: float,
         call: bytes | None,
+        settled_is_free: bool,
     ) -> Transition:
         with self._lock:
             now = self._clock_now()
             record = self._live(identity, now)
-            if record is not None:
+            if record is not None and not (settled_is_free and record.state.settled):
                 decision = classify(record, fingerprint, claiming=True, task_id=task_id)
                 if decision is not Decision.DUPLICATE:
                     return Transition(decision, record)

@@ -117,8 +117,11 @@ class RedisStore(RedisBase):
         lease: float,
         ttl: float,
         call: bytes | None,
+        settled_is_free: bool,
     ) -> Transition:
-        return self._take("claim", identity, fingerprint, task_id, owner, lease, ttl, call)
+        return self._take(
+            "claim", identity, fingerprint, task_id, owner, lease, ttl, call, "1" if settled_is_free else ""
+        )
 
     def _acquire(
         self,

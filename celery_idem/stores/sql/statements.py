@@ -109,10 +109,11 @@ class Statements:
             ).returning(*returned)
             return statement
 
-        # claim takes an absent record, or one whose lease ran out under the same fingerprint.
-        self._claim_sql = upsert(
-            sa.or_(absent, sa.and_(c.fingerprint == p("fingerprint"), unsettled, c.lease_expires_at <= now)), {}
-        )
+        # claim takes an absent record, or one whose lease ran out under the same fingerprint; the
+        # claim of a mode that keeps no outcome for new calls takes a settled one too.
+        claimable = sa.or_(absent, sa.and_(c.fingerprint == p("fingerprint"), unsettled, c.lease_expires_at <= now))
+        self._claim_sql = upsert(claimable, {})
+        self._claim_free_sql = upsert(sa.or_(claimable, sa.not_(unsettled)), {})
         # acquire takes an absent record, a PENDING one, or an IN_PROGRESS one whose lease ran out,
         # if it is the same call or the same attempt chain (a Celery retry under the record's task
         # id); the chain keeps the caller's fingerprint and counts its attempts.
@@ -146,6 +147,8 @@ class Statements:
         if isinstance(self._claim_sql, Locked) and isinstance(self._acquire_sql, Locked):
             # MySQL: a declined take marks BUSY and reads the record in its own transaction.
             self._claim_sql = replace(self._claim_sql, held=self._get_sql)
+            assert isinstance(self._claim_free_sql, Locked)
+            self._claim_free_sql = replace(self._claim_free_sql, held=self._get_sql)
             self._acquire_sql = replace(self._acquire_sql, busy=mark, held=self._get_sql)
 
         expired_lease = c.lease_expires_at <= now

@@ -146,7 +146,8 @@ class SQLStore(SQLUpkeep):
                     if busy is not None:
                         return Transition(Decision.BUSY, self._record(busy))
                 held, now = self._read(identity)
-            if held is not None:
+            if held is not None and not (statement is self._claim_free_sql and held.state.settled):
+                # (A claim to which a settled record is free that reads one settled since: take again.)
                 decision = classify(held, fingerprint, claiming=claiming, task_id=task_id, retry=retry)
                 # An acquire's BUSY comes from the marking statement above only: a record read as
                 # BUSY here changed hands since, so the acquire is tried again.
@@ -166,8 +167,10 @@ class SQLStore(SQLUpkeep):
         lease: float,
         ttl: float,
         call: bytes | None,
+        settled_is_free: bool,
     ) -> Transition:
-        return self._take(self._claim_sql, True, identity, fingerprint, task_id, owner, lease, ttl, call)
+        statement = self._claim_free_sql if settled_is_free else self._claim_sql
+        return self._take(statement, True, identity, fingerprint, task_id, owner, lease, ttl, call)
 
     def _acquire(
         self,

@@ -2,13 +2,14 @@
 -- KEYS[1] record hash   KEYS[2] lease index of its shard
 -- ARGV[1] now ('' = server clock)  ARGV[2] fingerprint  ARGV[3] task id  ARGV[4] owner token
 -- ARGV[5] pending lease seconds    ARGV[6] ttl seconds   ARGV[7] scope  ARGV[8] task name  ARGV[9] key
--- ARGV[10] the serialized call ('' = not kept)
+-- ARGV[10] the serialized call ('' = not kept)   ARGV[11] '1': a settled record is free (taken as absent)
 -- Returns {decision, flat record} for DUPLICATE, REPLAY or MISMATCH (untouched), and
 -- {'NEW', now, prev} when the PENDING record was written (the caller knows every other field of it).
 -- A claim that takes over an attempt past its lease keeps that attempt's task id as `prev` (or the
 -- `prev` of a claim it takes over): its body may have run, and the worker reads its evidence first.
 local now = now_of(ARGV[1])
 local rec, flat, existed = load(KEYS[1], now)
+if rec and settled(rec) and ARGV[11] == '1' then rec = nil end  -- kept for the ended run's messages only
 if rec then
   if rec.fp ~= ARGV[2] then return {'MISMATCH', flat} end
   if settled(rec) then return {'REPLAY', flat} end
