@@ -1,0 +1,218 @@
+"""celery_idem.compat.once against celery-once 3.0.1 itself: a differential conformance suite.
+
+Every scenario runs twice, through a real worker (threads pool, Redis broker): once with celery-once's
+own ``QueueOnce`` and once with the adapter, each app configured the same celery-once way
+(``app.conf.ONCE``, ``once={...}``), only the import differs. The two must agree, except for the
+intended differences (docs/migration.md, "From celery-once"), each a celery-once bug the adapter
+fixes: those tests assert both behaviours and name the difference. Effects are counted by an INCR in
+the body (and a running gauge for overlaps), never by either library's records.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import celery_once
+import pytest
+import redis
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+from conftest import REDIS_URL, require_server
+from shop import COUNTER_URL
+from shop_worker import BACKEND, BROKERS, GET
+from workers import wait_for
+
+from celery_idem import DuplicateTaskError
+from celery_idem.compat import once as adapter
+
+VARIANTS = {"celery_once": celery_once, "adapter": adapter}
+ONCE = {"backend": "celery_once.backends.Redis", "settings": {"url": REDIS_URL, "default_timeout": 3600}}
+
+
+class Declined(Exception):
+    """A run that fails."""
+
+
+def once_app(variant: str, prefix: str) -> Celery:
+    """One app per variant, declared exactly as a celery-once app: only ``QueueOnce`` differs."""
+    queue_once = VARIANTS[variant].QueueOnce
+    app = Celery(prefix, broker=BROKERS["redis"], backend=BACKEND, set_as_current=False)
+    app.conf.update(
+        ONCE=ONCE,
+        task_default_queue=prefix,
+        worker_prefetch_multiplier=1,
+        worker_hijack_root_logger=False,
+        broker_connection_retry_on_startup=True,
+        result_expires=600,
+    )
+    counter = redis.Redis.from_url(COUNTER_URL)
+
+    def effect(order: str, hold: float = 0.0, fail: bool = False) -> int:
+        n = int(counter.incr(f"{prefix}:runs:{order}"))
+        running = counter.incr(f"{prefix}:running:{order}")
+        counter.set(f"{prefix}:overlap:{order}", 1) if running > 1 else None
+        try:
+            time.sleep(hold)
+        finally:
+            counter.decr(f"{prefix}:running:{order}")
+        if fail:
+            raise Declined(f"run {n} declined")
+        return n
+
+    def task(name: str, **options: Any) -> Any:
+        return app.task(shared=False, base=queue_once, name=f"{prefix}.{name}", **options)
+
+    task("hold")(effect)
+    task("graceful", once={"graceful": True})(effect)
+    task("short", once={"timeout": 2})(effect)
+
+    @task("keyed", once={"keys": ["order"]})
+    def keyed(order: str, note: str, hold: float = 0.0) -> int:
+        return effect(order, hold)
+
+    @task("whole", once={"keys": []})
+    def whole(order: str, hold: float = 0.0) -> int:
+        return effect("whole", hold)
+
+    @task("retried", bind=True)
+    def retried(self: Any, order: str, step: int = 0, move: bool = False) -> int:
+        if self.request.retries == 0:
+            # celery-once keys the retry by its own arguments: move=True retries with others
+            raise self.retry(kwargs={"order": order, "step": 1, "move": move} if move else None, countdown=1)
+        return effect(order)
+
+    return app
+
+
+@dataclass
+class Once:
+    variant: str
+    app: Celery
+    prefix: str
+    counter: redis.Redis
+
+    @property
+    def AlreadyQueued(self) -> type[Exception]:  # noqa: N802 - the variant's class, as an app imports it
+        return VARIANTS[self.variant].AlreadyQueued  # type: ignore[no-any-return]
+
+    def task(self, name: str) -> Any:
+        return self.app.tasks[f"{self.prefix}.{name}"]
+
+    def runs(self, order: str) -> int:
+        return int(self.counter.get(f"{self.prefix}:runs:{order}") or 0)
+
+    def overlapped(self, order: str) -> bool:
+        return bool(self.counter.get(f"{self.prefix}:overlap:{order}"))
+
+    def refused(self, name: str, *args: Any, **options: Any) -> Any:
+        with pytest.raises(self.AlreadyQueued) as refused:
+            self.task(name).apply_async(args, **options)
+        return refused.value
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def once(request: pytest.FixtureRequest) -> Iterator[Once]:
+    """A worker for each variant, on a queue, task names and counters of its own."""
+    require_server("redis")
+    prefix = f"once{uuid.uuid4().hex[:8]}-{request.param}"
+    app = once_app(str(request.param), prefix)
+    counter = redis.Redis.from_url(COUNTER_URL)
+    try:
+        with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False, shutdown_timeout=20):
+            yield Once(str(request.param), app, prefix, counter)
+    finally:
+        locks = redis.Redis.from_url(REDIS_URL)  # celery-once's locks a test left behind on purpose
+        for name in locks.scan_iter(f"qo_{prefix}.*"):
+            locks.delete(name)
+        for name in counter.scan_iter(f"{prefix}:*"):
+            counter.delete(name)
+
+
+@pytest.fixture
+def order() -> str:
+    return f"o-{uuid.uuid4().hex[:12]}"
+
+
+# ---- where both agree ------------------------------------------------------------------------------
+
+
+def test_a_duplicate_while_the_call_waits_is_refused_with_the_seconds_left_on_its_lock(once: Once, order: str) -> None:
+    # Given a call that waits in the queue for its countdown
+    first = once.task("hold").apply_async((order,), countdown=1)
+    # When the same call is made again, Then AlreadyQueued says how long the lock has left; nothing is sent
+    refused = once.refused("hold", order)
+    assert 3590 < refused.countdown <= 3601
+    assert refused.message.startswith("Expires in ")
+    assert first.get(timeout=GET) == 1 and once.runs(order) == 1
+    # And the adapter's refusal is a DuplicateTaskError too
+    assert isinstance(refused, DuplicateTaskError) is (once.variant == "adapter")
+
+
+def test_a_duplicate_while_the_call_runs_is_refused_and_the_body_runs_once(once: Once, order: str) -> None:
+    first = once.task("hold").apply_async((order, 1.0))
+    wait_for(lambda: once.runs(order) == 1, "the call to start")
+    once.refused("hold", order, 1.0)
+    assert first.get(timeout=GET) == 1
+    assert once.runs(order) == 1
+
+
+def test_after_a_success_or_a_failure_the_next_call_runs(once: Once, order: str) -> None:
+    hold = once.task("hold")
+    assert hold.apply_async((order,)).get(timeout=GET) == 1
+    failed = hold.apply_async((order,), kwargs={"fail": True})
+    with pytest.raises(Declined):
+        failed.get(timeout=GET)
+    assert hold.apply_async((order,)).get(timeout=GET) == 3
+
+
+def test_other_arguments_are_another_call(once: Once, order: str) -> None:
+    hold = once.task("hold")
+    first, other = hold.apply_async((order, 0.5)), hold.apply_async((order + "-b", 0.5))
+    assert (first.get(timeout=GET), other.get(timeout=GET)) == (1, 1)
+
+
+def test_a_retry_keeps_the_lock_until_its_last_attempt_ends(once: Once, order: str) -> None:
+    first = once.task("retried").apply_async((order,))
+    # While the retry waits out its countdown, the call is still there
+    time.sleep(0.3)
+    once.refused("retried", order)
+    assert first.get(timeout=GET) == 1
+    assert once.task("retried").apply_async((order,)).get(timeout=GET) == 2
+
+
+def test_graceful_per_task_and_per_call_returns_a_rejected_result(once: Once, order: str) -> None:
+    graceful, hold = once.task("graceful"), once.task("hold")
+    firsts = graceful.apply_async((order, 1.0)), hold.apply_async((order + "-h", 1.0))
+    # A duplicate of a graceful task, or with graceful in the call: EagerResult(None, None, REJECTED)
+    for again in (graceful.apply_async((order, 1.0)), hold.apply_async((order + "-h", 1.0), once={"graceful": True})):
+        assert (again.state, again.result) == ("REJECTED", None)
+    # And the call's own graceful=False wins over the task's
+    with pytest.raises(once.AlreadyQueued):
+        graceful.apply_async((order, 1.0), once={"graceful": False})
+    assert [first.get(timeout=GET) for first in firsts] == [1, 1]
+    assert once.runs(order) == once.runs(order + "-h") == 1
+
+
+def test_keys_pick_the_arguments_that_make_a_call_and_no_keys_make_one_call_of_the_task(once: Once, order: str) -> None:
+    first = once.task("keyed").apply_async((order, "first", 1.0))
+    once.refused("keyed", order, "another note")  # keys=["order"]: the note is not the call
+    whole = once.task("whole").apply_async((order, 1.0))
+    once.refused("whole", order + "-b")  # keys=[]: one call of the task, whatever its arguments
+    assert first.get(timeout=GET) == 1 and whole.get(timeout=GET) >= 1
+
+
+def test_a_queued_call_holds_its_lock_for_its_timeout(once: Once, order: str) -> None:
+    # Given a call (timeout 2 s) that no worker takes
+    nobody = f"{once.prefix}-nobody"
+    once.task("short").apply_async((order,), queue=nobody)
+    refused = once.refused("short", order, queue=nobody)
+    assert 0 < refused.countdown <= 2
+    # When its timeout has passed, Then the same call is sent again
+    time.sleep(2.3)
+    once.task("short").apply_async((order,), queue=nobody)
+    with once.app.connection_for_write() as connection:
+        connection.default_channel.queue_purge(nobody)
