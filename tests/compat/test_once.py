@@ -26,7 +26,7 @@ from shop import COUNTER_URL
 from shop_worker import BACKEND, BROKERS, GET
 from workers import wait_for
 
-from celery_idem import DuplicateTaskError
+from celery_idem import ConfigurationError, DuplicateTaskError
 from celery_idem.compat import once as adapter
 
 VARIANTS = {"celery_once": celery_once, "adapter": adapter}
@@ -216,3 +216,102 @@ def test_a_queued_call_holds_its_lock_for_its_timeout(once: Once, order: str) ->
     once.task("short").apply_async((order,), queue=nobody)
     with once.app.connection_for_write() as connection:
         connection.default_channel.queue_purge(nobody)
+
+
+# ---- the intended differences: celery-once bugs the adapter fixes (docs/migration.md) --------------
+
+
+def test_difference_default_arguments_left_out_of_the_key(once: Once, order: str) -> None:
+    hold = once.task("hold")
+    first = hold.apply_async((order, 1.0))
+    wait_for(lambda: once.runs(order) == 1, "the call to start")
+    # When the same call is made spelling out a default (fail=False)
+    if once.variant == "celery_once":
+        # celery-once keys the arguments as given: another key, and the body runs twice at once
+        again = hold.apply_async((order, 1.0, False))
+        assert again.get(timeout=GET) == 2 and once.overlapped(order)
+    else:
+        # the adapter binds the call to the signature, defaults applied: the same call, refused
+        once.refused("hold", order, 1.0, False)
+    assert first.get(timeout=GET) == 1
+
+
+def test_difference_the_key_recomputed_from_retry_arguments(once: Once, order: str) -> None:
+    retried = once.task("retried")
+    # Given a call whose retry carries other arguments (step=1), and that ended
+    assert retried.apply_async((order,), {"move": True}).get(timeout=GET) == 1
+    # When the same call is made again
+    if once.variant == "celery_once":
+        # celery-once freed the key of the retry's arguments, not the call's: its lock is stuck for
+        # its whole timeout (and the lock of another call with those arguments would have been freed)
+        assert once.refused("retried", order, kwargs={"move": True}).countdown > 3500
+    else:
+        # the adapter frees the call's key, whatever the retry carried: the next call runs
+        assert retried.apply_async((order,), {"move": True}).get(timeout=GET) == 2
+
+
+def test_difference_a_lock_that_expires_under_a_running_call_and_a_release_without_an_owner_check(
+    once: Once, order: str
+) -> None:
+    short = once.task("short")  # timeout 2 s
+    started = time.monotonic()
+    first = short.apply_async((order, 3.0))
+    wait_for(lambda: once.runs(order) == 1, "the call to start")
+    time.sleep(max(0.0, started + 2.4 - time.monotonic()))
+    # When the same call is made past the timeout, while the first still runs
+    if once.variant == "celery_once":
+        second = short.apply_async((order, 3.0))  # celery-once: its lock expired under the run
+    else:
+        once.refused("short", order, 3.0)  # the adapter: the running call's lease holds the key
+    assert first.get(timeout=GET) == 1
+    # And once the first ended, while celery-once's second call runs (its lock has 1 s left)
+    third = short.apply_async((order, 0.2))
+    if once.variant == "celery_once":
+        # the first's release deleted the second's lock (no owner check): a third runs beside it
+        assert third.get(timeout=GET) == 3 and second.get(timeout=GET) == 2
+    else:
+        assert third.get(timeout=GET) == 2
+    assert once.overlapped(order) is (once.variant == "celery_once")
+
+
+def test_difference_a_timeout_counts_from_when_the_call_is_due(once: Once, order: str) -> None:
+    short = once.task("short")  # timeout 2 s
+    # Given a call due in 3 s
+    first = short.apply_async((order,), countdown=3)
+    time.sleep(2.3)
+    if once.variant == "celery_once":
+        # celery-once's lock expired before the call even ran: the same call is sent again
+        assert short.apply_async((order,)).get(timeout=GET) == 1 and first.get(timeout=GET) == 2
+    else:
+        # the adapter's claim waits timeout seconds past the countdown: still held
+        assert 0 < once.refused("short", order).countdown <= 3
+        assert first.get(timeout=GET) == 1
+
+
+# ---- what the adapter refuses ---------------------------------------------------------------------
+
+
+def declared(once: dict[str, Any], config: dict[str, Any] = ONCE) -> Any:
+    app = Celery("refusals", set_as_current=False)
+    app.conf.ONCE = config
+
+    @app.task(shared=False, base=adapter.QueueOnce, once=once)
+    def noop(order: str) -> None: ...
+
+    return noop.name and noop  # binding the task reads the once options and app.conf.ONCE
+
+
+def test_unlock_before_run_is_the_mode_until_started_which_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match="until_started"):
+        declared({"unlock_before_run": True})
+
+
+def test_a_backend_other_than_celery_once_redis_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match="celery_once.backends.Redis"):
+        declared({}, {"backend": "celery_once.backends.File", "settings": {"location": "/tmp"}})
+
+
+def test_a_per_call_timeout_other_than_the_tasks_is_refused() -> None:
+    noop = declared({"timeout": 60})
+    with pytest.raises(ConfigurationError, match="per-call"):
+        noop.apply_async(("o",), once={"timeout": 5})
