@@ -10,82 +10,27 @@ the body (and a running gauge for overlaps), never by either library's records.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-import celery_once
 import pytest
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from conftest import REDIS_URL, require_server
+from once_shop import ONCE, VARIANTS, Declined, once_app
 from shop import COUNTER_URL
-from shop_worker import BACKEND, BROKERS, GET
-from workers import wait_for
+from shop_worker import BROKERS, GET
+from workers import Worker, wait_for
 
 from celery_idem import ConfigurationError, DuplicateTaskError
 from celery_idem.compat import once as adapter
-
-VARIANTS = {"celery_once": celery_once, "adapter": adapter}
-ONCE = {"backend": "celery_once.backends.Redis", "settings": {"url": REDIS_URL, "default_timeout": 3600}}
-
-
-class Declined(Exception):
-    """A run that fails."""
-
-
-def once_app(variant: str, prefix: str) -> Celery:
-    """One app per variant, declared exactly as a celery-once app: only ``QueueOnce`` differs."""
-    queue_once = VARIANTS[variant].QueueOnce
-    app = Celery(prefix, broker=BROKERS["redis"], backend=BACKEND, set_as_current=False)
-    app.conf.update(
-        ONCE=ONCE,
-        task_default_queue=prefix,
-        worker_prefetch_multiplier=1,
-        worker_hijack_root_logger=False,
-        broker_connection_retry_on_startup=True,
-        result_expires=600,
-    )
-    counter = redis.Redis.from_url(COUNTER_URL)
-
-    def effect(order: str, hold: float = 0.0, fail: bool = False) -> int:
-        n = int(counter.incr(f"{prefix}:runs:{order}"))
-        running = counter.incr(f"{prefix}:running:{order}")
-        counter.set(f"{prefix}:overlap:{order}", 1) if running > 1 else None
-        try:
-            time.sleep(hold)
-        finally:
-            counter.decr(f"{prefix}:running:{order}")
-        if fail:
-            raise Declined(f"run {n} declined")
-        return n
-
-    def task(name: str, **options: Any) -> Any:
-        return app.task(shared=False, base=queue_once, name=f"{prefix}.{name}", **options)
-
-    task("hold")(effect)
-    task("graceful", once={"graceful": True})(effect)
-    task("short", once={"timeout": 2})(effect)
-
-    @task("keyed", once={"keys": ["order"]})
-    def keyed(order: str, note: str, hold: float = 0.0) -> int:
-        return effect(order, hold)
-
-    @task("whole", once={"keys": []})
-    def whole(order: str, hold: float = 0.0) -> int:
-        return effect("whole", hold)
-
-    @task("retried", bind=True)
-    def retried(self: Any, order: str, step: int = 0, move: bool = False) -> int:
-        if self.request.retries == 0:
-            # celery-once keys the retry by its own arguments: move=True retries with others
-            raise self.retry(kwargs={"order": order, "step": 1, "move": move} if move else None, countdown=1)
-        return effect(order)
-
-    return app
 
 
 @dataclass
@@ -286,6 +231,57 @@ def test_difference_a_timeout_counts_from_when_the_call_is_due(once: Once, order
         # the adapter's claim waits timeout seconds past the countdown: still held
         assert 0 < once.refused("short", order).countdown <= 3
         assert first.get(timeout=GET) == 1
+
+
+LEASE = 3.0  # celery-idem's lease_seconds in the crash test (a setting celery-once does not have)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_difference_a_call_whose_worker_process_died_is_not_locked_for_its_timeout(
+    variant: str, tmp_path: Path, order: str
+) -> None:
+    # Given a call running in a prefork worker's child (a `celery worker` subprocess)
+    require_server("redis")
+    prefix = f"once{uuid.uuid4().hex[:8]}-crash-{variant}"
+    once = Once(variant, once_app(variant, prefix, LEASE), prefix, redis.Redis.from_url(COUNTER_URL))
+    worker = Worker(
+        tmp_path,
+        BROKERS["redis"],
+        REDIS_URL,
+        prefix,
+        app="once_shop",
+        concurrency=1,
+        env={"ONCE_VARIANT": variant, "ONCE_LEASE_SECONDS": str(LEASE)},
+    )
+    try:
+        once.task("keyed").apply_async((order, "first", 30.0))  # keys=["order"]
+        pid = wait_for(lambda: once.counter.get(f"{prefix}:pid:{order}"), "the call to start")
+        # When the child is SIGKILLed mid-run (its parent sees it die: WorkerLostError)
+        os.kill(int(pid), signal.SIGKILL)
+        wait_for(lambda: "WorkerLostError" in worker.output(), "the parent to see its child die")
+        if variant == "celery_once":
+            # celery-once's lock outlives the run it guarded: the call is refused for its whole timeout
+            time.sleep(0.5)
+            assert once.refused("keyed", order, "again").countdown > 3500
+        else:
+            # the adapter's key is held by the run's lease, which no one renews now: it is free as the
+            # lease runs out (lease_seconds: 30 s by default, 3 s here), and the same call runs again
+            again = wait_for(lambda: _sent(once, "keyed", order, "again"), "the key to be free", 4 * LEASE)
+            assert again.get(timeout=GET) == 2
+    finally:
+        worker.kill()  # nothing of its own to finish: a warm shutdown would only take longer
+        for name in once.counter.scan_iter(f"{prefix}:*"):
+            once.counter.delete(name)
+        locks = redis.Redis.from_url(REDIS_URL)
+        for name in locks.scan_iter(f"qo_{prefix}.*"):
+            locks.delete(name)
+
+
+def _sent(once: Once, name: str, *args: Any) -> Any:
+    try:
+        return once.task(name).apply_async(args)
+    except once.AlreadyQueued:
+        return None
 
 
 # ---- what the adapter refuses ---------------------------------------------------------------------
