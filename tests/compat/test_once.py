@@ -11,6 +11,7 @@ the body (and a running gauge for overlaps), never by either library's records.
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import time
 import uuid
@@ -311,3 +312,12 @@ def test_a_per_call_timeout_other_than_the_tasks_is_refused() -> None:
     noop = declared({"timeout": 60})
     with pytest.raises(ConfigurationError, match="per-call"):
         noop.apply_async(("o",), once={"timeout": 5})
+
+
+def test_already_queued_is_celery_onces_and_a_duplicate_task_error_and_travels_as_one() -> None:
+    refused = adapter.AlreadyQueued(12.5, key="k", task_name="t", task_id="i")
+    assert (refused.countdown, refused.args, refused.message) == (12.5, (12.5,), "Expires in 12.5 seconds")
+    assert isinstance(refused, DuplicateTaskError)
+    # As Celery ships an exception (its type and args) and as a prefork pipe does (pickle)
+    for copy in (type(refused)(*refused.args), pickle.loads(pickle.dumps(refused))):
+        assert isinstance(copy, adapter.AlreadyQueued) and copy.countdown == 12.5
