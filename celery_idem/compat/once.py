@@ -24,6 +24,7 @@ celery-once 3.0.1's options, mapped onto a policy (docs/migration.md, "From cele
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -36,6 +37,8 @@ from ..runtime import installed_on
 from ..task import IdempotentTask
 
 __all__ = ["AlreadyQueued", "QueueOnce"]
+
+logger = logging.getLogger("celery_idem.compat.once")
 
 #: celery-once's Redis backend, by both of its import paths: the only one whose URL is a store's.
 REDIS_BACKENDS = frozenset({"celery_once.backends.Redis", "celery_once.backends.redis.Redis"})
@@ -108,8 +111,8 @@ class QueueOnce(IdempotentTask):
                 "hold the key until the run ends (celery-once's default, mode 'until_done')"
             )
         unknown = sorted(set(once) - {"graceful", "keys", "timeout", "unlock_before_run"})
-        if unknown:
-            raise ConfigurationError(f"task {cls.name!r}: unknown once option(s) {', '.join(unknown)}")
+        if unknown:  # celery-once ignores them too: a typo must not stop an app that ran before
+            logger.warning("task %s: once option(s) %s mean nothing to celery-once: ignored", cls.name, unknown)
         _install(app)
         policy: dict[str, Any] = {
             "mode": "until_done",
