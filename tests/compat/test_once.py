@@ -173,9 +173,9 @@ def test_difference_default_arguments_left_out_of_the_key(once: Once, order: str
     wait_for(lambda: once.runs(order) == 1, "the call to start")
     # When the same call is made spelling out a default (fail=False)
     if once.variant == "celery_once":
-        # celery-once keys the arguments as given: another key, and the body runs twice at once
+        # celery-once keys the arguments as given: another key, sent while the first runs; the body runs twice
         again = hold.apply_async((order, 1.0, False))
-        assert again.get(timeout=GET) == 2 and once.overlapped(order)
+        assert again.get(timeout=GET) == 2
     else:
         # the adapter binds the call to the signature, defaults applied: the same call, refused
         once.refused("hold", order, 1.0, False)
@@ -227,7 +227,8 @@ def test_difference_a_timeout_counts_from_when_the_call_is_due(once: Once, order
     time.sleep(2.3)
     if once.variant == "celery_once":
         # celery-once's lock expired before the call even ran: the same call is sent again
-        assert short.apply_async((order,)).get(timeout=GET) == 1 and first.get(timeout=GET) == 2
+        again = short.apply_async((order,))
+        assert sorted([again.get(timeout=GET), first.get(timeout=GET)]) == [1, 2]
     else:
         # the adapter's claim waits timeout seconds past the countdown: still held
         assert 0 < once.refused("short", order).countdown <= 3
