@@ -286,6 +286,23 @@ def _sent(once: Once, name: str, *args: Any) -> Any:
         return None
 
 
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_eager_calls_one_after_another_each_run(variant: str) -> None:
+    # Given an eager app (as a test suite runs celery-once tasks): each call ends before the next
+    require_server("redis")
+    app = Celery(f"eager-{variant}", set_as_current=False)
+    app.conf.update(ONCE=ONCE, task_always_eager=True)
+    runs: list[int] = []
+
+    @app.task(shared=False, base=VARIANTS[variant].QueueOnce, name=f"once{uuid.uuid4().hex[:8]}.eager")
+    def eager(n: int) -> int:
+        runs.append(n)
+        return n
+
+    # Then the same call made again at once runs again: its lock went with the run
+    assert [eager.delay(1).get() for _ in range(50)] == [1] * 50 and len(runs) == 50
+
+
 # ---- what the adapter refuses ---------------------------------------------------------------------
 
 
