@@ -55,7 +55,8 @@ class IdempotencyPolicy(BaseModel):
 
     key_args: list[str] | None = Field(
         default=None,
-        description="Only these parameters go into the fingerprint (None: all of them); needs the task's typing on.",
+        description="Only these parameters go into the fingerprint (None: all of them; []: none, one call of "
+        "the task at a time whatever its arguments); needs the task's typing on.",
     )
     require_key: bool = Field(default=False, description="Refuse calls without an idempotency_key (InvalidKeyError).")
     ttl_seconds: float = Field(default=86400, gt=0, description="How long an outcome is kept and replayed.")
@@ -114,8 +115,9 @@ class IdempotencyPolicy(BaseModel):
     @field_validator("key_args")
     @classmethod
     def _key_args_named(cls, value: list[str] | None) -> list[str] | None:
-        if value is not None and (not value or not all(isinstance(v, str) and v for v in value)):
-            raise ValueError("key_args must be a non-empty list of parameter names, or None for all")
+        # [] is a fingerprint of no argument: every call of the task is one call (celery-once's keys=[]).
+        if value is not None and not all(isinstance(v, str) and v for v in value):
+            raise ValueError("key_args must be a list of parameter names ([] for none), or None for all")
         return value
 
 

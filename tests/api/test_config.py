@@ -59,7 +59,7 @@ INVALID_VALUES = [
     ("ttl_seconds", 0),
     ("lease_seconds", -1),
     ("on_busy", "sometimes"),
-    ("key_args", []),
+    ("key_args", [""]),
     ("key_args", "order_id"),
     ("mode", "until_lunch"),
 ]
@@ -146,6 +146,21 @@ def test_the_liveness_lifetime_follows_a_long_store_timeout_unless_it_is_set() -
 
 def test_key_args_list_of_names_is_accepted() -> None:
     assert IdempotencyPolicy(key_args=["order_id", "amount"]).key_args == ["order_id", "amount"]
+
+
+def test_key_args_empty_keys_on_no_argument_so_every_call_of_the_task_is_one_call() -> None:
+    # celery-once's keys=[]: one lock for the task, whatever the arguments (never a mismatch)
+    app, calls = eager_app(), []
+
+    @app.task(shared=False, base=IdempotentTask, name="t.charge", idempotency={"key_args": []})
+    def charge(order_id: int, amount: int) -> int:
+        calls.append((order_id, amount))
+        return order_id
+
+    first, other = charge.delay(1, 10), charge.delay(2, 20)
+
+    assert other.deduplicated and other.id == first.id and other.get() == 1
+    assert calls == [(1, 10)]
 
 
 # --- IdempotencySettings.policy(overrides) --------------------------------------------------------
