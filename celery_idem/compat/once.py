@@ -25,7 +25,6 @@ celery-once 3.0.1's options, mapped onto a policy (docs/migration.md, "From cele
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -44,11 +43,6 @@ logger = logging.getLogger("celery_idem.compat.once")
 #: celery-once's Redis backend, by both of its import paths: the only one whose URL is a store's.
 REDIS_BACKENDS = frozenset({"celery_once.backends.Redis", "celery_once.backends.redis.Redis"})
 DEFAULT_TIMEOUT_SECONDS = 60 * 60  # celery-once's default_timeout
-# A call that meets the record of a call that has just ended claims again, this many times at most,
-# when the record is gone within this long; a longer one holds an outcome for a waiting duplicate
-# (docs/modes.md): refused, with its countdown.
-RETRIES_AFTER_THE_END = 3
-ENDED_GRACE_SECONDS = 0.05
 
 
 class AlreadyQueued(DuplicateTaskError):
@@ -156,27 +150,20 @@ class QueueOnce(IdempotentTask):
                 f"task {self.name!r}: a per-call once={{'timeout': {timeout!r}}} is not supported (celery-idem "
                 "has no per-call policy); set it on the task, once={'timeout': ...}"
             )
-        for attempt in range(RETRIES_AFTER_THE_END + 1):
-            try:
-                return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
-            except DuplicateTaskError as exc:
-                left, ended = self._lock_left(exc.key)
-                if ended and left <= ENDED_GRACE_SECONDS and attempt < RETRIES_AFTER_THE_END:
-                    # The call it repeats has ended: celery-once's lock would be gone. Its record lives on
-                    # a millisecond (mode until_done), which a call made at once (eager) still meets.
-                    time.sleep(left)
-                    continue
-                if once.get("graceful", self.once.get("graceful", False)):
-                    return EagerResult(None, None, states.REJECTED)
-                raise AlreadyQueued(left, key=exc.key, task_name=self.name, task_id=exc.task_id) from None
-        raise AssertionError("unreachable: the last try returns or raises")
+        try:
+            return super().apply_async(args, kwargs, task_id, producer, link, link_error, shadow, **options)
+        except DuplicateTaskError as exc:
+            # (A call that ended holds no key in mode until_done: only a live one refuses this call.)
+            if once.get("graceful", self.once.get("graceful", False)):
+                return EagerResult(None, None, states.REJECTED)
+            raise AlreadyQueued(
+                self._lock_left(exc.key), key=exc.key, task_name=self.name, task_id=exc.task_id
+            ) from None
 
-    def _lock_left(self, key: str | None) -> tuple[float, bool]:
-        """Seconds left on the lock of ``key`` (its lease, or its record's expiry) by the store's clock,
-        and whether the call that holds it has ended (its record settled, or gone meanwhile)."""
+    def _lock_left(self, key: str | None) -> float:
+        """Seconds left on the lock of ``key`` (the holder's lease, or its claim's) by the store's clock."""
         idem = Idempotency.of(self.app)
         record = idem.get(self, key) if key is not None else None
-        if record is None:
-            return 0.0, True
-        until = record.lease_expires_at if record.lease_expires_at is not None else record.expires_at
-        return max(0.0, round(until - idem.store.now(), 3)), record.state.settled
+        if record is None or record.lease_expires_at is None:
+            return 0.0
+        return max(0.0, round(record.lease_expires_at - idem.store.now(), 3))

@@ -147,8 +147,10 @@ class Side:
         t = self.task(task)
         if self.name == PEER:
             return bool(t.get_existing_task_id(t.generate_lock(t.name, args, kwargs)) == task_id)
+        # The adapter's key is held while the call's record is unsettled (a settled one is kept for the
+        # ended run's own messages only: a new call takes it)
         store = Idempotency.of(self.app).store
-        return any(r.task_id == task_id for r in store.records(task_name=t.name, limit=1000))
+        return any(r.task_id == task_id and not r.state.settled for r in store.records(task_name=t.name, limit=1000))
 
     def clear_locks(self) -> None:
         (celery_singleton.clear_locks if self.name == PEER else compat.clear_locks)(self.app)
