@@ -75,7 +75,7 @@ def prior_call(
             and earlier_fingerprint(calls, args, kwargs) == (record.fingerprint)
         ):
             fp = record.fingerprint  # recorded by a celery-idem that kept defaults in the fingerprint
-        if record is None or not _held(record, fp, idem.store.now):
+        if record is None or not _held(record, fp, idem.store.now, settled_is_free=not calls.mode.keeps_outcome):
             return None
     except StoreUnavailableError:
         return None  # nothing known now; the claim after the commit decides (fail closed there)
@@ -120,6 +120,7 @@ def claim_staged(
         pending_seconds=timing.pending_seconds(policy.pending_timeout_seconds, options, calls.task.expires),
         ttl_seconds=policy.ttl_seconds,
         call=calls.kept_call(args, kwargs, {k: v for k, v in options.items() if k not in OPTION_HEADERS}),
+        settled_is_free=not calls.mode.keeps_outcome,
     )
     claimed = claiming(fp)
     if claimed is None:
@@ -168,9 +169,12 @@ def _repeated(
     return bind_handle(handle, identity, idem, deduplicated=True, record=record)
 
 
-def _held(record: IdempotencyRecord, fp: str, now: Any) -> bool:
-    """Whether a claim made now would not take ``record``: another fingerprint, a settled record,
-    or an unsettled one under a live lease (the server's clock, asked only then)."""
-    if record.fingerprint != fp or record.state not in UNSETTLED:
+def _held(record: IdempotencyRecord, fp: str, now: Any, *, settled_is_free: bool) -> bool:
+    """Whether a claim made now would not take ``record``: another fingerprint, a settled record
+    (unless the task's mode keeps no outcome for new calls: its claim takes one), or an unsettled
+    one under a live lease (the server's clock, asked only then)."""
+    if record.state not in UNSETTLED:
+        return not settled_is_free
+    if record.fingerprint != fp:
         return True
     return record.lease_expires_at is None or record.lease_expires_at > now()

@@ -406,3 +406,15 @@ def test_a_call_made_as_soon_as_the_previous_ones_handle_answered_runs(worker: R
         answers.append((handle.deduplicated, handle.get(timeout=GET)))
     # Then each is a new call and runs: the run before it had ended (nothing is replayed after the end)
     assert answers == [(False, {"run": n}) for n in range(1, 21)]
+
+
+def test_what_a_call_will_be_answered_is_read_ahead_as_its_claim_will_answer_it(worker: Running, order: str) -> None:
+    # prior_call (an API answering before its transaction commits) reads the record as the claim will
+    run = worker.task("single")
+    first = run.apply_async((order, 1.0))
+    wait_for(lambda: worker.runs("single", order) == 1, "the call to start")
+    # While the call runs: the running call's handle
+    assert run.prior_call((order, 1.0)).id == first.id
+    assert first.get(timeout=GET) == {"run": 1}
+    # Once it ended: nothing to repeat (its record is kept for its own messages, not for new calls)
+    assert run.prior_call((order, 1.0)) is None
