@@ -1037,6 +1037,22 @@ def test_a_fresh_record_or_a_takeover_of_a_bare_claim_names_no_earlier_attempt(s
     assert claim(store, task_id="task-2", identity=other).record.previous_task_id is None
 
 
+def test_a_free_claim_over_a_settled_takeover_names_no_earlier_attempt(store: Store, clock) -> None:
+    # Given a run that took over an attempt past its lease (it names that attempt), and settled
+    running(store, task_id="task-1")
+    clock.advance(LEASE_S + 1)
+    taken = acquire(store, task_id="task-2")
+    assert taken.decision is Decision.RUN and taken.record.previous_task_id == "task-1"
+    assert store.complete(ID, taken.record.owner, RESULT).ok
+    # When a new call of a mode that keeps no outcome claims the key (taken as if absent)
+    claimed = free_claim(store, task_id="task-3")
+    # Then its record is a fresh one: it names no earlier attempt, whose evidence (task-1's
+    # SUCCESS, a committed ledger entry) would answer this new call without running its body
+    assert claimed.decision is Decision.NEW and claimed.record.previous_task_id is None
+    assert store.get(ID).previous_task_id is None
+    assert acquire(store, task_id="task-3").record.previous_task_id is None
+
+
 def test_a_store_of_ones_own_needs_only_the_atomic_operations_and_the_reconcilers() -> None:
     # Given a store that implements the primitives Store requires, and none of the optional
     # operator queries (here each one is a MemoryStore's)
