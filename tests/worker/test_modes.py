@@ -29,6 +29,7 @@ from shop_worker import BACKEND, BROKERS, GET
 from workers import wait_for
 
 from celery_idem import DuplicateTaskError, Idempotency, IdempotentTask, PermanentError, State, store_from_url
+from celery_idem.records import Decision
 from celery_idem.stores import Store
 
 
@@ -406,3 +407,32 @@ def test_a_call_made_as_soon_as_the_previous_ones_handle_answered_runs(worker: R
         answers.append((handle.deduplicated, handle.get(timeout=GET)))
     # Then each is a new call and runs: the run before it had ended (nothing is replayed after the end)
     assert answers == [(False, {"run": n}) for n in range(1, 21)]
+
+
+def test_a_new_call_after_a_run_that_took_over_a_dead_attempt_runs_and_is_not_answered_by_its_evidence(
+    worker: Running, order: str
+) -> None:
+    run = worker.task("single")
+    idem = Idempotency.of(worker.app)
+    # Given a call of the key whose attempt died mid-body past its lease, leaving evidence (a
+    # SUCCESS in the result backend under its task id), as an attempt whose outcome the store
+    # refused does (celery_idem/evidence.py): its record, IN_PROGRESS under that task id
+    first = run.apply_async((order,))
+    assert first.get(timeout=GET) == {"run": 1}
+    ended = idem.get("modes.single", first.idempotency_key)
+    assert ended is not None
+    worker.store.forget(ended.identity)
+    dead = worker.store.acquire(ended.identity, ended.fingerprint, "dead-attempt", lease_seconds=0.5, ttl_seconds=60)
+    assert dead.decision is Decision.RUN
+    worker.app.backend.store_result("dead-attempt", {"run": 99}, "SUCCESS")
+    time.sleep(1.0)
+    # and the next call, which takes that record over, answered from that evidence (its body did run)
+    second = run.apply_async((order,))
+    assert second.get(timeout=GET) == {"run": 99}
+    # When a new call is made after that run ended
+    third = run.apply_async((order,))
+    # Then it is a new call and runs its body: the evidence of an attempt of an ended call never
+    # answers a call made after the end (nothing is replayed after the end)
+    assert not third.deduplicated
+    assert third.get(timeout=GET) == {"run": 2}
+    assert worker.runs("single", order) == 2
