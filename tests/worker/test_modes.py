@@ -436,3 +436,25 @@ def test_a_new_call_after_a_run_that_took_over_a_dead_attempt_runs_and_is_not_an
     assert not third.deduplicated
     assert third.get(timeout=GET) == {"run": 2}
     assert worker.runs("single", order) == 2
+
+
+def test_a_copy_of_an_ended_calls_message_after_a_new_call_claimed_the_key_does_not_run_it_again(
+    worker: Running, order: str
+) -> None:
+    run, after = worker.task("single"), worker.task("after")
+    # Given a call with a link whose run ended, and a new call of it waiting in the queue (2 s)
+    first = run.apply_async((order,), link=after.s(order))
+    assert first.get(timeout=GET) == {"run": 1}
+    wait_for(lambda: worker.runs("after", order) == 1, "the link to run")
+    second = run.apply_async((order,), countdown=2)
+    assert not second.deduplicated
+    # When a copy of the ended call's message comes (a broker's redelivery)
+    worker.app.send_task("modes.single", (order,), task_id=first.id, queue=worker.prefix, link=after.s(order))
+    time.sleep(1.0)
+    # Then the copy ends quietly, as it does before a new call claims the key: the ended call's body
+    # and link do not run again, and its id keeps its own result
+    assert worker.runs("single", order) == 1
+    assert worker.runs("after", order) == 1
+    assert run.AsyncResult(first.id).get(timeout=GET) == {"run": 1}
+    # and the new call runs its own body
+    assert second.get(timeout=GET) == {"run": 2}
