@@ -458,3 +458,24 @@ def test_a_copy_of_an_ended_calls_message_after_a_new_call_claimed_the_key_does_
     assert run.AsyncResult(first.id).get(timeout=GET) == {"run": 1}
     # and the new call runs its own body
     assert second.get(timeout=GET) == {"run": 2}
+
+
+def test_a_message_waiting_in_the_broker_for_the_run_is_answered_by_it_though_a_new_call_claimed_the_key(
+    worker: Running, order: str
+) -> None:
+    patient = worker.task("patient")
+    # Given a call that runs (1 s), and a message of the key sent by name meanwhile, which is BUSY
+    # and goes back to the broker (on_busy="retry") to be answered with the run's outcome
+    first = patient.apply_async((order, 1.0))
+    wait_for(lambda: worker.runs("patient", order) == 1, "the call to start")
+    by_name = worker.app.send_task("modes.patient", (order, 1.0), queue=worker.prefix)
+    assert first.get(timeout=GET) == {"run": 1}
+    # When a new call is made as soon as the run ended, before the waiting message looks again
+    # (it waits in the queue for 4 s)
+    again = patient.apply_async((order, 1.0), countdown=4)
+    assert not again.deduplicated
+    # Then the waiting message is answered with the run it waited for (the record is kept for it),
+    # and its body does not run: one run per call
+    assert by_name.get(timeout=GET) == {"run": 1}
+    assert again.get(timeout=GET) == {"run": 2}
+    assert worker.runs("patient", order) == 2
