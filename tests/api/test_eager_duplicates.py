@@ -291,3 +291,27 @@ def test_an_eager_body_that_calls_its_own_task_as_a_function_runs_it_as_a_plain_
     # Before, the inner call was taken for a copy of the running message: it waited on its own lease
     assert countdown.apply_async((2,), idempotency_key="k").get() == "done"
     assert levels == [2, 1, 0]
+
+
+def test_a_call_under_the_task_id_of_an_ended_until_done_call_is_that_call_again_and_does_not_run() -> None:
+    from celery_idem import Idempotency, IdempotentTask
+
+    app = Celery("eager-single", set_as_current=False)
+    app.conf.task_always_eager = True
+    app.conf.task_eager_propagates = True
+    Idempotency(app)
+    runs: list[int] = []
+
+    @app.task(base=IdempotentTask, shared=False, name="eager.single", idempotency={"mode": "until_done"})
+    def single(order: int) -> int:
+        runs.append(order)
+        return order
+
+    # Given an until_done call whose run ended
+    first = single.apply_async((1,), idempotency_key="k")
+    assert first.get() == 1 and runs == [1]
+    # When the caller sends it again under its own task id (a resend, the outbox relay's second pass)
+    again = single.apply_async((1,), idempotency_key="k", task_id=first.id)
+    # Then it is that call, not a new one: its body does not run again (the ended run's record is
+    # kept for that call's own messages); a new call is one under a new task id
+    assert again.get() == 1 and runs == [1]

@@ -289,6 +289,33 @@ def test_prior_call_answers_now_what_the_claim_after_the_commit_will(shop: Any) 
     assert charge.prior_call((44,), idempotency_key="order-44", idempotency=False) is None
 
 
+def test_prior_call_of_an_until_done_task_after_its_run_ended_knows_nothing_as_its_claim_takes_the_key() -> None:
+    app = Celery("djsingle", set_as_current=False)
+    app.conf.task_always_eager = True
+    idem = Idempotency(app, store="memory://")
+    charged: list[int] = []
+
+    @app.task(base=IdempotentTask, name="djsingle.charge", shared=False, idempotency={"mode": "until_done"})
+    def charge(order: int) -> int:
+        charged.append(order)
+        return order
+
+    try:
+        # Given a call of an until_done task whose run ended
+        with transaction.atomic():
+            charge.apply_async_on_commit((42,), idempotency_key="order-42")
+        assert charged == [42]
+        # Then what prior_call answers is what the claim after the commit does (it takes the ended
+        # run's record as if absent, whatever the arguments): nothing is repeated, nothing refused
+        assert charge.prior_call((42,), idempotency_key="order-42") is None
+        assert charge.prior_call((43,), idempotency_key="order-42") is None
+        with transaction.atomic():
+            charge.apply_async_on_commit((42,), idempotency_key="order-42")
+        assert charged == [42, 42]
+    finally:
+        idem.disconnect()
+
+
 def test_prior_call_with_the_store_down_knows_nothing_and_the_claim_at_commit_still_decides(committed: Any) -> None:
     # Given a key used for other arguments, and the store cut for the read at request time
     app, injector, runs = committed

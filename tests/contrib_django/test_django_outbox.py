@@ -415,3 +415,40 @@ def test_a_claim_in_the_callers_transaction_is_bounded_and_leaves_its_timeouts_a
     finally:
         release.set()
         thread.join(10)
+
+
+@pytest.mark.parametrize("alias", ["sqlite", "postgresql"], indirect=True)
+def test_on_a_django_store_a_staged_call_of_an_until_done_task_after_its_run_ended_is_staged(
+    prefix: str, alias: str
+) -> None:
+    from celery import Celery
+
+    from celery_idem import IdempotentTask
+    from celery_idem.records import Decision, Identity
+
+    app = Celery("djsingle", broker=BROKER, set_as_current=False)
+    idem = Idempotency(app, store=f"django://{alias}", key_prefix=prefix)
+
+    @app.task(base=IdempotentTask, name="djsingle.pay", shared=False, idempotency={"mode": "until_done"})
+    def pay(order: int) -> int:
+        return order
+
+    order = new_order()
+    key = f"o-{order}"
+    store = idem.store
+    try:
+        # Given a call of an until_done task whose run ended (its record settled, kept for its messages)
+        identity = Identity("", "djsingle.pay", key)
+        fp = pay.idempotency_handler.fingerprint((order,), {})
+        assert store.claim(identity, fp, "ended", pending_seconds=60, ttl_seconds=600).decision is Decision.NEW
+        taken = store.acquire(identity, fp, "ended", lease_seconds=60, ttl_seconds=600)
+        assert store.complete(identity, taken.record.owner, b"1").ok
+        # When the same call is staged in a transaction (its claim written in it, on this database)
+        with transaction.atomic(using=alias):
+            handle = DjangoOutbox(alias).apply_async(pay, (order,), idempotency_key=key)
+        # Then it is a new call, as apply_async makes it: staged under its own id, not the ended call's
+        assert not getattr(handle, "deduplicated", False) and handle.id != "ended"
+        assert OutboxEntry.objects.using(alias).filter(task_id=handle.id).exists()
+    finally:
+        wipe(store)
+        idem.disconnect()

@@ -669,3 +669,32 @@ def test_a_retryable_error_inside_fn_frees_the_key_and_the_retry_calls_the_provi
     with pytest.raises(RetryableError):
         again.get(timeout=GET)
     assert bank.provider_calls(key) == 2 and bank.payments(order_id) == 0
+
+
+def test_each_call_of_an_until_done_task_runs_its_effect_though_an_earlier_call_of_the_key_committed_one(
+    db: Db, key: str
+) -> None:
+    app = Celery("ledger-single", set_as_current=False)
+    app.conf.task_always_eager = True
+    app.conf.task_eager_propagates = True
+    Idempotency(app)
+    calls: list[str] = []
+
+    @app.task(base=IdempotentTask, bind=True, shared=False, name=TASK, idempotency={"mode": "until_done"})
+    def charge(self: Any, order_id: int, amount: int) -> dict[str, Any]:
+        def effect(session: Any) -> dict[str, Any]:
+            calls.append(self.request.id)
+            session.execute(sa.insert(db.payments).values(order_id=order_id, amount=amount, task_id=self.request.id))
+            return {"paid": amount, "task_id": self.request.id}
+
+        return db.ledger.run_once(self, effect)
+
+    # Given a call of an until_done task whose run ended (its effect committed through the ledger)
+    first = charge.apply_async((15, 150), idempotency_key=key)
+    assert first.get()["task_id"] == first.id
+    # When the same call is made again after the end (a new call: until_done replays nothing)
+    second = charge.apply_async((15, 150), idempotency_key=key)
+    # Then it runs its effect, as its body runs: not answered by the earlier call's ledger row
+    assert not second.deduplicated and second.id != first.id
+    assert second.get()["task_id"] == second.id
+    assert calls == [first.id, second.id]

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -517,4 +518,44 @@ def test_an_until_done_call_whose_relay_died_before_its_claim_is_published_and_r
             running.stop()
         assert outbox_shop.effects(prefix, 18) == 1
     finally:
+        Idempotency.of(app).store.close()
+
+
+@on("sqlite")
+def test_an_until_done_call_whose_relay_died_after_publishing_runs_once_when_the_next_relay_sends_it_again(
+    db: str, prefix: str, tmp_path: Path
+) -> None:
+    require_server("redis")
+    app, outbox = outbox_shop.make(
+        broker=BROKER,
+        backend=BACKEND,
+        store=REDIS_URL,
+        prefix=prefix,
+        queue=prefix,
+        db=db,
+        table=f"outbox_{prefix}",
+        mode="until_done",
+    )
+    outbox.create_schema()
+    running = Worker(
+        tmp_path, BROKER, REDIS_URL, prefix, app="outbox_shop", pool="threads", env=env(db, prefix), mode="until_done"
+    )
+    try:
+        outbox.publish_on_commit = False
+        # Given a call of an until_done task staged, whose relay died after publishing it (its DELETE
+        # never committed), and whose message ran: its run ended
+        handle = stage(outbox, app, 19, 1900, key="order-19")
+        died = relay_process(db, prefix, dies="after_publish")
+        assert died.returncode == -9, died.stderr
+        assert handle.get(timeout=30) == {"order_id": 19, "charged": 1900}
+        wait_for(lambda: outbox_shop.effects(prefix, 19) == 1, "the first message ran")
+        # When the next relay takes the row again and relays it (the same task id: the same call)
+        relay_after_the_lease(outbox, app)
+        time.sleep(1.5)
+        # Then the call's effect happens once, and nothing is published again: the call ran (its
+        # record of that task id, kept for its own messages, says so)
+        assert outbox_shop.effects(prefix, 19) == 1
+        assert outbox_shop.publishes(prefix, handle.id) == 1
+    finally:
+        running.stop()
         Idempotency.of(app).store.close()

@@ -1037,6 +1037,43 @@ def test_a_fresh_record_or_a_takeover_of_a_bare_claim_names_no_earlier_attempt(s
     assert claim(store, task_id="task-2", identity=other).record.previous_task_id is None
 
 
+def test_a_free_claim_over_a_settled_takeover_names_no_earlier_attempt(store: Store, clock) -> None:
+    # Given a run that took over an attempt past its lease (it names that attempt), and settled
+    running(store, task_id="task-1")
+    clock.advance(LEASE_S + 1)
+    taken = acquire(store, task_id="task-2")
+    assert taken.decision is Decision.RUN and taken.record.previous_task_id == "task-1"
+    assert store.complete(ID, taken.record.owner, RESULT).ok
+    # When a new call of a mode that keeps no outcome claims the key (taken as if absent)
+    claimed = free_claim(store, task_id="task-3")
+    # Then its record is a fresh one: it names no earlier attempt, whose evidence (task-1's
+    # SUCCESS, a committed ledger entry) would answer this new call without running its body
+    assert claimed.decision is Decision.NEW and claimed.record.previous_task_id is None
+    assert store.get(ID).previous_task_id is None
+    assert acquire(store, task_id="task-3").record.previous_task_id is None
+
+
+def test_a_free_claim_over_a_settled_record_starts_without_the_ended_runs_waiter_mark(store: Store, clock) -> None:
+    # Given a run a waiter was promised an answer from until its next look (200 s), which settled
+    owner = running(store, task_id="task-1")
+    busy = store.acquire(ID, FP, "task-2", lease_seconds=LEASE_S, ttl_seconds=TTL_S, next_look_seconds=200)
+    assert busy.decision is Decision.BUSY
+    assert store.complete(ID, owner, RESULT).ok
+    # When a new call of a mode that keeps no outcome takes the key (as if absent), with a short TTL,
+    # and its run settles
+    short = 5.0
+    assert (
+        store.claim(ID, FP, "task-3", pending_seconds=PENDING_S, ttl_seconds=short, settled_is_free=True).decision
+        is Decision.NEW
+    )
+    taken = store.acquire(ID, FP, "task-3", lease_seconds=LEASE_S, ttl_seconds=short)
+    assert taken.decision is Decision.RUN
+    assert store.complete(ID, taken.record.owner, RESULT).ok
+    # Then its record lives its own TTL: the mark was the ended run's (an absent record has none;
+    # tests/model.py takes it with the record)
+    assert store.get(ID).expires_at == pytest.approx(clock() + short, abs=1e-3)
+
+
 def test_a_store_of_ones_own_needs_only_the_atomic_operations_and_the_reconcilers() -> None:
     # Given a store that implements the primitives Store requires, and none of the optional
     # operator queries (here each one is a MemoryStore's)

@@ -29,6 +29,7 @@ from shop_worker import BACKEND, BROKERS, GET
 from workers import wait_for
 
 from celery_idem import DuplicateTaskError, Idempotency, IdempotentTask, PermanentError, State, store_from_url
+from celery_idem.records import Decision
 from celery_idem.stores import Store
 
 
@@ -418,3 +419,75 @@ def test_what_a_call_will_be_answered_is_read_ahead_as_its_claim_will_answer_it(
     assert first.get(timeout=GET) == {"run": 1}
     # Once it ended: nothing to repeat (its record is kept for its own messages, not for new calls)
     assert run.prior_call((order, 1.0)) is None
+
+
+def test_a_new_call_after_a_run_that_took_over_a_dead_attempt_runs_and_is_not_answered_by_its_evidence(
+    worker: Running, order: str
+) -> None:
+    run = worker.task("single")
+    idem = Idempotency.of(worker.app)
+    # Given a call of the key whose attempt died mid-body past its lease, leaving evidence (a
+    # SUCCESS in the result backend under its task id), as an attempt whose outcome the store
+    # refused does (celery_idem/evidence.py): its record, IN_PROGRESS under that task id
+    first = run.apply_async((order,))
+    assert first.get(timeout=GET) == {"run": 1}
+    ended = idem.get("modes.single", first.idempotency_key)
+    assert ended is not None
+    worker.store.forget(ended.identity)
+    dead = worker.store.acquire(ended.identity, ended.fingerprint, "dead-attempt", lease_seconds=0.5, ttl_seconds=60)
+    assert dead.decision is Decision.RUN
+    worker.app.backend.store_result("dead-attempt", {"run": 99}, "SUCCESS")
+    time.sleep(1.0)
+    # and the next call, which takes that record over, answered from that evidence (its body did run)
+    second = run.apply_async((order,))
+    assert second.get(timeout=GET) == {"run": 99}
+    # When a new call is made after that run ended
+    third = run.apply_async((order,))
+    # Then it is a new call and runs its body: the evidence of an attempt of an ended call never
+    # answers a call made after the end (nothing is replayed after the end)
+    assert not third.deduplicated
+    assert third.get(timeout=GET) == {"run": 2}
+    assert worker.runs("single", order) == 2
+
+
+def test_a_copy_of_an_ended_calls_message_after_a_new_call_claimed_the_key_does_not_run_it_again(
+    worker: Running, order: str
+) -> None:
+    run, after = worker.task("single"), worker.task("after")
+    # Given a call with a link whose run ended, and a new call of it waiting in the queue (2 s)
+    first = run.apply_async((order,), link=after.s(order))
+    assert first.get(timeout=GET) == {"run": 1}
+    wait_for(lambda: worker.runs("after", order) == 1, "the link to run")
+    second = run.apply_async((order,), countdown=2)
+    assert not second.deduplicated
+    # When a copy of the ended call's message comes (a broker's redelivery)
+    worker.app.send_task("modes.single", (order,), task_id=first.id, queue=worker.prefix, link=after.s(order))
+    time.sleep(1.0)
+    # Then the copy ends quietly, as it does before a new call claims the key: the ended call's body
+    # and link do not run again, and its id keeps its own result
+    assert worker.runs("single", order) == 1
+    assert worker.runs("after", order) == 1
+    assert run.AsyncResult(first.id).get(timeout=GET) == {"run": 1}
+    # and the new call runs its own body
+    assert second.get(timeout=GET) == {"run": 2}
+
+
+def test_a_message_waiting_in_the_broker_for_the_run_is_answered_by_it_though_a_new_call_claimed_the_key(
+    worker: Running, order: str
+) -> None:
+    patient = worker.task("patient")
+    # Given a call that runs (1 s), and a message of the key sent by name meanwhile, which is BUSY
+    # and goes back to the broker (on_busy="retry") to be answered with the run's outcome
+    first = patient.apply_async((order, 1.0))
+    wait_for(lambda: worker.runs("patient", order) == 1, "the call to start")
+    by_name = worker.app.send_task("modes.patient", (order, 1.0), queue=worker.prefix)
+    assert first.get(timeout=GET) == {"run": 1}
+    # When a new call is made as soon as the run ended, before the waiting message looks again
+    # (it waits in the queue for 4 s)
+    again = patient.apply_async((order, 1.0), countdown=4)
+    assert not again.deduplicated
+    # Then the waiting message is answered with the run it waited for (the record is kept for it),
+    # and its body does not run: one run per call
+    assert by_name.get(timeout=GET) == {"run": 1}
+    assert again.get(timeout=GET) == {"run": 2}
+    assert worker.runs("patient", order) == 2
