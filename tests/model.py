@@ -120,8 +120,10 @@ class Model:
     ) -> Answer:
         lease, ttl = pending_seconds, ttl_seconds
         held = self._live(identity)
-        if held is not None and settled_is_free and held.state.settled:
-            held = None  # kept for its ended run's messages only: a new call of such a mode takes it
+        if held is not None and settled_is_free and held.state.settled and held.task_id != task_id:
+            # kept for its ended run's messages only: a new call of such a mode takes it afresh
+            # (under its own task id it is that call again)
+            held = None
         if held is not None:
             if held.fingerprint != fingerprint:  # compared first: in every state, an expired lease too
                 return Answer(Decision.MISMATCH, held)

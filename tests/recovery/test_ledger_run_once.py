@@ -671,6 +671,12 @@ def test_a_retryable_error_inside_fn_frees_the_key_and_the_retry_calls_the_provi
     assert bank.provider_calls(key) == 2 and bank.payments(order_id) == 0
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="known hole of until_done (issue 28, open): Ledger.run_once answers by identity whatever the "
+    "mode, so a later until_done call of the key returns the first call's committed row without its "
+    "effect; the ledger must answer only the same call (task id or chain) in a mode that keeps no outcome",
+)
 def test_each_call_of_an_until_done_task_runs_its_effect_though_an_earlier_call_of_the_key_committed_one(
     db: Db, key: str
 ) -> None:

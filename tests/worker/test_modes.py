@@ -450,6 +450,13 @@ def test_a_new_call_after_a_run_that_took_over_a_dead_attempt_runs_and_is_not_an
     assert worker.runs("single", order) == 2
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="known hole of until_done (issue 28, open): once a new call's claim took the ended run's record, "
+    "a copy of the ended call's message (same task id, same arguments) acquires the new call's PENDING claim "
+    "and runs the body again; the record keeps nothing of the ended run to tell that copy by (an "
+    "ended_task_id kept on the new record, a store-contract change, is the fix)",
+)
 def test_a_copy_of_an_ended_calls_message_after_a_new_call_claimed_the_key_does_not_run_it_again(
     worker: Running, order: str
 ) -> None:
@@ -472,6 +479,13 @@ def test_a_copy_of_an_ended_calls_message_after_a_new_call_claimed_the_key_does_
     assert second.get(timeout=GET) == {"run": 2}
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="known hole of until_done (issue 28, open): a message that waited on the run in the broker "
+    "(on_busy='retry') and comes back after a new call claimed the key takes that claim and runs its own "
+    "body; the new call is answered by it. The free claim could leave a settled record alone while a "
+    "waiter's mark lives, at the cost of replaying it to new calls meanwhile: not chosen yet",
+)
 def test_a_message_waiting_in_the_broker_for_the_run_is_answered_by_it_though_a_new_call_claimed_the_key(
     worker: Running, order: str
 ) -> None:

@@ -28,7 +28,13 @@ class MemoryStore(MemoryRecords):
         with self._lock:
             now = self._clock_now()
             record = self._live(identity, now)
-            if record is not None and not (settled_is_free and record.state.settled):
+            if record is not None and settled_is_free and record.state.settled and record.task_id != task_id:
+                # The ended run's record, kept for its own messages (a claim under its own task id
+                # is that call again, answered as usual): a new call takes the key afresh, with
+                # nothing of it, no earlier attempt to read evidence of, no waiter's mark.
+                self._linger.pop(identity, None)
+                record = None
+            if record is not None:
                 decision = classify(record, fingerprint, claiming=True, task_id=task_id)
                 if decision is not Decision.DUPLICATE:
                     return Transition(decision, record)

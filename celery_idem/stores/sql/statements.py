@@ -91,11 +91,16 @@ class Statements:
                 **times,
             )
             # A takeover keeps the task id of the attempt it takes (stores/rules.py: taken_over).
-            previous = sa.case((absent, None), (c.state_code == _IN_PROGRESS, c.task_id), else_=c.previous_task_id)
+            # A settled record taken (by a free claim: a new call of a mode that keeps no outcome)
+            # leaves nothing behind: no earlier attempt to read evidence of, no waiter's mark.
+            settled = sa.not_(unsettled)
+            previous = sa.case(
+                (absent, None), (settled, None), (c.state_code == _IN_PROGRESS, c.task_id), else_=c.previous_task_id
+            )
             written = {name: p(name) for name in DATA} | times
             changes = written | {"previous_task_id": previous}
             # A live record keeps a BUSY waiter's mark whoever takes it over; an absent one has none.
-            changes["linger_until"] = sa.case((absent, sa.null()), else_=c.linger_until)
+            changes["linger_until"] = sa.case((absent, sa.null()), (settled, sa.null()), else_=c.linger_until)
             returned = (c.fingerprint, c.attempt, c.call, c.previous_task_id, *(c[name] for name in TIMES))
             if locked:
                 return Locked(
@@ -113,7 +118,8 @@ class Statements:
         # claim of a mode that keeps no outcome for new calls takes a settled one too.
         claimable = sa.or_(absent, sa.and_(c.fingerprint == p("fingerprint"), unsettled, c.lease_expires_at <= now))
         self._claim_sql = upsert(claimable, {})
-        self._claim_free_sql = upsert(sa.or_(claimable, sa.not_(unsettled)), {})
+        # (Under the settled record's own task id it is that call again: answered as usual.)
+        self._claim_free_sql = upsert(sa.or_(claimable, sa.and_(sa.not_(unsettled), c.task_id != p("task_id"))), {})
         # acquire takes an absent record, a PENDING one, or an IN_PROGRESS one whose lease ran out,
         # if it is the same call or the same attempt chain (a Celery retry under the record's task
         # id); the chain keeps the caller's fingerprint and counts its attempts.

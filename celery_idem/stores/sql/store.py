@@ -146,7 +146,9 @@ class SQLStore(SQLUpkeep):
                     if busy is not None:
                         return Transition(Decision.BUSY, self._record(busy))
                 held, now = self._read(identity)
-            if held is not None and not (statement is self._claim_free_sql and held.state.settled):
+            if held is not None and not (
+                statement is self._claim_free_sql and held.state.settled and held.task_id != task_id
+            ):
                 # (A claim to which a settled record is free that reads one settled since: take again.)
                 decision = classify(held, fingerprint, claiming=claiming, task_id=task_id, retry=retry)
                 # An acquire's BUSY comes from the marking statement above only: a record read as

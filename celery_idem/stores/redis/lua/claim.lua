@@ -9,7 +9,10 @@
 -- `prev` of a claim it takes over): its body may have run, and the worker reads its evidence first.
 local now = now_of(ARGV[1])
 local rec, flat, existed = load(KEYS[1], now)
-if rec and settled(rec) and ARGV[11] == '1' then rec = nil end  -- kept for the ended run's messages only
+-- A free claim (ARGV[11]): the ended run's record, kept for its own messages, is taken afresh by a
+-- new call (nothing of it survives: no earlier attempt, no waiter's mark); under its own task id it
+-- is that call again, answered as usual.
+if rec and settled(rec) and ARGV[11] == '1' and rec.task_id ~= ARGV[3] then rec = nil end
 if rec then
   if rec.fp ~= ARGV[2] then return {'MISMATCH', flat} end
   if settled(rec) then return {'REPLAY', flat} end
