@@ -106,7 +106,8 @@ def test_a_busy_duplicate_takes_over_once_a_dead_attempts_lease_runs_out(shop: S
     nap = shop.app.tasks["shop.nap"]
     identity = Identity("", "shop.nap", key)
     fp = nap.idempotency_handler.fingerprint((0.1,), {})
-    dead = Idempotency.of(shop.app).store.acquire(identity, fp, "dead-attempt", lease_seconds=4, ttl_seconds=60)
+    dead_id = f"dead-{uuid.uuid4().hex}"  # its own: another test's evidence under a shared id would answer it
+    dead = Idempotency.of(shop.app).store.acquire(identity, fp, dead_id, lease_seconds=4, ttl_seconds=60)
     assert dead.decision is Decision.RUN
     # When a message for the identity arrives under its own task id: BUSY, and back to the broker
     # a second later, more often than the task's max_retries (1) allows

@@ -434,9 +434,10 @@ def test_a_new_call_after_a_run_that_took_over_a_dead_attempt_runs_and_is_not_an
     ended = idem.get("modes.single", first.idempotency_key)
     assert ended is not None
     worker.store.forget(ended.identity)
-    dead = worker.store.acquire(ended.identity, ended.fingerprint, "dead-attempt", lease_seconds=0.5, ttl_seconds=60)
+    dead_id = f"dead-{uuid.uuid4().hex}"  # its own: the result backend is shared by every test
+    dead = worker.store.acquire(ended.identity, ended.fingerprint, dead_id, lease_seconds=0.5, ttl_seconds=60)
     assert dead.decision is Decision.RUN
-    worker.app.backend.store_result("dead-attempt", {"run": 99}, "SUCCESS")
+    worker.app.backend.store_result(dead_id, {"run": 99}, "SUCCESS")
     time.sleep(1.0)
     # and the next call, which takes that record over, answered from that evidence (its body did run)
     second = run.apply_async((order,))
