@@ -107,8 +107,9 @@ class IdempotencyPolicy(BaseModel):
     def _outcome_somewhere(self) -> IdempotencyPolicy:
         if self.mode == "until_done" and self.results == "store":
             raise ValueError(
-                "results='store' keeps an outcome in the store only, and mode 'until_done' keeps none past "
-                "the run: a handle could never be answered; use results='both' (the default)"
+                "results='store' keeps an outcome in the store only, and in mode 'until_done' the next call "
+                "takes the key's record over: an earlier call's handle could no longer be answered; use "
+                "results='both' (the default)"
             )
         return self
 

@@ -202,7 +202,7 @@ def test_a_mode_that_keeps_no_outcome_with_results_in_the_store_only_is_refused(
 ) -> None:
     with pytest.raises(ValidationError) as excinfo:
         model(mode="until_done", results="store")
-    assert "mode 'until_done' keeps none past the run" in str(excinfo.value)
+    assert "in mode 'until_done' the next call takes the key's record over" in str(excinfo.value)
     assert "use results='both'" in str(excinfo.value)
 
 
